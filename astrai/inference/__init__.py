@@ -1,0 +1,1 @@
+"""Inference: paged KV cache, continuous-batching scheduler, sampling and the engine."""

@@ -1,0 +1,1 @@
+"""astrai.inference.server"""

@@ -1,0 +1,9 @@
+"""The model: config-driven decoder-only Transformer with GQA/MLA and MLP/MoE."""
+
+from astrai.model.automodel import AutoModel
+from astrai.model.components import (GQA, MLA, MLP, AttnFactory, DecoderBlock, DeepSeekMoE, Embedding, FFNFactory,
+                                     Linear, RMSNorm, RotaryEmbedding)
+from astrai.model.transformer import Transformer
+
+__all__ = ["AutoModel", "AttnFactory", "DecoderBlock", "DeepSeekMoE", "Embedding", "FFNFactory", "GQA", "Linear", "MLA",
+           "MLP", "RMSNorm", "RotaryEmbedding", "Transformer"]

@@ -1,0 +1,141 @@
+"""Attention: GQA and MLA, both through ``scaled_dot_product_attention``.
+
+With ``paged_cache`` (a ``KvcacheView`` bound by the inference engine) an attention
+layer writes the new tokens' K/V for its layer and reads back the whole context; the
+view also supplies the boolean mask [B, 1, T, S] (True = may attend) that encodes
+causality by absolute position. Without a cache, ``attn_mask`` is either None (pure
+causal, the fast path) or a boolean mask built by the Transformer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from astrai.config import ModelConfig
+from astrai.factory import BaseFactory
+from astrai.model.components.layers import Linear, RMSNorm, apply_rotary
+
+
+class AttnFactory(BaseFactory[nn.Module]):
+    """attn_type → attention class ('gqa', 'mla')."""
+
+    kind = "attention type"
+
+
+def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] = None) -> torch.Tensor:
+    """q [B,T,H,D], k/v [B,S,H,*] → [B,T,H,Dv]."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    causal = attn_mask is None and q.shape[2] > 1
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)
+    return out.transpose(1, 2)
+
+
+@AttnFactory.register("gqa")
+class GQA(nn.Module):
+    """Grouped-query attention with optional per-head QK-norm and sigmoid output gate."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.resolved_head_dim
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.use_qk_norm, self.use_gated_attention = config.use_qk_norm, config.use_gated_attention
+        d, hd = config.dim, self.head_dim
+        self.q_proj = Linear(d, self.n_heads * hd, bias=config.attn_bias)
+        self.k_proj = Linear(d, self.n_kv_heads * hd, bias=config.attn_bias)
+        self.v_proj = Linear(d, self.n_kv_heads * hd, bias=config.attn_bias)
+        self.o_proj = Linear(self.n_heads * hd, d)
+        if self.use_gated_attention:
+            self.gate = Linear(d, self.n_heads * hd)
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(hd, config.norm_eps)
+            self.k_norm = RMSNorm(hd, config.norm_eps)
+
+    @staticmethod
+    def cache_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Per-token shapes of what the KV cache stores: K and V, each [n_kv_heads, head_dim]."""
+        return (config.n_kv_heads, config.resolved_head_dim), (config.n_kv_heads, config.resolved_head_dim)
+
+    def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary_emb
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if paged_cache is not None:
+            paged_cache.write(self.layer_idx, k, v)
+            k, v = paged_cache.gather(self.layer_idx)
+            attn_mask = paged_cache.attn_mask
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=2)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        out = _attend(q, k, v, attn_mask).reshape(B, T, self.n_heads * self.head_dim)
+        if self.use_gated_attention:
+            out = out * torch.sigmoid(self.gate(x))
+        return self.o_proj(out)
+
+
+@AttnFactory.register("mla")
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2): K/V are rebuilt from a small latent.
+
+    Only the normalised latent ``c_kv`` [kv_lora_rank] and the shared rotary key
+    [qk_rope_head_dim] are cached per token, far less than full K/V.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.n_rep = 1
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.use_gated_attention = config.use_gated_attention
+        d = config.dim
+        self.q_proj = Linear(d, self.n_heads * self.head_dim)
+        self.kv_a_proj = Linear(d, self.kv_lora_rank + self.qk_rope_head_dim)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, config.norm_eps)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = Linear(self.n_heads * self.v_head_dim, d)
+        if self.use_gated_attention:
+            self.gate = Linear(d, self.n_heads * self.v_head_dim)
+
+    @staticmethod
+    def cache_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The cache holds the latent [1, kv_lora_rank] as 'K' and the rotary key [1, rope_dim] as 'V'."""
+        return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
+
+    def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.n_heads
+        q = self.q_proj(x).view(B, T, H, self.head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_norm(c_kv).unsqueeze(2)
+        k_pe = k_pe.unsqueeze(2)
+        cos, sin = rotary_emb
+        q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
+        if paged_cache is not None:
+            paged_cache.write(self.layer_idx, c_kv, k_pe)
+            c_kv, k_pe = paged_cache.gather(self.layer_idx)
+            attn_mask = paged_cache.attn_mask
+        S = c_kv.shape[1]
+        kv = self.kv_b_proj(c_kv.squeeze(2)).view(B, S, H, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(B, S, H, self.qk_rope_head_dim)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        out = _attend(q, k, v, attn_mask).reshape(B, T, H * self.v_head_dim)
+        if self.use_gated_attention:
+            out = out * torch.sigmoid(self.gate(x))
+        return self.o_proj(out)

@@ -1,0 +1,129 @@
+"""The basic layers: RMSNorm, Linear, Embedding and RotaryEmbedding (with scaling)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in fp32 for stability."""
+
+    def __init__(self, dim: int, norm_eps: float = 1e-6):
+        super().__init__()
+        self.norm_eps = norm_eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.norm_eps).to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without a bias unless asked (the usual LLM convention)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, **kwargs):
+        super().__init__(in_features, out_features, bias=bias, **kwargs)
+
+
+class Embedding(nn.Embedding):
+    """Token embedding table (kept as its own name so init and weight tying can find it)."""
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, T, H, D] by per-position angles ``cos``/``sin`` [B, T, D].
+
+    The half-split layout (first half real, second half imaginary) is the one the
+    Llama/Qwen checkpoints use, so imported weights need no permutation.
+    """
+    cos = cos.unsqueeze(2).to(x.dtype)
+    sin = sin.unsqueeze(2).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, base: float, scaling: Optional[dict], max_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for RoPE and the attention scale factor that yarn adds.
+
+    Scaling types: ``linear`` (positions divided by factor), ``ntk`` (base enlarged by
+    factor^(d/(d-2))), ``llama3`` (wavelength-banded interpolation) and ``yarn``
+    (ramped mix of interpolation and extrapolation plus an attention temperature).
+    """
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    kind = (scaling or {}).get("type")
+    factor = float((scaling or {}).get("factor", 1.0))
+    if kind == "ntk":
+        base = base * factor ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** exponents)
+    attention_scale = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / factor
+    elif kind == "llama3":
+        original = scaling.get("original_max_len", max_len)
+        low_freq_factor = scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = scaling.get("high_freq_factor", 4.0)
+        low_wavelen = original / low_freq_factor
+        high_wavelen = original / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / factor, torch.where(wavelen < high_wavelen, inv_freq, blended))
+    elif kind == "yarn":
+        original = scaling.get("original_max_len", max_len)
+        beta_fast = scaling.get("beta_fast", 32.0)
+        beta_slow = scaling.get("beta_slow", 1.0)
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_scale = scaling.get("attention_factor") or (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else _yarn_mscale(factor)
+        )
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation_weight = 1 - ramp
+        inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    return inv_freq, float(attention_scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces (cos, sin) [B, T, dim] for arbitrary ``position_ids``.
+
+    Angles are computed from position ids on every call rather than read from a
+    table, so positions beyond ``max_len`` and packed sequences with reset positions
+    need no special handling.
+    """
+
+    def __init__(self, dim: int, max_len: int, base: float = 10000.0, scaling: Optional[dict] = None):
+        super().__init__()
+        self.dim, self.max_len, self.base, self.scaling = dim, max_len, base, scaling
+        self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
+        self.attention_scale = 1.0
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        inv_freq, self.attention_scale = rope_inv_freq(self.dim, self.base, self.scaling, self.max_len)
+        with torch.no_grad():
+            self.inv_freq = inv_freq.to(self.inv_freq.device) if self.inv_freq.device.type != "meta" else inv_freq
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(x.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos() * self.attention_scale, angles.sin() * self.attention_scale
