@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from astrai.errors import AstraiError, CheckpointError, ConfigError, DataError, RequestError  # noqa: E402
+from astrai.errors import AstraiError, CheckpointError, ConfigError, DataError, OverloadedError, RequestError  # noqa: E402
 
-__all__ = ["AstraiError", "CheckpointError", "ConfigError", "DataError", "RequestError", "__version__"]
+__all__ = ["AstraiError", "CheckpointError", "ConfigError", "DataError", "OverloadedError", "RequestError", "__version__"]

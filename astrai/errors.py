@@ -25,3 +25,7 @@ class CheckpointError(AstraiError):
 
 class RequestError(AstraiError, ValueError):
     """An inference request has invalid parameters."""
+
+
+class OverloadedError(AstraiError):
+    """The engine's queue is full; the caller should retry later (HTTP 429/503)."""
