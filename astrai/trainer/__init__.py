@@ -1,1 +1,5 @@
-"""astrai.trainer"""
+"""astrai.trainer: strategies, schedules, callbacks and the training loop."""
+
+from astrai.trainer.strategies import BaseStrategy, StrategyFactory
+
+__all__ = ["BaseStrategy", "StrategyFactory"]

@@ -1,0 +1,12 @@
+"""Training strategies, registered with StrategyFactory by importing their modules.
+
+To add one: write ``astrai/trainer/strategies/<name>.py`` with a BaseStrategy subclass
+decorated ``@StrategyFactory.register("<name>")`` and add its import line below.
+"""
+
+from astrai.trainer.strategies.base import IGNORE_INDEX, BaseStrategy, StrategyFactory
+from astrai.trainer.strategies.masks import document_mask, model_inputs
+from astrai.trainer.strategies.seq import SEQStrategy, SFTStrategy, token_cross_entropy
+
+__all__ = ["IGNORE_INDEX", "BaseStrategy", "SEQStrategy", "SFTStrategy", "StrategyFactory", "document_mask",
+           "model_inputs", "token_cross_entropy"]
