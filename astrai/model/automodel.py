@@ -55,37 +55,23 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
             state.pop("lm_head.weight", None)
         return {k: v.detach().contiguous() for k, v in state.items()}
 
-    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                        format: str = "astrai") -> Path:
         """Write config.json and safetensors weights (sharded above ``max_shard_bytes``).
 
-        Files go to a temporary name first and are renamed into place, so an
-        interrupted save leaves either the old files or the new ones.
+        ``format`` "astrai" writes astrai's own layout; "llama", "qwen2", "qwen3" or
+        "hf" (the fitting one of those) write a Hugging Face checkpoint instead (see
+        ``astrai.model.hf.export_hf``). Files go to a temporary name first and are
+        renamed into place, so an interrupted save leaves either the old files or the new ones.
         """
+        if format != "astrai":
+            from astrai.model import hf
+
+            return hf.export_hf(self, save_directory, "auto" if format == "hf" else format, max_shard_bytes)
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
-        state = self._unique_state_dict()
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, tensor in state.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = tensor
-            size += nbytes
-        for stale in list(out.glob("model-*-of-*.safetensors")) + [out / INDEX_NAME, out / WEIGHTS_NAME]:
-            stale.unlink(missing_ok=True)
-        metadata = {"format": "pt", "model_type": self.config.model_type}
-        if len(shards) == 1:
-            _atomic_save(shards[0], out / WEIGHTS_NAME, metadata)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, start=1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                _atomic_save(shard, out / fname, metadata)
-                weight_map.update({name: fname for name in shard})
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            _atomic_write_text(out / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        write_safetensors(self._unique_state_dict(), out, max_shard_bytes,
+                          {"format": "pt", "model_type": self.config.model_type})
         _atomic_write_text(out / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2, ensure_ascii=False) + "\n")
         return out
 
@@ -116,14 +102,19 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
             config = ModelConfig.from_dict(raw, source=str(config_path)).validate()
         except (ConfigError, TypeError) as exc:
             raise CheckpointError(str(exc)) from None
-        state = read_safetensors_dir(directory)
+        origins: dict[str, Path] = {}
+        state = read_safetensors_dir(directory, origins)
         return build_and_load(AutoModel.get_component_class(model_type), config, state, directory, dtype, device,
-                              random_init=not disable_random_init)
+                              random_init=not disable_random_init, origins=origins)
 
 
 def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor], directory: Path,
-                   dtype=None, device="cpu", random_init: bool = False) -> AutoModel:
-    """Construct on the meta device (no wasted init), then load weights by assignment."""
+                   dtype=None, device="cpu", random_init: bool = False, origins: Optional[dict] = None) -> AutoModel:
+    """Construct on the meta device (no wasted init), then load weights by assignment.
+
+    ``origins`` maps a tensor name to the file (and original name) it was read from,
+    so a shape mismatch names the file to fix.
+    """
     if random_init:
         model = model_cls(config)
     else:
@@ -142,7 +133,8 @@ def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor
         raise CheckpointError(f"{directory}: unexpected weights {', '.join(unexpected[:5])}{' …' if len(unexpected) > 5 else ''}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{directory}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+            where = (origins or {}).get(name, directory)
+            raise CheckpointError(f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {tuple(expected[name].shape)}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
@@ -151,8 +143,41 @@ def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor
     return model.to(device)
 
 
-def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a directory's model.safetensors or its index-listed shards."""
+def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int, metadata: dict[str, str]) -> None:
+    """``model.safetensors``, or numbered shards plus an index once the tensors exceed ``max_shard_bytes``.
+
+    Stale weight files from an earlier save are removed first so a directory never
+    mixes two saves.
+    """
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for stale in list(out.glob("model-*-of-*.safetensors")) + [out / INDEX_NAME, out / WEIGHTS_NAME]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        _atomic_save(shards[0], out / WEIGHTS_NAME, metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _atomic_save(shard, out / fname, metadata)
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    _atomic_write_text(out / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def read_safetensors_dir(directory: Path, origins: Optional[dict[str, Path]] = None) -> dict[str, torch.Tensor]:
+    """All tensors of a directory's model.safetensors or its index-listed shards.
+
+    ``origins``, when given, is filled with the file each tensor came from, so later
+    errors (a wrong shape) can name it.
+    """
     single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
     if single.is_file():
         files = [single]
@@ -173,6 +198,8 @@ def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
             with safe_open(str(f), framework="pt") as reader:
                 for key in reader.keys():
                     state[key] = reader.get_tensor(key)
+                    if origins is not None:
+                        origins[key] = f
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{f}: cannot read safetensors file ({exc})") from None
     return state

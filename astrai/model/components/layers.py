@@ -59,6 +59,8 @@ def rope_inv_freq(dim: int, base: float, scaling: Optional[dict], max_len: int) 
     Scaling types: ``linear`` (positions divided by factor), ``ntk`` (base enlarged by
     factor^(d/(d-2))), ``llama3`` (wavelength-banded interpolation) and ``yarn``
     (ramped mix of interpolation and extrapolation plus an attention temperature).
+    The formulas match transformers' ``modeling_rope_utils`` so imported checkpoints
+    keep their logits (tests/model/test_model_hf_parity.py checks this).
     """
     exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
     kind = (scaling or {}).get("type")
@@ -91,8 +93,10 @@ def rope_inv_freq(dim: int, base: float, scaling: Optional[dict], max_len: int) 
         def correction_dim(rotations: float) -> float:
             return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
