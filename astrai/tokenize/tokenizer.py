@@ -1,0 +1,216 @@
+"""AutoTokenizer: astrai's tokenizer, a thin layer over Hugging Face ``tokenizers``.
+
+On disk it is exactly what transformers expects (``tokenizer.json`` plus
+``tokenizer_config.json`` with the special tokens and the chat template), so a
+model directory written by astrai opens with ``PreTrainedTokenizerFast``, and a
+plain Hugging Face ``tokenizer.json`` opens here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from astrai.errors import CheckpointError, DataError
+from astrai.tokenize.chat_template import ChatTemplate, default_template
+from astrai.tokenize.stream import StreamDecoder
+from astrai.tokenize.training import SPECIAL_TOKENS, train_tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+END_OF_TURN = "<|im_end|>"
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class AutoTokenizer:
+    """Encode/decode text, render chats, stream-detokenise; save and load HF-shaped."""
+
+    def __init__(self, tokenizer: Tokenizer, config: dict | None = None):
+        self._tokenizer = tokenizer
+        self.config = dict(config or {})
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.pad_token = _token_text(self.config.get("pad_token"))
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # HF allows several named templates
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self.set_chat_template(template if isinstance(template, str) else default_template())
+
+    # ----- construction -------------------------------------------------------------
+    @classmethod
+    def train(cls, sources, vocab_size: int, special_tokens: list[str] | None = None,
+              show_progress: bool = True, min_frequency: int = 2) -> "AutoTokenizer":
+        """Train a byte-level BPE tokenizer on files (.txt/.jsonl) or an iterator of strings."""
+        specials = list(special_tokens) if special_tokens is not None else list(SPECIAL_TOKENS)
+        tokenizer = train_tokenizer(sources, vocab_size, specials, show_progress, min_frequency)
+        config = {
+            "bos_token": "<|bos|>" if "<|bos|>" in specials else None,
+            "eos_token": "<|eos|>" if "<|eos|>" in specials else None,
+            "pad_token": "<|pad|>" if "<|pad|>" in specials else None,
+            "extra_special_tokens": [t for t in specials if t not in ("<|bos|>", "<|eos|>", "<|pad|>")],
+            "chat_template": default_template(),
+        }
+        return cls(tokenizer, config)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "AutoTokenizer":
+        """Load a directory holding tokenizer.json (+ optional tokenizer_config.json), or a tokenizer.json file."""
+        path = Path(path)
+        tokenizer_file = path if path.is_file() else path / TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            raise CheckpointError(f"{path}: no {TOKENIZER_FILE} found (train one with `astrai tokenizer train`)")
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise CheckpointError(f"{tokenizer_file}: not a valid tokenizers file ({exc})") from None
+        config_file = tokenizer_file.parent / CONFIG_FILE
+        config = {}
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{config_file}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        return cls(tokenizer, config)
+
+    load = from_pretrained
+
+    def save_pretrained(self, save_path: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (readable by transformers)."""
+        save_path = Path(save_path)
+        save_path.mkdir(parents=True, exist_ok=True)
+        self._tokenizer.save(str(save_path / TOKENIZER_FILE))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": self.config.get("model_max_length", 1_000_000_000),
+            **{k: v for k, v in self.config.items() if k not in ("tokenizer_class", "chat_template")},
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template.template_str,
+        }
+        (save_path / CONFIG_FILE).write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+
+    # ----- vocabulary ---------------------------------------------------------------
+    @property
+    def backend(self) -> Tokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._id_of(self.bos_token)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._id_of(self.eos_token)
+
+    @property
+    def pad_id(self) -> int | None:
+        pad = self._id_of(self.pad_token)
+        return pad if pad is not None else self.eos_id
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Ids that end generation: eos and the end-of-turn marker."""
+        ids = [self.eos_id, self._id_of(END_OF_TURN)]
+        return sorted({i for i in ids if i is not None})
+
+    @property
+    def special_ids(self) -> set[int]:
+        return {i for t in self._tokenizer.get_added_tokens_decoder().values() if t.special
+                for i in [self._tokenizer.token_to_id(t.content)] if i is not None}
+
+    # ----- encode / decode ----------------------------------------------------------
+    def encode(self, text: str | list[str], add_special_tokens: bool = False) -> list[int] | list[list[int]]:
+        """Token ids of ``text`` (a string) or of each string in a list (batched, in parallel)."""
+        if isinstance(text, str):
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if isinstance(text, (list, tuple)):
+            if not all(isinstance(t, str) for t in text):
+                raise DataError("encode: every item of a batch must be a string")
+            return [e.ids for e in self._tokenizer.encode_batch_fast(list(text), add_special_tokens=add_special_tokens)]
+        raise DataError(f"encode: expected a string or a list of strings, got {type(text).__name__}")
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, batch, skip_special_tokens: bool = True) -> list[str]:
+        return self._tokenizer.decode_batch([list(map(int, ids)) for ids in batch], skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        """An incremental decoder whose pieces concatenate to ``decode(ids)``."""
+        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    # ----- chat ---------------------------------------------------------------------
+    def set_chat_template(self, template: str | ChatTemplate) -> None:
+        if isinstance(template, ChatTemplate):
+            template = template.template_str
+        specials = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                    "pad_token": self.pad_token or ""}
+        self.chat_template = ChatTemplate(template, specials)
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = False,
+                            tools: list | None = None, return_assistant_tokens_mask: bool = False, **kwargs):
+        """Render a conversation with the chat template (the transformers convention).
+
+        ``tokenize=True`` returns ids; with ``return_assistant_tokens_mask=True`` a dict
+        ``{"input_ids", "assistant_masks"}`` where the mask is 1 on tokens the
+        assistant produced (its content and end-of-turn marker), for SFT.
+        """
+        if return_assistant_tokens_mask:
+            ids, mask = self.encode_chat(messages, tools=tools, **kwargs)
+            return {"input_ids": ids, "assistant_masks": mask}
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        return self.encode(text) if tokenize else text
+
+    def encode_chat(self, messages, **kwargs) -> tuple[list[int], list[int]]:
+        """Ids of a rendered conversation and a 0/1 mask over assistant tokens.
+
+        A token counts as the assistant's when it starts inside an assistant span;
+        the span ends after the turn's last stop token, so the newline the template
+        writes after ``<|im_end|>`` (never generated) is not trained on.
+        """
+        text, spans = self.chat_template.assistant_spans(messages, **kwargs)
+        stops = [t for t in (END_OF_TURN, self.eos_token) if t]
+        trimmed = []
+        for begin, end in spans:
+            last = max((text.rfind(s, begin, end) + len(s) for s in stops if text.rfind(s, begin, end) >= 0), default=end)
+            trimmed.append((begin, last))
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        mask = [0] * len(encoding.ids)
+        span_index = 0
+        for i, (start, _) in enumerate(encoding.offsets):
+            while span_index < len(trimmed) and start >= trimmed[span_index][1]:
+                span_index += 1
+            if span_index < len(trimmed) and trimmed[span_index][0] <= start:
+                mask[i] = 1
+        return encoding.ids, mask
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"AutoTokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r})"
