@@ -10,9 +10,11 @@ causal, and each window ends at the last token it scores.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -123,3 +125,51 @@ def unigram_perplexity(token_ids: Sequence[int]) -> float:
         raise DataError("unigram perplexity of an empty token stream is undefined")
     entropy = -sum(c / total * math.log(c / total) for c in counts.values())
     return math.exp(entropy)
+
+
+def read_documents(path: str | Path) -> list[str]:
+    """Held-out text: a .txt file is one document; a .jsonl file has one ``{"text": ...}`` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    if path.suffix != ".jsonl":
+        return [path.read_text(encoding="utf-8")]
+    docs = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(f"{path}:{line_no}: expected an object with a string 'text' field")
+        docs.append(record["text"])
+    if not docs:
+        raise DataError(f"{path}: no documents found")
+    return docs
+
+
+def heldout_perplexity(model, tokenizer, path: str | Path, window_size: int | None = None,
+                       stride: int | None = None, max_tokens: int | None = None) -> dict:
+    """Perplexity over every document of a held-out file (each scored on its own, from its
+    bos token), beside the unigram baseline of the same scored tokens.
+
+    ``max_tokens`` stops after that many scored tokens (whole documents) to bound the cost.
+    """
+    nll, scored = 0.0, []
+    for doc in read_documents(path):
+        ids = tokenizer.encode(doc, add_special_tokens=False)
+        if not ids:
+            continue
+        bos = getattr(tokenizer, "bos_id", None)
+        result = perplexity(model, ([bos] if bos is not None else []) + list(ids), window_size, stride)
+        nll += result.nll
+        scored += list(ids) if bos is not None else list(ids[1:])
+        if max_tokens is not None and len(scored) >= max_tokens:
+            break
+    if not scored:
+        raise DataError(f"{path}: no text to score")
+    ppl = math.exp(nll / len(scored))
+    return {"perplexity": ppl, "mean_nll": nll / len(scored), "tokens": len(scored),
+            "unigram_perplexity": unigram_perplexity(scored)}

@@ -1,0 +1,69 @@
+"""One call that runs the chosen evaluations on a model and returns a JSON-ready dict.
+
+``astrai eval`` and the quick start both go through ``evaluate``; each section of the
+result is present only when its evaluation was asked for, so a report can tell "not
+run" from "scored zero".
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from astrai.eval.generation import Generator, chat_prompt, model_generator
+from astrai.eval.instructions import load_instructions, score_instructions
+from astrai.eval.multiple_choice import evaluate_multiple_choice, load_questions
+from astrai.eval.perplexity import heldout_perplexity
+from astrai.eval.rouge import corpus_rouge, load_references
+from astrai.eval.samples import sample_answers
+from astrai.eval.task import task_accuracy
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+DEFAULT_HELDOUT = {"en": DATA_DIR / "pretrain" / "valid_en.jsonl", "zh": DATA_DIR / "pretrain" / "valid_zh.jsonl"}
+
+
+def evaluate(model, tokenizer, *, heldout: Optional[dict[str, str | Path]] = None,
+             ppl_window: Optional[int] = None, ppl_stride: Optional[int] = None, ppl_max_tokens: Optional[int] = None,
+             task: Optional[tuple[Sequence, Callable, Callable]] = None, samples: bool = False,
+             mmlu: Sequence[str | Path] = (), rouge: Optional[str | Path] = None,
+             instructions: Optional[str | Path] = None, chat: bool = True, max_new_tokens: int = 32,
+             generator: Optional[Generator] = None) -> dict:
+    """Run the evaluations given and return their results.
+
+    ``heldout`` maps a name (``en``, ``zh``) to a held-out text file; ``task`` is
+    ``(problems, prompt_of, check)``; ``chat`` says whether prompts go through the chat
+    template (False for a pre-trained model that never saw it).
+    """
+    generate = generator or model_generator(model, tokenizer, max_new_tokens)
+    results: dict = {}
+    started = time.perf_counter()
+    if heldout:
+        results["perplexity"] = {name: heldout_perplexity(model, tokenizer, path, ppl_window, ppl_stride, ppl_max_tokens)
+                                 for name, path in heldout.items()}
+    if task is not None:
+        problems, prompt_of, check = task
+        results["task"] = task_accuracy(generate, tokenizer, problems, prompt_of, check, chat=chat)
+    if samples:
+        results["samples"] = sample_answers(generate, tokenizer, chat=chat)
+    if mmlu:
+        questions = [q for path in mmlu for q in load_questions(path)]
+        results["mmlu"] = evaluate_multiple_choice(model, tokenizer, questions)
+    if rouge is not None:
+        records = load_references(rouge)
+        predictions = _answers(generate, tokenizer, records, "prediction", chat)
+        results["rouge"] = {**corpus_rouge(predictions, [r["reference"] for r in records]), "n": len(records)}
+    if instructions is not None:
+        records = load_instructions(instructions)
+        responses = _answers(generate, tokenizer, records, "response", chat)
+        results["instructions"] = score_instructions(records, responses)
+    results["seconds"] = time.perf_counter() - started
+    return results
+
+
+def _answers(generate: Generator, tokenizer, records: list[dict], given_key: str, chat: bool) -> list[str]:
+    """The given answers where records carry them, generated ones for the rest."""
+    todo = [i for i, r in enumerate(records) if given_key not in r]
+    prompts = [chat_prompt(tokenizer, records[i]["prompt"]) if chat else records[i]["prompt"] for i in todo]
+    generated = dict(zip(todo, generate(prompts))) if todo else {}
+    return [r[given_key] if given_key in r else generated[i] for i, r in enumerate(records)]
