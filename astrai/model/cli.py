@@ -1,10 +1,16 @@
-"""``astrai model``: create a model directory from a preset, or describe one."""
+"""``astrai model``: create, describe, import or export model directories."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
 
 from astrai.config import PRESETS, preset
+
+# Files beside the weights that belong to the model directory and travel with a conversion.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+EXPORT_FORMATS = ("hf", "llama", "qwen2", "qwen3")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +22,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     create.add_argument("--seed", type=int, default=0)
     info = sub.add_parser("info", help="print a model directory's configuration and parameter count")
     info.add_argument("path")
+    imp = sub.add_parser("import", help="convert a Hugging Face Llama/Qwen2/Qwen3/Mistral directory to astrai's format")
+    imp.add_argument("path", help="Hugging Face model directory (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="output astrai model directory")
+    exp = sub.add_parser("export", help="write an astrai model directory in a Hugging Face format transformers loads")
+    exp.add_argument("path", help="astrai model directory")
+    exp.add_argument("--out", required=True, help="output Hugging Face model directory")
+    exp.add_argument("--format", default="hf", choices=EXPORT_FORMATS,
+                     help="hf picks llama, qwen2 (q/k/v bias) or qwen3 (QK-norm) to fit the model")
+
+
+def _copy_companions(source: str, destination: str) -> list[str]:
+    copied = []
+    for name in COMPANION_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(destination) / name)
+            copied.append(name)
+    return copied
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +52,12 @@ def run(args: argparse.Namespace) -> int:
         model = AutoModel.from_config(preset(args.preset, **overrides))
         model.save_pretrained(args.out)
         print(f"wrote {args.out}: preset {args.preset}, {model.num_parameters():,} parameters")
+    elif args.action in ("import", "export"):
+        model = AutoModel.from_pretrained(args.path)
+        model.save_pretrained(args.out, format="astrai" if args.action == "import" else args.format)
+        copied = _copy_companions(args.path, args.out)
+        extra = f" (+ {', '.join(copied)})" if copied else ""
+        print(f"wrote {args.out}: {model.num_parameters():,} parameters{extra}")
     else:
         model = AutoModel.from_pretrained(args.path)
         for key, value in model.config.to_dict().items():
