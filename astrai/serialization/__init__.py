@@ -1,1 +1,5 @@
-"""astrai.serialization"""
+"""astrai.serialization: training checkpoints on disk."""
+
+from astrai.serialization.checkpoint import Checkpoint, latest_checkpoint, list_checkpoints, prune_checkpoints
+
+__all__ = ["Checkpoint", "latest_checkpoint", "list_checkpoints", "prune_checkpoints"]

@@ -1,5 +1,16 @@
 """astrai.trainer: strategies, schedules, callbacks and the training loop."""
 
-from astrai.trainer.strategies import BaseStrategy, StrategyFactory
+from astrai.trainer.builder import TrainContextBuilder
+from astrai.trainer.callbacks import (CallbackFactory, CheckpointCallback, GradientCheckpointingCallback,
+                                      GradientClippingCallback, MetricLoggerCallback, ProgressBarCallback, TrainCallback,
+                                      ValidationCallback)
+from astrai.trainer.context import TrainContext
+from astrai.trainer.schedulers import (BaseScheduler, CosineScheduler, SchedulerFactory, SGDRScheduler,
+                                       WSDScheduler)
+from astrai.trainer.strategies import BaseStrategy, SEQStrategy, SFTStrategy, StrategyFactory
+from astrai.trainer.trainer import Trainer
 
-__all__ = ["BaseStrategy", "StrategyFactory"]
+__all__ = ["BaseScheduler", "BaseStrategy", "CallbackFactory", "CheckpointCallback", "CosineScheduler",
+           "GradientCheckpointingCallback", "GradientClippingCallback", "MetricLoggerCallback", "ProgressBarCallback",
+           "SEQStrategy", "SFTStrategy", "SGDRScheduler", "SchedulerFactory", "StrategyFactory", "TrainCallback",
+           "TrainContext", "TrainContextBuilder", "Trainer", "ValidationCallback", "WSDScheduler"]

@@ -1,0 +1,107 @@
+"""Process-group set-up: torchrun environment detection, local spawning, rank helpers.
+
+Every distributed entry point goes through ``setup_parallel`` so the backend choice
+(gloo on CPU, NCCL on GPU) and device pinning live in one place.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def get_current_device() -> torch.device:
+    """This rank's device: cuda:<local rank> on GPU machines, cpu otherwise."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def torchrun_env() -> Optional[dict[str, Any]]:
+    """rank/world size/local rank/master address from torchrun's variables, or None outside torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+            "master_addr": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "master_port": int(os.environ.get("MASTER_PORT", "29500"))}
+
+
+def setup_parallel(rank: int, world_size: int, backend: str = "auto", master_addr: str = "127.0.0.1",
+                   master_port: int | str = 29500, device_type: str = "auto", local_rank: Optional[int] = None) -> None:
+    """Join (or create) the default process group; pin this process to its GPU."""
+    device_type = default_device_type() if device_type == "auto" else device_type
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count() if local_rank is None else local_rank)
+    os.environ.setdefault("MASTER_ADDR", str(master_addr))
+    os.environ.setdefault("MASTER_PORT", str(master_port))
+    if not is_distributed():
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+
+
+def cleanup_parallel() -> None:
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, fn: Callable, world_size: int, backend: str, master_addr: str, master_port: int,
+             device_type: str, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    setup_parallel(rank, world_size, backend, master_addr, master_port, device_type, local_rank=rank)
+    try:
+        fn(*args)
+    finally:
+        cleanup_parallel()
+
+
+def spawn_parallel_fn(fn: Callable, nprocs: int, *args: Any, backend: str = "auto", master_addr: str = "127.0.0.1",
+                      master_port: int = 29500, device_type: str = "auto") -> None:
+    """Run ``fn(*args)`` in ``nprocs`` local processes that form one process group.
+
+    With ``nprocs == 1`` it simply calls ``fn`` here (no process group), so single-device
+    code paths stay plain.
+    """
+    if nprocs == 1:
+        fn(*args)
+        return
+    mp.spawn(_spawned, args=(fn, nprocs, backend, master_addr, master_port, device_type, args), nprocs=nprocs,
+             join=True)
+
+
+def only_on_rank(rank: int = 0) -> Callable:
+    """Decorator: run the function on one rank only (others get None) — for file writing."""
+
+    def decorator(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any):
+            return fn(*args, **kwargs) if get_rank() == rank else None
+
+        return wrapper
+
+    return decorator

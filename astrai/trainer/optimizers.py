@@ -1,0 +1,77 @@
+"""Optimisers: AdamW with decay only where it belongs, optionally Muon for hidden matrices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _embedding_params(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """'decay' (2-D hidden weights), 'no_decay' (norms, biases, embeddings and the tied/untied head).
+
+    Norm gains and biases are 1-D; pulling them toward 0 only fights the model.
+    Embedding rows are looked up sparsely, so uniform decay would shrink rare tokens.
+    """
+    embeddings = _embedding_params(model)
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": []}
+    seen: set[int] = set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        hidden_matrix = param.ndim == 2 and id(param) not in embeddings and param is not head
+        groups["decay" if hidden_matrix else "no_decay"].append(param)
+    return groups
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimisers stepped together, seen by schedulers as one (their param groups concatenated)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        self.defaults = {}
+        self.param_groups = [g for opt in optimizers for g in opt.param_groups]
+        self.state = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {str(i): opt.state_dict() for i, opt in enumerate(self.optimizers)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for i, opt in enumerate(self.optimizers):
+            opt.load_state_dict(state_dict[str(i)])
+
+
+def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
+    """AdamW (fused on CUDA) or Muon on hidden matrices + AdamW on the rest, per ``config.optimizer``."""
+    groups = split_parameters(model)
+    betas = (config.adamw_beta1, config.adamw_beta2)
+    fused = any(p.is_cuda for p in model.parameters())
+    adamw_kwargs = dict(lr=config.max_lr, betas=betas, eps=config.adamw_eps, fused=fused or None)
+    if config.optimizer == "muon":
+        muon = torch.optim.Muon(groups["decay"], lr=config.muon_lr, weight_decay=config.adamw_weight_decay)
+        adamw = torch.optim.AdamW([{"params": groups["no_decay"], "weight_decay": 0.0}], **adamw_kwargs)
+        return CombinedOptimizer([muon, adamw])
+    return torch.optim.AdamW([{"params": groups["decay"], "weight_decay": config.adamw_weight_decay},
+                              {"params": groups["no_decay"], "weight_decay": 0.0}], **adamw_kwargs)

@@ -1,0 +1,72 @@
+"""Turning a TrainContext into a Checkpoint and back (weights, optimizer, schedule, data order, RNG)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from astrai.parallel.wrap import full_model_state, full_optimizer_state, load_full_optimizer_state
+from astrai.serialization import Checkpoint, prune_checkpoints
+
+
+def capture_rng() -> dict:
+    """All RNG streams as tensors and plain values (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                       "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
+    """Gather the state on every rank (collective under FSDP), write it on rank 0, prune old saves."""
+    weights = full_model_state(context.model)
+    optimizer = full_optimizer_state(context.model, context.optimizer)
+    path = Path(ckpt_dir) / f"step_{context.step:08d}"
+    if context.is_main:
+        trainer_state = {"step": context.step, "epoch": context.epoch, "batch_in_epoch": context.batch_in_epoch,
+                         "tokens_seen": context.tokens_seen, "world_size": context.world_size, "rng": capture_rng()}
+        meta = {"step": context.step, "tokens_seen": context.tokens_seen, "world_size": context.world_size,
+                "train_config": context.config.to_dict()}
+        extra = {"optimizer": optimizer, "scheduler": context.scheduler.state_dict(), "trainer_state": trainer_state}
+        Checkpoint(weights, context.epoch, context.iteration, extra, meta).save(path)
+        prune_checkpoints(ckpt_dir, keep)
+    if dist.is_initialized():
+        dist.barrier()
+    return path if context.is_main else None
+
+
+def restore_training_state(context, checkpoint: Checkpoint) -> None:
+    """Optimizer, schedule, counters, data position and RNG from ``checkpoint`` (weights are loaded earlier)."""
+    extra = checkpoint.extra
+    if "optimizer" in extra:
+        load_full_optimizer_state(context.model, context.optimizer, extra["optimizer"])
+    if "scheduler" in extra:
+        context.scheduler.load_state_dict(extra["scheduler"])
+    state = extra.get("trainer_state")
+    context.iteration = checkpoint.iteration
+    context.epoch = checkpoint.epoch
+    if state is None:
+        return
+    context.step = context.start_step = int(state["step"])
+    context.batch_in_epoch = int(state["batch_in_epoch"])
+    scale = int(state.get("world_size", 1)) / context.world_size
+    context.batch_in_epoch = int(context.batch_in_epoch * scale)
+    context.tokens_seen = int(state["tokens_seen"])
+    restore_rng(state["rng"])

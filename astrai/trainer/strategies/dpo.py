@@ -1,0 +1,55 @@
+"""DPOStrategy: Direct Preference Optimization against a frozen reference model."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from astrai.errors import ConfigError
+from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
+from astrai.trainer.strategies.losses import REDUCTIONS, dpo_loss, sequence_logprobs
+from astrai.trainer.strategies.preference import check_preference_batch, stack_pairs
+from astrai.trainer.strategies.reference import ReferenceModel
+
+
+@StrategyFactory.register("dpo")
+class DPOStrategy(BaseStrategy):
+    """L = −log σ(β·[(log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))]).
+
+    Sequence log-probs are sums over response tokens (``chosen_mask`` /
+    ``rejected_mask``). The reference is ``ref_model`` if given, else the checkpoint at
+    ``ref_path``, else (with LoRA) the base with adapters off, else a frozen snapshot
+    of the starting weights.
+    """
+
+    def __init__(self, model: nn.Module, device: str | torch.device = "cpu", beta: float = 0.1,
+                 reduction: str = "mean", ref_model: Optional[nn.Module] = None, ref_path: Optional[str] = None,
+                 **kwargs: Any):
+        super().__init__(model, device, **kwargs)
+        if not beta > 0:
+            raise ConfigError(f"beta must be > 0 for DPO, got {beta!r}")
+        if reduction not in REDUCTIONS:
+            raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+        self.beta, self.reduction = float(beta), reduction
+        self.reference = ReferenceModel(model, ref_model, ref_path)
+
+    @property
+    def ref_model(self) -> Optional[nn.Module]:
+        return self.reference.model
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        check_preference_batch(batch, "dpo")
+        batch = self.to_device(batch)
+        ids, mask = stack_pairs(batch)
+        n = batch["chosen"].shape[0]
+        policy = sequence_logprobs(self.model, ids, mask)
+        with self.reference.active() as ref:
+            reference = sequence_logprobs(ref, ids, mask)
+        loss, metrics = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.beta, self.reduction)
+        self.metrics = {"dpo_loss": loss.item(), **metrics}
+        return loss
+
+    def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["chosen"].shape[0])

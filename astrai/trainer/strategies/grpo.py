@@ -1,0 +1,174 @@
+"""GRPOStrategy: group-relative policy optimisation, online (engine rollouts) or offline (stored rewards).
+
+Online, each batch holds prompts only: the strategy samples ``group_size``
+responses per prompt from the behaviour policy (the engine's copy of the weights),
+scores them, normalises the rewards within each group into advantages and takes
+the clipped surrogate with a squared-log-ratio penalty towards the frozen
+reference. After each optimizer step ``after_optimizer_step`` refreshes the engine
+every ``weight_sync_interval`` steps and re-syncs the reference every
+``sync_interval`` steps (0 = never).
+
+Offline, the batch already holds ``prompts``, ``responses``, ``masks`` and
+``rewards`` (consecutive rows form the groups), and no engine is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from astrai.errors import ConfigError, DataError
+from astrai.trainer.rewards import compute_rewards, resolve_reward
+from astrai.trainer.rollout import EngineRollout, RolloutBatch, pack_sequences
+from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
+from astrai.trainer.strategies.losses import REDUCTIONS, group_advantages, grpo_loss, shifted_token_logprobs
+from astrai.trainer.strategies.reference import ReferenceModel, frozen, unwrap
+
+
+def _rows(ids, mask: Optional[torch.Tensor] = None) -> list[list[int]]:
+    """Token lists from a list of lists or a padded tensor (with an optional 1-on-real-token mask)."""
+    if isinstance(ids, torch.Tensor):
+        if mask is None:
+            return [row.tolist() for row in ids]
+        return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    return [list(map(int, row)) for row in ids]
+
+
+@StrategyFactory.register("grpo")
+class GRPOStrategy(BaseStrategy):
+    """Spec defaults: group_size 4, clip_eps 0.2, kl_coef 0.01, sync_interval 200."""
+
+    def __init__(self, model: nn.Module, device: str | torch.device = "cpu", group_size: int = 4,
+                 clip_eps: float = 0.2, kl_coef: float = 0.01, sync_interval: int = 200, reduction: str = "mean",
+                 reward: Any = None, tokenizer: Any = None, rollout: Optional[EngineRollout] = None,
+                 max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+                 weight_sync_interval: int = 1, ref_model: Optional[nn.Module] = None, ref_path: Optional[str] = None,
+                 seed: int = 0, **kwargs: Any):
+        super().__init__(model, device, **kwargs)
+        if not isinstance(group_size, int) or group_size < 2:
+            raise ConfigError(f"group_size must be an integer >= 2 (advantages compare responses within a group), "
+                              f"got {group_size!r}")
+        if not 0 < clip_eps < 1:
+            raise ConfigError(f"clip_eps must be in (0, 1), got {clip_eps!r}")
+        if kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0, got {kl_coef!r}")
+        if sync_interval < 0 or weight_sync_interval < 1:
+            raise ConfigError(f"sync_interval must be >= 0 (0 = never) and weight_sync_interval >= 1, got "
+                              f"{sync_interval!r} and {weight_sync_interval!r}")
+        if reduction not in REDUCTIONS:
+            raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+        self.group_size, self.clip_eps, self.kl_coef = group_size, float(clip_eps), float(kl_coef)
+        self.sync_interval, self.weight_sync_interval, self.reduction = sync_interval, weight_sync_interval, reduction
+        self.reference = ReferenceModel(model, ref_model, ref_path)
+        self.reward = None if reward is None else resolve_reward(reward, device=self.device)
+        self.tokenizer = tokenizer
+        self._rollout = rollout
+        self._rollout_options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        # The behaviour policy lags the trained one when the engine is refreshed less often than every step;
+        # its log-probs then come from a copy holding the engine's weights.
+        self.behaviour = frozen(copy.deepcopy(unwrap(model))) if weight_sync_interval > 1 else None
+        self.steps = 0
+
+    @property
+    def ref_model(self) -> Optional[nn.Module]:
+        return self.reference.model
+
+    @property
+    def rollout(self) -> EngineRollout:
+        if self._rollout is None:
+            if self.tokenizer is None:
+                raise ConfigError("online GRPO needs a tokenizer (for the engine and the reward); pass tokenizer=")
+            self._rollout = EngineRollout.for_policy(self.model, self.tokenizer, **self._rollout_options)
+        return self._rollout
+
+    # --- one step ---------------------------------------------------------------
+    def sample(self, prompts: Sequence[Sequence[int]], prompt_texts: Optional[Sequence[str]] = None) -> tuple[RolloutBatch, torch.Tensor, float]:
+        """Roll out and score: (rollout, rewards [N], scoring seconds)."""
+        if self.reward is None:
+            raise ConfigError("online GRPO needs a reward: --reward arithmetic | package.module:function | <reward model dir>")
+        rollout = self.rollout.generate(prompts, self.group_size, prompt_texts)
+        start = time.perf_counter()
+        rewards = compute_rewards(self.reward, rollout.prompt_texts, rollout.response_texts, rollout.input_ids,
+                                  rollout.response_mask)
+        return rollout, rewards, time.perf_counter() - start
+
+    def policy_loss(self, input_ids: torch.Tensor, response_mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+        """The GRPO objective on scored, grouped sequences; fills ``self.metrics``."""
+        input_ids, response_mask = input_ids.to(self.device), response_mask.to(self.device)
+        advantages = group_advantages(rewards.to(self.device), self.group_size)
+        mask = response_mask[:, 1:]
+        logp = shifted_token_logprobs(self.model, input_ids)
+        if self.behaviour is None:
+            old_logp = logp.detach()
+        else:
+            with torch.no_grad():
+                old_logp = shifted_token_logprobs(self.behaviour, input_ids)
+        with self.reference.active() as ref:
+            ref_logp = shifted_token_logprobs(ref, input_ids)
+        loss, metrics = grpo_loss(logp, old_logp, ref_logp, advantages, mask, self.clip_eps, self.kl_coef,
+                                  self.reduction)
+        self.metrics = {
+            "grpo_loss": loss.item(),
+            "reward_mean": rewards.float().mean().item(),
+            "reward_std": rewards.float().std(unbiased=False).item(),
+            "response_length": mask.sum(dim=1).float().mean().item(),
+            **metrics,
+        }
+        return loss
+
+    def compute_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        if "prompts" not in batch:
+            raise DataError("GRPO batch has no 'prompts'; load prompts (online) or prompts/responses/masks/rewards "
+                            "(offline) with train_type 'grpo'")
+        if "responses" in batch:
+            return self.offline_loss(batch)
+        prompts = _rows(batch["prompts"], batch.get("prompt_mask"))
+        rollout, rewards, scoring_s = self.sample(prompts, batch.get("prompt_texts"))
+        update_start = time.perf_counter()
+        loss = self.policy_loss(rollout.input_ids, rollout.response_mask, rewards)
+        self.metrics.update(rollout_s=rollout.seconds, scoring_s=scoring_s,
+                            rollout_tokens_per_s=rollout.num_response_tokens / max(rollout.seconds, 1e-9),
+                            forward_s=time.perf_counter() - update_start)
+        return loss
+
+    def offline_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Stored responses and rewards: rows [B·G] (or [B, G, ...] groups), consecutive rows one group."""
+        for key in ("masks", "rewards"):
+            if key not in batch:
+                raise DataError(f"offline GRPO batch has no {key!r}; expected prompts, responses, masks, rewards")
+        responses, masks, rewards = batch["responses"], batch["masks"], batch["rewards"]
+        prompts = batch["prompts"]
+        if isinstance(rewards, torch.Tensor) and rewards.dim() == 2:
+            group = rewards.shape[1]
+            prompts = [p for p in _rows(prompts, batch.get("prompt_mask")) for _ in range(group)]
+            responses, masks, rewards = responses.flatten(0, 1), masks.flatten(0, 1), rewards.flatten()
+        else:
+            prompts = _rows(prompts, batch.get("prompt_mask"))
+        rewards = torch.as_tensor(rewards, dtype=torch.float32)
+        if not torch.isfinite(rewards).all():
+            bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+            raise DataError(f"offline GRPO batch: reward(s) at row(s) {bad} are not finite")
+        ids, response_mask = pack_sequences(prompts, _rows(responses, masks))
+        return self.policy_loss(ids, response_mask, rewards)
+
+    # --- schedule ---------------------------------------------------------------
+    def after_optimizer_step(self) -> None:
+        """Refresh the engine (and behaviour copy) and, every ``sync_interval`` steps, the reference."""
+        self.steps += 1
+        if self.steps % self.weight_sync_interval == 0:
+            if self._rollout is not None:
+                self._rollout.update_weights(self.model)
+            if self.behaviour is not None:
+                self.behaviour.load_state_dict(unwrap(self.model).state_dict())
+        if self.sync_interval and self.steps % self.sync_interval == 0:
+            self.reference.sync()
+
+    def mean_reward(self, prompts: Sequence[Sequence[int]], prompt_texts: Optional[Sequence[str]] = None) -> float:
+        """Mean reward of fresh samples on ``prompts`` (for held-out evaluation; no gradients)."""
+        _, rewards, _ = self.sample(prompts, prompt_texts)
+        return rewards.mean().item()
+

@@ -1,0 +1,169 @@
+"""Trainer: the epoch → step → micro-batch loop, with callbacks around every stage."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from astrai.config import TrainConfig
+from astrai.parallel import is_distributed, setup_parallel, spawn_parallel_fn, torchrun_env, unwrap_model
+from astrai.parallel.wrap import no_sync
+from astrai.serialization import Checkpoint
+from astrai.trainer.builder import TrainContextBuilder
+from astrai.trainer.callbacks import CallbackFactory, TrainCallback
+from astrai.trainer.context import TrainContext
+
+TOKEN_KEYS = ("input_ids", "chosen", "rejected", "prompts", "responses")
+
+
+def batch_tokens(batch: dict) -> int:
+    """Tokens a batch feeds the model: input_ids, or the sequences of preference/RL batches."""
+    if "input_ids" in batch:
+        return batch["input_ids"].numel()
+    return sum(batch[k].numel() for k in TOKEN_KEYS if k in batch and torch.is_tensor(batch[k]))
+
+
+class Trainer:
+    """Runs a TrainConfig. Objects (model, datasets, tokenizer) may replace the config's paths.
+
+    With ``nprocs > 1`` outside torchrun, ``train`` spawns that many local processes;
+    under torchrun each process joins the group from the environment.
+    """
+
+    def __init__(self, train_config: TrainConfig, callbacks: Optional[list[TrainCallback]] = None,
+                 model: Optional[nn.Module] = None, train_dataset: Optional[Dataset] = None,
+                 val_dataset: Optional[Dataset] = None, tokenizer: Any = None, strategy_extra: Optional[dict] = None):
+        self.train_config = train_config
+        self.callbacks = list(callbacks or [])
+        self.model, self.train_dataset, self.val_dataset, self.tokenizer = model, train_dataset, val_dataset, tokenizer
+        self.strategy_extra = strategy_extra
+
+    # --- entry points --------------------------------------------------------------
+    def train(self, checkpoint: Optional[Checkpoint | str] = None) -> Optional[TrainContext]:
+        """Train to the end; returns the final context (None in the parent of spawned workers)."""
+        config = self.train_config
+        env = torchrun_env()
+        if not is_distributed() and env is not None and env["world_size"] > 1:
+            setup_parallel(env["rank"], env["world_size"], config.backend, env["master_addr"], env["master_port"],
+                           local_rank=env["local_rank"])
+        elif not is_distributed() and config.nprocs > 1:
+            self._build_context(checkpoint)  # fail fast on bad configs before spawning
+            spawn_parallel_fn(_train_in_worker, config.nprocs, self, checkpoint, backend=config.backend,
+                              master_addr=config.master_addr, master_port=config.master_port)
+            return None
+        return self._run(self._build_context(checkpoint))
+
+    def _build_context(self, checkpoint) -> TrainContext:
+        builder = TrainContextBuilder(self.train_config, self.model, self.train_dataset, self.val_dataset,
+                                      self.tokenizer, self.strategy_extra)
+        return builder.with_checkpoint(checkpoint).build()
+
+    def _get_default_callbacks(self) -> list[TrainCallback]:
+        c = self.train_config
+        names = [("gradient_checkpointing", {"modules": c.gradient_checkpointing_modules})] if c.gradient_checkpointing else []
+        names += [("gradient_clipping", {"max_grad_norm": c.max_grad_norm}),
+                  ("validation", {"interval": c.validation_interval, "max_batches": c.validation_batches}),
+                  ("checkpoint", {"save_dir": c.ckpt_dir, "interval": c.ckpt_interval, "keep": c.ckpt_keep}),
+                  ("metric_logger", {"log_dir": c.log_dir or c.ckpt_dir, "save_interval": c.log_interval}),
+                  ("progress_bar", {"enabled": c.progress_bar})]
+        return [CallbackFactory.create(name, **kwargs) for name, kwargs in names]
+
+    # --- the loop ------------------------------------------------------------------
+    def _run(self, context: TrainContext) -> TrainContext:
+        callbacks = self._get_default_callbacks() + self.callbacks + context.strategy.callbacks()
+
+        def fire(hook: str) -> None:
+            for callback in callbacks:
+                getattr(callback, hook)(context)
+
+        try:
+            fire("on_train_begin")
+            while not context.done and not context.stop_requested:
+                self._run_epoch(context, fire)
+            fire("on_train_end")
+        except BaseException as exc:
+            context.error = exc
+            for callback in callbacks:
+                try:
+                    callback.on_error(context)
+                except Exception:  # the original error matters more than a failing handler
+                    pass
+            raise
+        return context
+
+    def _run_epoch(self, context: TrainContext, fire) -> None:
+        accum = context.config.grad_accum_steps
+        context.sampler.set_epoch(context.epoch, context.batch_in_epoch * context.config.batch_per_device)
+        if context.batch_in_epoch == 0:
+            fire("on_epoch_begin")
+        batches = iter(context.dataloader)
+        remaining = context.steps_per_epoch - context.batch_in_epoch // accum
+        for _ in range(remaining):
+            window = [next(batches) for _ in range(accum)]
+            fire("on_step_begin")
+            self._train_step(context, window, fire)
+            context.step += 1
+            context.batch_in_epoch += accum
+            fire("on_step_end")
+            if context.world_size > 1:
+                flag = torch.tensor([float(context.stop_requested)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                context.stop_requested = bool(flag.item())
+            if context.done or context.stop_requested:
+                return
+        context.epoch += 1
+        context.batch_in_epoch = 0
+        fire("on_epoch_end")
+
+    def _micro_batch_weights(self, context: TrainContext, window: list[dict]) -> list[float]:
+        """Weights making Σ weight·mean_loss equal the mean over the whole window on all ranks.
+
+        DDP/FSDP average gradients over ranks, hence the world-size factor; micro-batches
+        with more loss-bearing tokens count for more, exactly as in one big batch.
+        """
+        units = [context.strategy.count_loss_units(b) for b in window]
+        if any(u is None for u in units):
+            return [1.0 / len(window)] * len(window)
+        total = torch.tensor([float(sum(units))], dtype=torch.float64)
+        if context.world_size > 1:
+            dist.all_reduce(total)
+        total = max(float(total), 1.0)
+        return [u * context.world_size / total for u in units]
+
+    def _train_step(self, context: TrainContext, window: list[dict], fire) -> None:
+        model, strategy = context.model, context.strategy
+        weights = self._micro_batch_weights(context, window)
+        step_loss = torch.zeros((), dtype=torch.float64)
+        use_autocast = context.autocast_dtype is not None
+        for i, (batch, weight) in enumerate(zip(window, weights)):
+            context.batch = batch
+            fire("on_batch_begin")
+            with no_sync(model, skip=i < len(window) - 1):
+                with torch.autocast(context.device.type, dtype=context.autocast_dtype or torch.float32,
+                                    enabled=use_autocast):
+                    loss = strategy.compute_loss(batch)
+                (loss * weight).backward()
+            step_loss += loss.detach().to("cpu", torch.float64) * weight
+            context.micro_loss = float(loss.detach())
+            context.iteration += 1
+            context.tokens_seen += batch_tokens(batch) * context.world_size
+            fire("on_batch_end")
+        if context.world_size > 1:
+            dist.all_reduce(step_loss)
+        context.loss = float(step_loss) / context.world_size
+        context.metrics = dict(strategy.metrics)
+        router_stats = getattr(unwrap_model(model), "router_stats", None)
+        context.router_stats = router_stats() if callable(router_stats) else {}
+        fire("on_optimizer_step")
+        context.optimizer.step()
+        context.scheduler.step()
+        context.optimizer.zero_grad(set_to_none=True)
+        context.batch = None
+
+
+def _train_in_worker(trainer: Trainer, checkpoint) -> None:
+    trainer._run(trainer._build_context(checkpoint))

@@ -1,0 +1,44 @@
+"""Tiny models, in-memory datasets and configs shared by the trainer tests."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from astrai.config import TrainConfig, preset
+from astrai.model import AutoModel
+
+VOCAB = 64
+
+
+def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = preset("tiny", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, dim_ffn=64, max_len=64,
+                 **overrides)
+    return AutoModel.from_config(cfg)
+
+
+class TokenWindows(Dataset):
+    """SEQ-style samples over a fixed random token stream (optionally with SFT loss masks)."""
+
+    def __init__(self, n: int = 32, window: int = 16, seed: int = 0, sft: bool = False):
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (n, window + 1), generator=gen)
+        self.masks = (torch.rand(n, window, generator=gen) > 0.5).long() if sft else None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        item = {"input_ids": self.tokens[i, :-1], "target_ids": self.tokens[i, 1:]}
+        if self.masks is not None:
+            item["loss_mask"] = self.masks[i]
+        return item
+
+
+def config(tmp_path, **overrides) -> TrainConfig:
+    base = dict(train_type="seq", batch_per_device=2, grad_accum_steps=1, window_size=16, max_lr=1e-2,
+                warmup_ratio=0.0, ckpt_dir=str(tmp_path / "ckpt"), ckpt_interval=1000, progress_bar=False,
+                random_seed=1, adamw_weight_decay=0.01)
+    base.update(overrides)
+    return TrainConfig(**base)
