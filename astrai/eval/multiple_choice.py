@@ -1,10 +1,11 @@
 """Multiple choice in the MMLU format, scored by the likelihood of the answer letter.
 
 Each question is rendered as the question, the four lettered choices and
-``Answer:``; the model's next-token log-probabilities of the letters A–D (each
-written as the tokenizer spells " A" … " D") decide its choice. Scoring one forward
-pass per question, instead of generating, makes tiny models comparable: they need
-not produce well-formed text to show what they know.
+``Answer:``; the log-likelihood of each letter as the continuation (" A" … " D", as
+the tokenizer spells them: one token in a large vocabulary, where this is the
+next-token probability of the letter, a few tokens in a small one) decides the
+model's choice. Scoring likelihoods instead of generating makes tiny models
+comparable: they need not produce well-formed text to show what they know.
 
 Files: MMLU's own CSV (no header: question, A, B, C, D, answer letter) or JSONL with
 ``{"question": ..., "choices": [4 strings], "answer": "B" | 1}`` and an optional
@@ -98,30 +99,42 @@ def format_question(q: Question) -> str:
     return "\n".join(lines)
 
 
-def letter_token_ids(tokenizer) -> list[int]:
-    """The token that starts " A", " B", " C", " D"; they must differ for scoring to mean anything."""
-    ids = [tokenizer.encode(f" {letter}", add_special_tokens=False)[0] for letter in LETTERS]
-    if len(set(ids)) != len(ids):
-        raise DataError(f"the tokenizer spells the answer letters with overlapping first tokens {ids}; "
-                        "multiple-choice scoring needs distinct letter tokens")
+def letter_token_ids(tokenizer) -> list[list[int]]:
+    """How the tokenizer spells " A", " B", " C", " D"; they must differ for scoring to mean anything."""
+    ids = [tokenizer.encode(f" {letter}", add_special_tokens=False) for letter in LETTERS]
+    if len({tuple(i) for i in ids}) != len(ids) or not all(ids):
+        raise DataError(f"the tokenizer spells the answer letters as {ids}; multiple-choice scoring needs "
+                        "four distinct, non-empty spellings")
     return ids
 
 
 @torch.no_grad()
+def letter_logprobs(model, prompt_ids: list[int], letters: list[list[int]]) -> torch.Tensor:
+    """log p(letter | prompt) for each letter's tokens, from one batch of four rows."""
+    device = next(model.parameters()).device
+    width = len(prompt_ids) + max(len(l) for l in letters)
+    batch = torch.zeros(len(letters), width, dtype=torch.long)
+    for row, letter in enumerate(letters):
+        batch[row, :len(prompt_ids) + len(letter)] = torch.tensor(prompt_ids + letter)
+    logprobs = F.log_softmax(model(batch.to(device))["logits"].float(), dim=-1).cpu()  # right padding: causal, harmless
+    scores = torch.zeros(len(letters))
+    for row, letter in enumerate(letters):
+        for k, token in enumerate(letter):  # the token at position len(prompt)+k is predicted one step earlier
+            scores[row] += logprobs[row, len(prompt_ids) + k - 1, token]
+    return scores
+
+
 def evaluate_multiple_choice(model, tokenizer, questions: list[Question]) -> dict:
     """Accuracy (overall and per subject) and the predicted letters."""
-    letters = torch.tensor(letter_token_ids(tokenizer))
-    device = next(model.parameters()).device
-    max_len = model.config.max_len
+    letters = letter_token_ids(tokenizer)
+    budget = model.config.max_len - max(len(l) for l in letters)
     was_training = model.training
     model.eval()
     predictions = []
     try:
         for q in questions:
-            ids = tokenizer.encode(format_question(q), add_special_tokens=False)[-max_len:]
-            logits = model(torch.tensor([ids], device=device))["logits"][0, -1].float()
-            letter_lp = F.log_softmax(logits, dim=-1)[letters.to(device)]
-            predictions.append(int(letter_lp.argmax()))
+            ids = tokenizer.encode(format_question(q), add_special_tokens=False)[-budget:]
+            predictions.append(int(letter_logprobs(model, ids, letters).argmax()))
     finally:
         model.train(was_training)
     correct = [p == q.answer for p, q in zip(predictions, questions)]

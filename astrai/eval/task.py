@@ -25,3 +25,12 @@ def task_accuracy(generator: Generator, tokenizer, problems: Sequence, prompt_of
         "examples": [{"prompt": prompt_of(p), "answer": a, "reward": r}
                      for p, a, r in list(zip(problems, answers, rewards))[:n_examples]],
     }
+
+
+def arithmetic_task(n: int, seed: int = 1234, **problem_kwargs) -> tuple[list[dict], Callable, Callable]:
+    """The bundled arithmetic task as ``(problems, prompt_of, check)`` for ``evaluate``;
+    ``problem_kwargs`` go to ``make_problems`` (``max_operand``, ``ops``). The default
+    seed differs from the training seeds so evaluation problems are drawn separately."""
+    from astrai.dataset.arithmetic import check_answer, make_problems
+
+    return make_problems(n, seed=seed, **problem_kwargs), (lambda p: p["prompt"]), check_answer

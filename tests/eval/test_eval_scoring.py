@@ -29,7 +29,7 @@ class RiggedModel(nn.Module):
 def test_mmlu_scores_the_letter_with_the_highest_likelihood(tokenizer, bundled_data):
     questions = load_questions(bundled_data / "eval" / "mmlu_sample.csv")
     assert [q.answer for q in questions] == [1, 2, 1, 3, 1, 1]
-    letters = letter_token_ids(tokenizer)
+    letters = [spelling[-1] for spelling in letter_token_ids(tokenizer)]  # the token that tells letters apart
     other = tokenizer.encode(" the")[0]
     # a bigger logit on a non-letter token must not matter: only the letters compete
     model = RiggedModel(tokenizer.vocab_size, favourite=other, runner_up=letters[1])
@@ -43,7 +43,7 @@ def test_mmlu_scores_the_letter_with_the_highest_likelihood(tokenizer, bundled_d
 def test_mmlu_jsonl_format_with_subjects(tokenizer, bundled_data):
     questions = load_questions(bundled_data / "eval" / "mmlu_sample.jsonl")
     assert [LETTERS[q.answer] for q in questions] == ["C", "B", "C", "A", "D"]
-    model = RiggedModel(tokenizer.vocab_size, favourite=letter_token_ids(tokenizer)[2], runner_up=0)
+    model = RiggedModel(tokenizer.vocab_size, favourite=letter_token_ids(tokenizer)[2][-1], runner_up=0)
     result = evaluate_multiple_choice(model, tokenizer, questions)
     assert result["accuracy"] == pytest.approx(2 / 5)
     assert result["by_subject"] == {"arithmetic": 1.0, "geography": 0.0, "language": 0.0, "science": 0.5}

@@ -1,0 +1,154 @@
+"""The quick start's report card: ``report.md`` plus a self-contained ``report.html``.
+
+Both are rendered from one summary dict (what the run measured) and the metrics
+JSONL each training stage wrote, so every number in the report is one the run
+produced. Loss curves are PNG files beside the report; the HTML inlines them as
+base64 so the single file can be mailed or opened anywhere.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Optional
+
+STAGE_TITLES = {"pretrain": "pre-training", "sft": "SFT", "dpo": "DPO", "grpo": "GRPO"}
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Rows of a metrics JSONL file (missing file: no rows)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_curves(rows: list[dict], keys: list[str], title: str, path: Path) -> Optional[Path]:
+    """One PNG with each metric in ``keys`` against the optimizer step; None if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None and "step" in r] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    for key, points in series.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=key, marker="." if len(points) < 30 else None)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def eval_table(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: one row per evaluated stage, plus the unigram baseline."""
+    names = sorted({n for s in summary["stages"] for n in s.get("eval", {}).get("perplexity", {})})
+    header = ["stage"] + [f"perplexity {n}" for n in names] + ["task accuracy", "task mean reward"]
+    rows = []
+    for stage in summary["stages"]:
+        ev = stage.get("eval", {})
+        ppl = ev.get("perplexity", {})
+        task = ev.get("task", {})
+        rows.append([STAGE_TITLES.get(stage["name"], stage["name"])]
+                    + [_fmt(ppl.get(n, {}).get("perplexity")) for n in names]
+                    + [_fmt(task.get("accuracy"), 3), _fmt(task.get("mean_reward"), 3)])
+    baseline = summary.get("unigram_perplexity", {})
+    if baseline:
+        rows.append(["unigram baseline (fitted on the held-out text)"] + [_fmt(baseline.get(n)) for n in names]
+                    + ["–", "–"])
+    return header, rows
+
+
+def training_table(summary: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["stage", "steps", "tokens", "seconds", "tokens/s", "final loss"]
+    rows = [[STAGE_TITLES.get(s["name"], s["name"]), _fmt(s.get("steps")), _fmt(s.get("tokens")),
+             _fmt(s.get("seconds"), 1), _fmt(s.get("tokens_per_s"), 0), _fmt(s.get("final_loss"), 3)]
+            for s in summary["stages"] if s.get("steps") is not None]
+    return header, rows
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _samples(summary: dict) -> list[tuple[str, str, str]]:
+    """(stage, prompt, answer) for every stage's sample generations."""
+    return [(STAGE_TITLES.get(s["name"], s["name"]), item["prompt"], item["answer"])
+            for s in summary["stages"] for item in s.get("eval", {}).get("samples", [])]
+
+
+def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple[Path, Path]:
+    """Write report.md and report.html into ``out_dir``; return their paths."""
+    out_dir = Path(out_dir)
+    train_h, train_rows = training_table(summary)
+    eval_h, eval_rows = eval_table(summary)
+    samples = _samples(summary)
+    commands = summary["commands"]
+    intro = (f"Model: `{summary['model']['preset']}` preset, {summary['model']['parameters']:,} parameters, "
+             f"vocabulary {summary['model']['vocab_size']}. Budget {summary['budget_minutes']:g} min, "
+             f"took {summary['total_seconds'] / 60:.1f} min on {summary['device']} "
+             f"(measured training throughput before sizing the stages: "
+             f"{summary['measured_tokens_per_s']:.0f} tokens/s).")
+
+    md = ["# astrai quick start report", "", intro, "", "## Training", "", _md_table(train_h, train_rows), "",
+          "## Evaluation", "", _md_table(eval_h, eval_rows), "",
+          "Perplexity is per token of this run's tokenizer, on the held-out documents; the task is "
+          "the bundled arithmetic (greedy answers, exact match).", "", "## Loss curves", ""]
+    md += [f"![{p.stem}]({p.name})" for p in plots]
+    md += ["", "## Sample generations", "", _md_table(["stage", "prompt", "answer"],
+                                                       [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
+           "## Use the model", "", "```bash"] + [commands[k] for k in ("serve", "chat", "eval")] + ["```", ""]
+    md_path = out_dir / "report.md"
+    md_path.write_text("\n".join(md), encoding="utf-8")
+
+    images = "".join(
+        f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode("ascii")}"/></figure>' for p in plots)
+    sample_rows = [[s, p, a] for s, p, a in samples]
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>astrai quick start report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }}
+table {{ border-collapse: collapse; margin: 1rem 0; }} td, th {{ border: 1px solid #ccc; padding: .3rem .6rem; }}
+th {{ background: #f3f3f3; }} pre {{ background: #f6f6f6; padding: .8rem; overflow-x: auto; }}
+figure {{ display: inline-block; margin: .5rem; }} td {{ white-space: pre-wrap; }}
+</style></head><body>
+<h1>astrai quick start report</h1>
+<p>{html.escape(intro.replace('`', ''))}</p>
+<h2>Training</h2>{_html_table(train_h, train_rows)}
+<h2>Evaluation</h2>{_html_table(eval_h, eval_rows)}
+<p>Perplexity is per token of this run's tokenizer, on the held-out documents; the task is the bundled
+arithmetic (greedy answers, exact match).</p>
+<h2>Loss curves</h2>{images}
+<h2>Sample generations</h2>{_html_table(["stage", "prompt", "answer"], sample_rows)}
+<h2>Use the model</h2><pre>{html.escape(chr(10).join(commands[k] for k in ("serve", "chat", "eval")))}</pre>
+</body></html>
+"""
+    html_path = out_dir / "report.html"
+    html_path.write_text(page, encoding="utf-8")
+    return md_path, html_path
