@@ -71,6 +71,7 @@ class TrainConfig:
     validation_interval: int = 0               # 0 = only at the end (when a validation set exists)
     validation_batches: int = 8
     progress_bar: bool = True
+    save_final_model: bool = True              # write <ckpt_dir>/final as a model directory at the end
     # execution
     random_seed: int = 3407
     device: str = "auto"

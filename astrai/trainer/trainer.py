@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -70,6 +71,8 @@ class Trainer:
                   ("checkpoint", {"save_dir": c.ckpt_dir, "interval": c.ckpt_interval, "keep": c.ckpt_keep}),
                   ("metric_logger", {"log_dir": c.log_dir or c.ckpt_dir, "save_interval": c.log_interval}),
                   ("progress_bar", {"enabled": c.progress_bar})]
+        if c.save_final_model:
+            names.append(("save_model", {"save_dir": str(Path(c.ckpt_dir) / "final")}))
         return [CallbackFactory.create(name, **kwargs) for name, kwargs in names]
 
     # --- the loop ------------------------------------------------------------------

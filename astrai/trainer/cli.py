@@ -1,0 +1,136 @@
+"""``astrai train``: every TrainConfig field is a flag; ``--config`` supplies a JSON base.
+
+Precedence: flags > ``--config`` file > the resumed checkpoint's config > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from astrai.config import TrainConfig
+from astrai.errors import CheckpointError
+
+_HELP = {
+    "train_type": "seq | sft | dpo | rm | grpo | kl",
+    "data_root_path": "training data (a storage file or directory from `astrai preprocess`)",
+    "datasets": 'mixture as JSON: [{"path": "a", "rate": 0.7}, {"path": "b", "rate": 0.3}]',
+    "param_path": "model directory (config.json [+ weights, tokenizer])",
+    "model_preset": "build a fresh model from a preset (tiny, small, 1b, ...) instead of param_path",
+    "model_overrides": 'ModelConfig fields as JSON, e.g. {"vocab_size": 1024}',
+    "total_tokens": "token budget (overrides n_epoch)",
+    "schedule": "cosine | sgdr | wsd | constant",
+    "optimizer": "adamw | muon (Muon on 2-D hidden weights, AdamW on the rest)",
+    "precision": "auto | fp32 | bf16 (bf16 autocast, fp32 master weights)",
+    "nprocs": "processes to spawn locally (use torchrun for multi-node)",
+    "parallel_mode": "ddp | fsdp (FSDP2 fully_shard)",
+}
+
+
+def _flag_type(annotation: str):
+    text = str(annotation)
+    if "dict" in text or "list" in text:
+        return json.loads
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="JSON file with TrainConfig fields (flags override it)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (parameters, tokens/step, steps, memory) and exit")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
+                        help="continue from a checkpoint directory (default: the latest under ckpt_dir)")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else f.default_factory()
+        help_text = f"{_HELP.get(f.name, '')} (default: {json.dumps(default)})".strip()
+        if hints[f.name] is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=_flag_type(hints[f.name]), default=argparse.SUPPRESS, help=help_text)
+
+
+def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
+    """The merged config and the checkpoint directory to resume from (or None)."""
+    names = {f.name for f in fields(TrainConfig)}
+    flags = {k: v for k, v in vars(args).items() if k in names}
+    base = TrainConfig.load(args.config).to_dict() if args.config else {}
+    config = TrainConfig.from_dict({**base, **flags}, source=args.config or "flags")
+    resume = None
+    if args.resume:
+        from astrai.serialization import Checkpoint, latest_checkpoint
+
+        if args.resume == "latest":
+            found = latest_checkpoint(config.ckpt_dir)
+            if found is None:
+                raise CheckpointError(f"--resume: no checkpoint under ckpt_dir {config.ckpt_dir!r}")
+            resume = str(found)
+        else:
+            resume = args.resume
+        if not args.config:
+            saved = Checkpoint.read_meta(resume)["meta"].get("train_config", {})
+            config = TrainConfig.from_dict({**saved, **flags}, source=f"{resume}/meta.json")
+    return config, resume
+
+
+def estimate_memory_bytes(model_config, config: TrainConfig, n_params: int) -> dict[str, int]:
+    """Rough peak per device: fp32 weights+grads+AdamW moments, plus activations of one micro-batch."""
+    tokens = config.batch_per_device * config.window_size
+    per_layer = tokens * model_config.dim * 34 + 5 * model_config.n_heads * config.batch_per_device * config.window_size ** 2
+    act_bytes = 2 if config.precision == "bf16" else 4
+    layers = 1 if config.gradient_checkpointing else model_config.n_layers
+    activations = per_layer * layers * act_bytes // 2 + tokens * model_config.vocab_size * 4 * 2
+    states = n_params * 16
+    return {"weights_grads_optimizer": states, "activations": activations, "total": states + activations}
+
+
+def dry_run(config: TrainConfig) -> int:
+    from astrai.trainer.builder import TrainContextBuilder, check_model_fits, load_model, load_tokenizer, total_steps_for
+    from astrai.trainer.data import resolve_data
+
+    TrainContextBuilder(config).validate()
+    model = load_model(config)
+    check_model_fits(config, model, load_tokenizer(config))
+    data = resolve_data(config)
+    world = config.nprocs
+    train_len = sum(len(s) for s in data.train_sources)
+    steps_per_epoch = train_len // world // config.batch_per_device // config.grad_accum_steps
+    tokens_per_step = config.batch_per_device * config.window_size * config.grad_accum_steps * world
+    total = total_steps_for(config, max(steps_per_epoch, 1), tokens_per_step)
+    n_params = model.num_parameters()
+    memory = estimate_memory_bytes(model.config, config, n_params)
+    gib = 1024 ** 3
+    print(f"train_type        {config.train_type}")
+    print(f"parameters        {n_params:,}")
+    print(f"training samples  {train_len:,} (validation: {len(data.val) if data.val is not None else 0:,})")
+    print(f"tokens per step   {tokens_per_step:,} = {config.batch_per_device} batch x {config.window_size} window "
+          f"x {config.grad_accum_steps} accum x {world} procs")
+    print(f"steps per epoch   {steps_per_epoch:,}")
+    print(f"total steps       {total:,} ({total * tokens_per_step:,} tokens)")
+    print(f"memory estimate   {memory['total'] / gib:.2f} GiB per device "
+          f"({memory['weights_grads_optimizer'] / gib:.2f} weights/grads/AdamW + {memory['activations'] / gib:.2f} activations)")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    config, resume = build_config(args)
+    if args.dry_run:
+        return dry_run(config)
+    from astrai.trainer.trainer import Trainer
+
+    Path(config.ckpt_dir).mkdir(parents=True, exist_ok=True)
+    context = Trainer(config).train(resume)
+    if context is not None and context.stop_requested:
+        print(f"astrai train: interrupted at step {context.step}; resume with --resume --ckpt_dir {config.ckpt_dir}")
+        return 130
+    return 0
+
+
+__all__ = ["add_arguments", "build_config", "dry_run", "run"]
