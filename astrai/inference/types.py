@@ -51,7 +51,8 @@ class StreamEvent:
     ``text`` is new, complete UTF-8 text (never half a character; stop strings are
     held back until they can be ruled out). ``finish_reason`` is set on the last
     event: "stop" (eos, stop id or stop string), "length" (max_tokens or context
-    limit) or "abort" (removed by the caller or the client went away).
+    limit) or "abort" (removed by the caller, the client went away, the engine
+    shut down, or - with ``error`` set - the step computing it failed).
     """
 
     text: str = ""
@@ -62,3 +63,23 @@ class StreamEvent:
     matched_stop: Optional[str] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    error: Optional[str] = None
+
+
+@dataclass
+class GenerationRequest:
+    """A chat request as one object (the spec's ``generate_with_request`` argument).
+
+    ``messages`` are ``{"role": ..., "content": ...}`` dicts, rendered with the
+    tokenizer's chat template plus the assistant generation prompt. Fields left None
+    take the engine's defaults.
+    """
+
+    messages: list[dict] = field(default_factory=list)
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    temperature: Optional[float] = None
+    max_tokens: Optional[int] = None
+    stream: bool = False
+    stop: list[str] = field(default_factory=list)
+    seed: Optional[int] = None

@@ -1,0 +1,183 @@
+"""InferenceEngine: the user-facing entry point over the scheduler.
+
+``submit`` is the token-level, thread-safe core (used by the server and by
+``generate``); ``generate`` accepts text, a list of texts, chat messages or token
+ids, and returns text, a list of texts, or a generator of text pieces that never
+split a UTF-8 character. The scheduler thread starts with the engine and stops on
+``shutdown`` (or leaving the ``with`` block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+import torch
+
+from astrai.errors import RequestError
+from astrai.inference.handle import RequestHandle
+from astrai.inference.scheduler import InferenceScheduler
+from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
+
+PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+Prompt = Union[str, list[int], list[dict]]
+
+
+class InferenceEngine:
+    def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
+                 max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
+                 prefill_chunk_size: int = 256, max_queue: int = 256, prefix_cache: bool = True,
+                 default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None):
+        model.eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.default_params = default_params or SamplingParams()
+        self.scheduler = InferenceScheduler(model, tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                            max_prompt_len=max_prompt_len, page_size=page_size, num_pages=num_pages,
+                                            prefill_chunk_size=prefill_chunk_size, max_queue=max_queue,
+                                            prefix_cache=prefix_cache, stop_ids=stop_ids)
+        self.scheduler.start()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: Optional[torch.dtype] = None,
+                        device: str | torch.device = "cpu", **limits: Any) -> "InferenceEngine":
+        """Model, tokenizer and (optional) generation_config.json defaults from one directory."""
+        from astrai.model import AutoModel
+        from astrai.tokenize import AutoTokenizer
+
+        model = AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        limits.setdefault("default_params", _read_generation_config(Path(model_dir)))
+        return cls(model, tokenizer, **limits)
+
+    # --- token level ----------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: Optional[SamplingParams] = None) -> RequestHandle:
+        """Queue one request; thread-safe. Raises RequestError / OverloadedError at once."""
+        params = dataclasses.replace(params) if params is not None else dataclasses.replace(self.default_params)
+        handle = RequestHandle("", len(prompt_ids) if isinstance(prompt_ids, list) else 0, self.scheduler.remove_task)
+        task = self.scheduler.submit_task(prompt_ids, params, handle._push)
+        handle.request_id = task.task_id
+        handle._bind(task)
+        return handle
+
+    # --- text level -------------------------------------------------------------------
+    def make_params(self, **sampling: Any) -> SamplingParams:
+        """Engine defaults overridden by the given (non-None) sampling fields."""
+        unknown = sorted(set(sampling) - PARAM_NAMES)
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(PARAM_NAMES))}")
+        return dataclasses.replace(self.default_params, **{k: v for k, v in sampling.items() if v is not None})
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Text → ids; chat messages → ids via the chat template with the generation prompt."""
+        if isinstance(prompt, str):
+            self._need_tokenizer("text prompts")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            self._need_tokenizer("chat messages")
+            for i, m in enumerate(prompt):
+                if "role" not in m or "content" not in m:
+                    raise RequestError(f"message {i} needs 'role' and 'content', got keys {sorted(m)}")
+            ids = self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+            return list(ids)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise RequestError(f"prompt must be text, chat messages (list of dicts) or token ids, got {type(prompt).__name__}")
+
+    def generate(self, prompt: Union[Prompt, list[Prompt]], stream: bool = False, max_tokens: Optional[int] = None,
+                 temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
+                 **sampling: Any) -> Union[str, list[str], Iterator[str]]:
+        """Complete one prompt (→ str, or a generator of pieces with stream=True) or a list (→ list[str])."""
+        params = self.make_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, **sampling)
+        if _is_batch(prompt):
+            if stream:
+                raise RequestError("stream=True takes one prompt; call generate once per prompt to stream several")
+            handles = [self.submit(self.encode_prompt(p), params) for p in prompt]
+            return [h.result().text for h in handles]
+        handle = self.submit(self.encode_prompt(prompt), params)
+        if stream:
+            return _text_pieces(handle)
+        return handle.result().text
+
+    async def generate_async(self, prompt: Prompt, max_tokens: Optional[int] = None, temperature: Optional[float] = None,
+                             top_p: Optional[float] = None, top_k: Optional[int] = None, **sampling: Any) -> AsyncIterator[str]:
+        """Stream one prompt's text pieces on the caller's event loop."""
+        params = self.make_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, **sampling)
+        handle = self.submit(self.encode_prompt(prompt), params)
+        async for event in handle.aiter():
+            _raise_on_error(event)
+            if event.text:
+                yield event.text
+
+    def generate_with_request(self, request: GenerationRequest) -> Union[str, Iterator[str]]:
+        return self.generate(request.messages, stream=request.stream, max_tokens=request.max_tokens,
+                             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                             stop=request.stop or None, seed=request.seed)
+
+    # --- management ---------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        return self.scheduler.get_stats()
+
+    def update_weights(self, model_or_state_dict) -> None:
+        """Load new weights (e.g. a GRPO policy update) between steps; the prefix cache is dropped,
+        since cached K/V came from the old weights. Running requests continue with the new weights."""
+        state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) else model_or_state_dict
+        with self.scheduler.model_lock:
+            with torch.no_grad():
+                self.model.load_state_dict(state)
+            self.scheduler.clear_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+
+    def __enter__(self) -> "InferenceEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise RequestError(f"{what} need a tokenizer; this engine was built without one (pass token ids)")
+
+
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+
+
+def _raise_on_error(event: StreamEvent) -> None:
+    if event.error:
+        raise RuntimeError(f"generation failed: {event.error}")
+
+
+def _text_pieces(handle: RequestHandle) -> Iterator[str]:
+    """Text pieces of a request; closing the generator early aborts the request."""
+    try:
+        for event in handle:
+            _raise_on_error(event)
+            if event.text:
+                yield event.text
+    finally:
+        handle.abort()
+
+
+def _read_generation_config(directory: Path) -> SamplingParams:
+    """Sampling defaults from generation_config.json (HF field names), if the directory has one."""
+    path = directory / "generation_config.json"
+    params = SamplingParams()
+    if not path.is_file():
+        return params
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"{path}: not valid JSON ({exc})") from None
+    mapping = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+               "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty"}
+    for src, dst in mapping.items():
+        if raw.get(src) is not None:
+            setattr(params, dst, raw[src])
+    if raw.get("do_sample") is False:
+        params.temperature = 0.0
+    return params

@@ -1,0 +1,105 @@
+"""Executor: runs one forward for all tasks of a step and samples their next tokens.
+
+Each row is one task feeding its uncomputed tokens (a prefill chunk, or the last
+sampled token when decoding), padded to the longest row. Positions come from the
+cache view (absolute positions, so cached prefixes and preempted tasks line up), and
+``logits_index`` asks the model for each row's last real position only, so the
+vocabulary projection costs one row per task.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from astrai.inference.cache import KVCache
+from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw
+from astrai.inference.task import Task
+from astrai.inference.types import TokenLogprob
+
+
+class Executor:
+    def __init__(self, model, page_cache: KVCache, tokenizer=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.page_cache = page_cache
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> torch.Tensor:
+        """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]."""
+        starts = [t.num_computed for t in tasks]
+        T = max(n_new)
+        rows = [t.context[s:s + n] + [0] * (T - n) for t, s, n in zip(tasks, starts, n_new)]
+        input_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        table = self.page_cache.make_table_tensor([t.task_id for t in tasks], self.device)
+        view = self.page_cache.bind(table, starts, n_new)
+        logits_index = None if T == 1 else torch.tensor([n - 1 for n in n_new], device=self.device)
+        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
+        for t, n in zip(tasks, n_new):
+            t.num_computed += n
+        return out["logits"][:, -1]
+
+    def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[int]]:
+        """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""
+        logits = self.forward(tasks, n_new)
+        done = [i for i, t in enumerate(tasks) if t.remaining == 0]
+        tokens: list[Optional[int]] = [None] * len(tasks)
+        if done:
+            picked = self.sample([tasks[i] for i in done], logits[done])
+            for i, tok in zip(done, picked):
+                tokens[i] = tok
+        return tokens
+
+    def execute_decode(self, tasks: Sequence[Task]) -> list[tuple[int, Optional[TokenLogprob]]]:
+        logits = self.forward(tasks, [1] * len(tasks))
+        return self.sample(tasks, logits)
+
+    @torch.inference_mode()
+    def sample(self, tasks: Sequence[Task], logits: torch.Tensor) -> list[tuple[int, Optional[TokenLogprob]]]:
+        """Next token (and its log-probability entry when asked) for each task's logits row."""
+        logits = logits.float()
+        params = [t.params for t in tasks]
+        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        if all(p.temperature == 0 for p in params) and not any(_has_penalty(p) for p in params):
+            ids = logits.argmax(dim=-1).tolist()
+        else:
+            logits = logits.clone()
+            for i, (t, p) in enumerate(zip(tasks, params)):
+                if _has_penalty(p):
+                    apply_penalties(logits[i], t.context, t.output_ids, p.repetition_penalty,
+                                    p.frequency_penalty, p.presence_penalty)
+            ids = logits.argmax(dim=-1)
+            sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+            if sampled:
+                rows = logits[sampled]
+                pipeline = SamplingPipeline.from_params(
+                    torch.tensor([params[i].temperature for i in sampled], device=rows.device),
+                    torch.tensor([params[i].top_k for i in sampled], device=rows.device),
+                    torch.tensor([params[i].top_p for i in sampled], device=rows.device),
+                    torch.tensor([params[i].min_p for i in sampled], device=rows.device))
+                probs = pipeline.apply(rows).softmax(dim=-1)
+                ids[sampled] = draw(probs, [tasks[i].generator for i in sampled])
+            ids = ids.tolist()
+        if raw_logprobs is None:
+            return [(tok, None) for tok in ids]
+        return [(tok, self._logprob(raw_logprobs[i], tok, p.top_logprobs) if (p.logprobs or p.top_logprobs) else None)
+                for i, (tok, p) in enumerate(zip(ids, params))]
+
+    def _logprob(self, row: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
+        top = []
+        if n_top:
+            values, indices = row.topk(n_top)
+            top = [(i, self._text(i), v) for i, v in zip(indices.tolist(), values.tolist())]
+        return TokenLogprob(token_id=token, text=self._text(token), logprob=float(row[token]), top=top)
+
+    def _text(self, token: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _has_penalty(p) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

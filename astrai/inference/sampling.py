@@ -1,0 +1,149 @@
+"""Sampling: logits → next token, with every parameter allowed to differ per row.
+
+The strategies follow the spec's pipeline (Temperature → TopK → TopP, plus MinP):
+each takes logits [B, V] and returns them with filtered entries set to
+``filter_value``. A parameter may be a Python number (same for all rows) or a
+tensor [B] (one per row), so one batched call serves requests with different
+settings. Drawing uses the exponential race (argmax of p / Exp(1) noise), drawn from
+each request's own ``torch.Generator``, so a seeded request samples the same tokens
+whoever shares its batch. A filtered token has probability exactly 0 and can never
+be drawn.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence, Union
+
+import torch
+
+Param = Union[float, int, torch.Tensor]
+NEG_INF = float("-inf")
+
+
+def _per_row(value: Param, logits: torch.Tensor) -> torch.Tensor:
+    """Broadcast a scalar or [B] parameter to a [B, 1] tensor on the logits' device."""
+    t = torch.as_tensor(value, device=logits.device)
+    if t.dim() == 0:
+        t = t.expand(logits.shape[0])
+    return t.view(-1, 1)
+
+
+class BaseSamplingStrategy(ABC):
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, filter_value: float = NEG_INF) -> torch.Tensor:
+        """Return transformed logits [B, V]."""
+
+
+class TemperatureStrategy(BaseSamplingStrategy):
+    """Divide by temperature; rows with temperature 0 (greedy) are left as they are."""
+
+    def __init__(self, temperature: Param):
+        self.temperature = temperature
+
+    def apply(self, logits, filter_value=NEG_INF):
+        t = _per_row(self.temperature, logits).to(logits.dtype)
+        return logits / torch.where(t > 0, t, torch.ones_like(t))
+
+
+class TopKStrategy(BaseSamplingStrategy):
+    """Keep the k highest logits per row (k = 0 keeps all)."""
+
+    def __init__(self, top_k: Param):
+        self.top_k = top_k
+
+    def apply(self, logits, filter_value=NEG_INF):
+        V = logits.shape[-1]
+        k = _per_row(self.top_k, logits).long()
+        k = torch.where((k <= 0) | (k > V), torch.full_like(k, V), k)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)
+        return logits.masked_fill(logits < kth, filter_value)
+
+
+class TopPStrategy(BaseSamplingStrategy):
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all)."""
+
+    def __init__(self, top_p: Param):
+        self.top_p = top_p
+
+    def apply(self, logits, filter_value=NEG_INF):
+        p = _per_row(self.top_p, logits).to(torch.float32)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.float().softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        return logits.masked_fill(drop, filter_value)
+
+
+class MinPStrategy(BaseSamplingStrategy):
+    """Drop tokens whose probability is below min_p times the most likely token's (0 keeps all)."""
+
+    def __init__(self, min_p: Param):
+        self.min_p = min_p
+
+    def apply(self, logits, filter_value=NEG_INF):
+        m = _per_row(self.min_p, logits).to(torch.float32)
+        probs = logits.float().softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * m
+        return logits.masked_fill(probs < threshold, filter_value)
+
+
+class SamplingPipeline:
+    """Strategies applied in order, then a draw per row."""
+
+    def __init__(self, strategies: Sequence[BaseSamplingStrategy]):
+        self.strategies = list(strategies)
+
+    @classmethod
+    def from_params(cls, temperature: Param = 1.0, top_k: Param = 0, top_p: Param = 1.0, min_p: Param = 0.0) -> "SamplingPipeline":
+        return cls([TemperatureStrategy(temperature), TopKStrategy(top_k), TopPStrategy(top_p), MinPStrategy(min_p)])
+
+    def apply(self, logits: torch.Tensor, filter_value: float = NEG_INF) -> torch.Tensor:
+        for strategy in self.strategies:
+            logits = strategy.apply(logits, filter_value)
+        return logits
+
+    def sample(self, logits: torch.Tensor, filter_value: float = NEG_INF,
+               generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
+        """Token ids [B] drawn from the filtered distribution of each row."""
+        probs = self.apply(logits.float(), filter_value).softmax(dim=-1)
+        return draw(probs, generators)
+
+
+def draw(probs: torch.Tensor, generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
+    """One categorical draw per row: argmax(p / E) with E ~ Exp(1) from the row's generator."""
+    noise = torch.empty_like(probs)
+    for i in range(probs.shape[0]):
+        gen = generators[i] if generators is not None else None
+        noise[i].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, temperature: Param = 1.0, top_k: Param = 0, top_p: Param = 1.0,
+           min_p: Param = 0.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Sample token ids [B] from logits [B, V]; temperature 0 means greedy (argmax)."""
+    if isinstance(temperature, (int, float)) and temperature == 0:
+        return logits.argmax(dim=-1)
+    pipeline = SamplingPipeline.from_params(temperature, top_k, top_p, min_p)
+    return pipeline.sample(logits, generators=[generator] * logits.shape[0] if generator is not None else None)
+
+
+def apply_penalties(logits: torch.Tensor, context_ids: Sequence[int], output_ids: Sequence[int],
+                    repetition: float = 1.0, frequency: float = 0.0, presence: float = 0.0) -> torch.Tensor:
+    """Penalise one row [V] in place by what was already said.
+
+    repetition (> 1 discourages) divides positive / multiplies negative logits of
+    every token in prompt or output; frequency subtracts ``frequency * count`` and
+    presence subtracts ``presence`` once for tokens of the output (OpenAI's definitions).
+    """
+    V = logits.shape[-1]
+    if repetition != 1.0 and context_ids:
+        seen = torch.tensor(list(set(context_ids)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    if (frequency or presence) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=logits.device), minlength=V)[:V]
+        logits -= frequency * counts.to(logits.dtype) + presence * (counts > 0).to(logits.dtype)
+    return logits

@@ -1,0 +1,320 @@
+"""InferenceScheduler: continuous batching on a background thread.
+
+Every step the loop (1) admits waiting tasks in FIFO order while the batch has room
+and pages are available, (2) picks either a prefill step (chunks of prompts still to
+compute, at most ``prefill_chunk_size`` tokens per task) or a decode step (every task
+with exactly one uncomputed token), alternating when both kinds wait so a long prompt
+never stalls the running decodes, (3) runs that step in one forward, and (4) turns
+the sampled tokens into events, finishing and releasing tasks as they end.
+
+When decoding needs a page and none is left, the newest running task is preempted:
+its pages are released (full ones stay in the prefix cache) and it goes back to the
+front of the queue to be recomputed from prompt + output later. Results are
+unchanged by preemption; only time is lost. Bookkeeping happens under one lock; the
+forward runs outside it so ``add_task``/``remove_task`` never wait for the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from astrai.errors import OverloadedError, RequestError
+from astrai.inference.cache import KVCache
+from astrai.inference.executor import Executor
+from astrai.inference.task import Task, TaskManager, TaskStatus
+from astrai.inference.types import SamplingParams, StreamEvent
+from astrai.inference.validation import check_fits, check_params, check_prompt
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 2 * 1024**3
+RATE_WINDOW_S = 10.0
+
+
+def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len: int, page_size: int,
+                      budget_bytes: int = DEFAULT_CACHE_BYTES) -> int:
+    """Enough pages for a full batch of full-length sequences, capped by a memory budget
+    (but always at least one full-length sequence)."""
+    wanted = -(-max_batch_size * max_seq_len // page_size)
+    affordable = budget_bytes // max(1, kv_bytes_per_token * page_size)
+    return max(-(-max_seq_len // page_size), min(wanted, affordable))
+
+
+class InferenceScheduler:
+    def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
+                 max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
+                 prefill_chunk_size: int = 256, max_queue: int = 256, prefix_cache: bool = True,
+                 stop_ids: Optional[Iterable[int]] = None):
+        for name, value in (("max_batch_size", max_batch_size), ("page_size", page_size),
+                            ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue)):
+            if not isinstance(value, int) or value < 1:
+                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = int(max_seq_len or model.config.max_len)
+        self.max_prompt_len = int(max_prompt_len or self.max_seq_len - 1)
+        self.page_size = page_size
+        self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_token_budget = 2 * prefill_chunk_size
+        self.max_queue = max_queue
+        if stop_ids is None and tokenizer is not None:
+            stop_ids = getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id]
+        self.stop_ids = frozenset(int(i) for i in (stop_ids or ()) if i is not None)
+        param = next(model.parameters())
+        if num_pages is None:
+            probe = KVCache.for_model(model, num_pages=1, page_size=page_size, prefix_cache=False)
+            num_pages = default_num_pages(probe.storage.bytes_per_token(), max_batch_size, self.max_seq_len, page_size)
+        self._page_cache = KVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_cache=prefix_cache)
+        self._executor = Executor(model, self._page_cache, tokenizer)
+        self._task_mgr = TaskManager()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self.model_lock = threading.Lock()
+        self._running = False
+        self._loop_thread: Optional[threading.Thread] = None
+        self._last_was_prefill = False
+        self._device = param.device
+        self._seed_rng = random.Random()
+        self._stats = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                       "preemptions": 0, "ttft_sum": 0.0, "ttft_count": 0, "output_tokens": 0}
+        self._rate: deque[tuple[float, int]] = deque()
+
+    @property
+    def page_cache(self) -> KVCache:
+        return self._page_cache
+
+    # --- public API ---------------------------------------------------------------
+    def add_task(self, prompt_ids: list[int], params: Optional[SamplingParams] = None,
+                 stream_callback: Optional[Callable[[StreamEvent], None]] = None, task_id: Optional[str] = None) -> str:
+        """Validate and queue a request; returns its id. Events go to ``stream_callback``."""
+        return self.submit_task(prompt_ids, params, stream_callback, task_id).task_id
+
+    def submit_task(self, prompt_ids: list[int], params: Optional[SamplingParams] = None,
+                    stream_callback: Optional[Callable[[StreamEvent], None]] = None,
+                    task_id: Optional[str] = None) -> Task:
+        """``add_task`` returning the Task itself (its final state outlives the scheduler's bookkeeping)."""
+        params = params if params is not None else SamplingParams()
+        check_params(params, self.vocab_size, self.tokenizer is not None)
+        ids = check_prompt(prompt_ids, self.vocab_size, self.max_prompt_len, self.max_seq_len)
+        check_fits(len(ids), params, self.max_seq_len, self.page_size, self._page_cache.num_pages)
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            generator = torch.Generator(device=self._device).manual_seed(seed)
+        task = Task(task_id or uuid.uuid4().hex, ids, params, stream_callback, self.tokenizer, generator)
+        with self._lock:
+            if not self._running:
+                raise RequestError("the engine is not running (it was shut down or never started)")
+            if len(self._task_mgr.waiting) >= self.max_queue:
+                raise OverloadedError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            if task.task_id in self._task_mgr.tasks:
+                raise RequestError(f"task id {task.task_id!r} is already in use")
+            self._task_mgr.add(task)
+            self._wake.notify()
+        return task
+
+    def remove_task(self, task_id: str) -> bool:
+        """Abort a task: its pages are released now and it ends with finish_reason 'abort'."""
+        with self._lock:
+            task = self._task_mgr.get(task_id)
+            if task is None or task.done:
+                return False
+            self._abort(task)
+            return True
+
+    def start(self) -> None:
+        with self._lock:
+            if self._running:
+                return
+            self._running = True
+        self._loop_thread = threading.Thread(target=self._loop, name="astrai-scheduler", daemon=True)
+        self._loop_thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop; every unfinished task ends with 'abort' so no consumer waits forever."""
+        with self._lock:
+            self._running = False
+            self._wake.notify_all()
+        if self._loop_thread is not None and self._loop_thread is not threading.current_thread():
+            self._loop_thread.join()
+        with self._lock:
+            for task in list(self._task_mgr.tasks.values()):
+                if not task.done:
+                    self._abort(task)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def get_stats(self) -> dict:
+        with self._lock:
+            s = self._stats
+            now = time.monotonic()
+            while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
+                self._rate.popleft()
+            span = now - self._rate[0][0] if self._rate else 0.0
+            produced = sum(n for _, n in self._rate)
+            return {
+                "queue_len": len(self._task_mgr.waiting),
+                "running": len(self._task_mgr.running),
+                **self._page_cache.stats(),
+                "prefix_hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+                "tokens_per_s": produced / span if span > 0 else 0.0,
+                "ttft_avg_s": s["ttft_sum"] / s["ttft_count"] if s["ttft_count"] else 0.0,
+                "requests_finished": s["requests_finished"],
+                "requests_aborted": s["requests_aborted"],
+                "preemptions": s["preemptions"],
+                "output_tokens": s["output_tokens"],
+            }
+
+    def clear_prefix_cache(self) -> None:
+        with self._lock:
+            self._page_cache.clear_prefix()
+
+    # --- the loop -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._running and not self._task_mgr.waiting and not self._task_mgr.running:
+                    self._wake.wait()
+                if not self._running:
+                    return
+                self._admit()
+                kind, batch, n_new = self._plan_step()
+            if batch:
+                self._run_step(kind, batch, n_new)
+
+    def _run_step(self, kind: str, batch: list[Task], n_new: list[int]) -> None:
+        try:
+            with self.model_lock:
+                if kind == "prefill":
+                    results = self._executor.execute_prefill(batch, n_new)
+                else:
+                    results = self._executor.execute_decode(batch)
+        except Exception as exc:  # a bug or out-of-memory must end the requests, not hang them
+            logger.exception("inference step failed")
+            with self._lock:
+                for task in batch:
+                    if not task.done:
+                        self._abort(task, error=f"{type(exc).__name__}: {exc}")
+            return
+        now = time.monotonic()
+        with self._lock:
+            produced = 0
+            for task, result in zip(batch, results):
+                if task.done:
+                    continue
+                self._page_cache.task_record_hashes(task.task_id, task.context, task.num_computed)
+                if result is None:
+                    continue
+                token, logprob = result
+                event = task.accept(token, logprob, self.stop_ids, self.max_seq_len)
+                produced += 1
+                if len(task.output_ids) == 1:
+                    self._stats["ttft_sum"] += task.first_token_time - task.arrival_time
+                    self._stats["ttft_count"] += 1
+                if task.done:
+                    self._page_cache.task_free(task.task_id)
+                    self._task_mgr.drop(task)
+                    self._stats["requests_finished"] += 1
+                task.emit(event)
+            self._stats["output_tokens"] += produced
+            self._rate.append((now, produced))
+
+    # --- admission, planning, preemption (called with the lock held) ----------------
+    def _admit(self) -> None:
+        mgr, cache = self._task_mgr, self._page_cache
+        scanned = 0
+        for task in list(mgr.waiting):
+            if len(mgr.running) >= self.max_batch_size or scanned >= self.max_batch_size:
+                return
+            scanned += 1
+            if self._should_wait_for_shared_prefix(task):
+                continue
+            if not cache.task_alloc(task.task_id, task.context, reserve=len(mgr.running)):
+                return
+            task.num_computed = task.cached_tokens = cache.task_cached(task.task_id)
+            if task.preemptions == 0:
+                self._stats["prompt_tokens"] += len(task.context)
+                self._stats["cached_tokens"] += task.cached_tokens
+            mgr.start(task)
+
+    def _should_wait_for_shared_prefix(self, task: Task) -> bool:
+        """Hold a task whose leading full pages another running task is still prefilling:
+        waiting for them to reach the prefix cache is cheaper than computing them twice."""
+        if not self._page_cache.pool.prefix_enabled:
+            return False
+        ps = self.page_size
+        head = task.context[:ps]
+        if len(head) < ps:
+            return False
+        for other in self._task_mgr.running:
+            if other.remaining <= 1 or other.context[:ps] != head:
+                continue
+            shared = 0
+            limit = min(len(task.context), len(other.context)) - 1
+            while shared < limit and task.context[shared] == other.context[shared]:
+                shared += 1
+            if shared // ps * ps > other.num_computed:
+                return True
+        return False
+
+    def _plan_step(self) -> tuple[str, list[Task], list[int]]:
+        running = self._task_mgr.running
+        prefill = [t for t in running if t.remaining > 1]
+        if prefill and (self._last_was_prefill is False or all(t.remaining > 1 for t in running)):
+            self._last_was_prefill = True
+            return "prefill", *self._plan_prefill(prefill)
+        self._last_was_prefill = False
+        decode = self._reserve_decode_pages()
+        return "decode", decode, [1] * len(decode)
+
+    def _plan_prefill(self, prefill: list[Task]) -> tuple[list[Task], list[int]]:
+        batch, n_new, width = [], [], 0
+        for task in prefill:
+            n = min(task.remaining, self.prefill_chunk_size)
+            if batch and max(width, n) * (len(batch) + 1) > self.prefill_token_budget:
+                break
+            batch.append(task)
+            n_new.append(n)
+            width = max(width, n)
+        return batch, n_new
+
+    def _reserve_decode_pages(self) -> list[Task]:
+        """Give every decoding task room for its next token, preempting the newest tasks if needed."""
+        cache = self._page_cache
+        for task in [t for t in self._task_mgr.running if t.remaining == 1]:
+            if task.status is not TaskStatus.RUNNING:
+                continue
+            while not cache.task_extend(task.task_id, task.num_computed + 1):
+                victim = self._task_mgr.running[-1]
+                self._preempt(victim)
+                if victim is task:
+                    break
+        return [t for t in self._task_mgr.running if t.remaining == 1]
+
+    def _preempt(self, task: Task) -> None:
+        self._page_cache.task_free(task.task_id)
+        task.num_computed = 0
+        task.preemptions += 1
+        self._stats["preemptions"] += 1
+        self._task_mgr.requeue_front(task)
+
+    def _abort(self, task: Task, error: Optional[str] = None) -> None:
+        self._page_cache.task_free(task.task_id)
+        self._task_mgr.drop(task)
+        task.error = error
+        task.finish("abort")
+        self._stats["requests_aborted"] += 1
+        task.emit(StreamEvent(finished=True, finish_reason="abort", error=error, prompt_tokens=len(task.prompt_ids),
+                              completion_tokens=len(task.output_ids)))
