@@ -1,1 +1,41 @@
-"""astrai.inference.server"""
+"""The HTTP server: OpenAI- and Anthropic-compatible APIs, SSE streaming, the chat page.
+
+``create_app(engine, model_name=...)`` builds the FastAPI app around an engine;
+``run_server(model_dir, ...)`` serves a model directory with uvicorn (what
+``astrai serve`` calls). ``app`` is built on first access from ``$ASTRAI_MODEL``
+so ``uvicorn astrai.inference.server:app`` also works.
+"""
+
+from .anthropic_handler import AnthropicHandler
+from .app import create_app
+from .generation import StreamContext
+from .openai_handler import OpenAICompletionHandler, OpenAIHandler
+from .protocol import ProtocolHandler
+from .runner import run_server
+from .schemas import AnthropicMessage, ChatCompletionRequest, ChatMessage, CompletionRequest, MessagesRequest
+from .stop import StopChecker
+
+__all__ = ["create_app", "run_server", "app", "ProtocolHandler", "OpenAIHandler", "OpenAICompletionHandler",
+           "AnthropicHandler", "StreamContext", "StopChecker", "ChatMessage", "ChatCompletionRequest",
+           "CompletionRequest", "AnthropicMessage", "MessagesRequest"]
+
+_app = None
+
+
+def __getattr__(name: str):
+    if name != "app":
+        raise AttributeError(name)
+    global _app
+    if _app is None:
+        import os
+        from pathlib import Path
+
+        from astrai.errors import ConfigError
+        from astrai.inference import InferenceEngine
+
+        model_dir = os.environ.get("ASTRAI_MODEL")
+        if not model_dir:
+            raise ConfigError("set ASTRAI_MODEL to a model directory to use astrai.inference.server:app")
+        _app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(model_dir),
+                          model_name=Path(model_dir).resolve().name, api_key=os.environ.get("ASTRAI_API_KEY"))
+    return _app

@@ -1,0 +1,254 @@
+"""The FastAPI application: routes, authentication, body limits, error shapes, the chat page.
+
+``create_app`` wraps an engine (or a function that loads one, run in the background so
+the port opens at once and ``/health`` can report readiness). Request bodies are read
+here, not by FastAPI, so each failure gets its own status and a message in the
+protocol's error JSON: 413 for an oversized body, 400 for invalid UTF-8 or JSON, 422
+for a body that parses but breaks the schema, 401 for a missing or wrong key,
+404 for an unknown model, 503 (with ``Retry-After``) when the engine's queue is full.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.staticfiles import StaticFiles
+
+from .accesslog import AccessLogMiddleware
+from .anthropic_handler import AnthropicHandler
+from .errors import APIError, describe_validation_errors, error_body, is_anthropic_path
+from .metrics import ServerMetrics
+from .openai_handler import OpenAICompletionHandler, OpenAIHandler
+from .protocol import ServerState
+from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+
+logger = logging.getLogger("astrai.server")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def static_dir() -> str:
+    return str(resources.files("astrai.inference.server").joinpath("static"))
+
+
+def _error_response(request: Request, error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error, is_anthropic_path(request.url.path)), status_code=error.status,
+                        headers=error.headers())
+
+
+async def read_json_body(request: Request, limit: int) -> dict:
+    """The request body as a JSON object, enforcing the size limit while reading."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError("too_large", f"request body is {int(declared)} bytes; the limit is {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError("too_large", f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError("invalid_request", f"request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError("invalid_request", f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                       f"column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise APIError("invalid_request", f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_body(model_cls, data: dict):
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        message, param = describe_validation_errors(exc.errors())
+        raise APIError("validation", message, param=param) from None
+
+
+def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = None, tokenizer=None,
+               model_name: str = "astrai", api_key: Optional[str] = None,
+               cors_origins: Optional[list[str]] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               default_max_tokens: int = 512, max_seq_len: Optional[int] = None) -> FastAPI:
+    """Build the app around ``engine``, or around what ``load_engine()`` returns once loaded.
+
+    With ``load_engine`` the engine is built in a background thread when the app starts
+    and shut down when it stops; until it is ready ``/health`` says so and /v1 routes
+    answer 503.
+    """
+    if (engine is None) == (load_engine is None):
+        raise ValueError("pass exactly one of engine= or load_engine=")
+    holder: dict = {"state": None, "error": None}
+
+    def install(eng) -> None:
+        seq = max_seq_len or getattr(eng, "max_seq_len", None)
+        holder["state"] = ServerState(engine=eng, tokenizer=tokenizer or eng.tokenizer, model_name=model_name,
+                                      default_max_tokens=default_max_tokens, max_seq_len=seq, metrics=metrics)
+
+    metrics = ServerMetrics()
+    if engine is not None:
+        install(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader_thread = None
+        if load_engine is not None:
+            def load():
+                try:
+                    install(load_engine())
+                    logger.info("model %s loaded; ready", model_name)
+                except Exception as exc:  # reported by /health instead of killing the server silently
+                    holder["error"] = f"{type(exc).__name__}: {exc}"
+                    logger.exception("loading the model failed")
+            loader_thread = threading.Thread(target=load, name="astrai-load", daemon=True)
+            loader_thread.start()
+        yield
+        if loader_thread is not None:
+            loader_thread.join()
+            if holder["state"] is not None:
+                holder["state"].engine.shutdown()
+
+    app = FastAPI(title="astrai", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.metrics = metrics
+
+    def state() -> ServerState:
+        if holder["state"] is None:
+            detail = f"loading the model failed: {holder['error']}" if holder["error"] else "the model is still loading"
+            raise APIError("not_ready", detail)
+        return holder["state"]
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        if not given or not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError("authentication", "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                           "or 'x-api-key: <key>'")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            error = APIError("not_found", f"no route {request.method} {request.url.path}; see docs/serving.md")
+        elif exc.status_code == 405:
+            error = APIError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+        else:
+            error = APIError("invalid_request", str(exc.detail))
+        response = _error_response(request, error)
+        response.status_code = exc.status_code
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = describe_validation_errors(list(exc.errors()))
+        return _error_response(request, APIError("validation", message, param=param))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error_response(request, APIError("internal", f"internal error: {type(exc).__name__}"))
+
+    # ---- operations -------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        ready = holder["state"] is not None
+        body = {"status": "ok", "ready": ready, "model": model_name}
+        if holder["error"]:
+            body["error"] = holder["error"]
+        return body
+
+    @app.get("/health/ready")
+    async def health_ready():
+        ready = holder["state"] is not None
+        return JSONResponse({"ready": ready, "model": model_name}, status_code=200 if ready else 503)
+
+    @app.get("/stats")
+    async def stats():
+        return {"model": model_name, **state().engine.get_stats()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        current = holder["state"]
+        engine_stats = current.engine.get_stats() if current is not None else None
+        return PlainTextResponse(metrics.render(engine_stats, model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- the chat page ----------------------------------------------------------
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return FileResponse(f"{static_dir()}/index.html", media_type="text/html; charset=utf-8")
+
+    app.mount("/static", StaticFiles(directory=static_dir()), name="static")
+
+    # ---- the protocols ----------------------------------------------------------
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_key(request)
+        if "anthropic-version" in request.headers:
+            return {"data": [{"type": "model", "id": model_name, "display_name": model_name,
+                              "created_at": "1970-01-01T00:00:00Z"}],
+                    "has_more": False, "first_id": model_name, "last_id": model_name}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(metrics.started),
+                                            "owned_by": "astrai"}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        check_key(request)
+        if model_id != model_name:
+            raise APIError("not_found", f"model {model_id!r} does not exist; this server serves {model_name!r}",
+                           code="model_not_found")
+        return {"id": model_name, "object": "model", "created": int(metrics.started), "owned_by": "astrai"}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        body = parse_body(ChatCompletionRequest, await read_json_body(request, max_body_bytes))
+        return await OpenAIHandler(state(), body, request).handle()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        body = parse_body(CompletionRequest, await read_json_body(request, max_body_bytes))
+        return await OpenAICompletionHandler(state(), body, request).handle()
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        check_key(request)
+        body = parse_body(MessagesRequest, await read_json_body(request, max_body_bytes))
+        return await AnthropicHandler(state(), body, request).handle()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        check_key(request)
+        data = await read_json_body(request, max_body_bytes)
+        data.setdefault("max_tokens", 1)
+        body = parse_body(MessagesRequest, data)
+        handler = AnthropicHandler(state(), body, request)
+        handler.check_model()
+        return {"input_tokens": len(handler.build_prompt()[0])}
+
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"])
+    app.add_middleware(AccessLogMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,49 @@
+"""``astrai serve --model DIR``: the HTTP server's command line."""
+
+from __future__ import annotations
+
+import argparse
+
+from astrai.errors import ConfigError
+
+from .app import DEFAULT_MAX_BODY_BYTES
+from .runner import API_KEY_ENV
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help=f"require this key on /v1 routes (default: ${API_KEY_ENV} if set, else no key)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
+    parser.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                        help="allow browser requests from this origin (repeatable; CORS is off by default)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest accepted request body (larger ones get 413)")
+    parser.add_argument("--default-max-tokens", type=int, default=512,
+                        help="completion length when a request gives no max_tokens")
+    limits = parser.add_argument_group("engine limits")
+    limits.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
+    limits.add_argument("--max-seq-len", type=int, default=None, help="prompt + completion tokens per request")
+    limits.add_argument("--max-prompt-len", type=int, default=None)
+    limits.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    limits.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (default: sized by the engine)")
+    limits.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503 Overloaded")
+    limits.add_argument("--no-prefix-cache", action="store_true", help="disable prompt prefix reuse")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from .runner import run_server
+
+    for flag in ("port", "max_body_bytes", "default_max_tokens", "max_batch_size", "page_size", "max_queue"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name,
+               cors_origins=args.cors_origin, max_body_bytes=args.max_body_bytes,
+               default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,
+               page_size=args.page_size, num_pages=args.num_pages, max_queue=args.max_queue,
+               prefix_cache=not args.no_prefix_cache)
+    return 0

@@ -1,0 +1,272 @@
+"""The OpenAI protocol: ``/v1/chat/completions`` and ``/v1/completions``.
+
+Bodies follow OpenAI's published shapes (``chat.completion``, ``chat.completion.chunk``,
+``text_completion``), so the official ``openai`` client and tools built on it work
+unchanged. Choices of one request (``n``) are separate engine requests sharing a
+prompt; with a ``seed`` choice *i* uses ``seed + i``, so the whole response is
+reproducible while the choices still differ.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Optional
+
+from astrai.inference.types import SamplingParams, TokenLogprob
+
+from .errors import APIError, error_body
+from .generation import Delta, StreamContext, new_id
+from .protocol import ProtocolHandler
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .sse import sse_event
+from .toolcalls import ParsedToolCall, ToolCallStreamParser, parse_tool_calls, render_tool_call
+
+DONE_FRAME = "data: [DONE]\n\n"
+
+
+class _OpenAIBase(ProtocolHandler):
+    """Sampling, usage and errors common to both OpenAI endpoints."""
+
+    body: ChatCompletionRequest | CompletionRequest
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.body.max_tokens
+
+    @abstractmethod
+    def logprob_settings(self) -> tuple[bool, int]:
+        """(whether to return logprobs, how many alternatives per token)."""
+
+    def sampling_params(self, choice: int, prompt_len: int) -> SamplingParams:
+        b = self.body
+        want_logprobs, top = self.logprob_settings()
+        seed = None if b.seed is None else b.seed + choice % b.n
+        return SamplingParams(
+            max_tokens=self.state.max_tokens_for(prompt_len, self.requested_max_tokens()),
+            temperature=b.temperature, top_p=b.top_p, top_k=max(b.top_k, 0), min_p=b.min_p,
+            repetition_penalty=b.repetition_penalty, frequency_penalty=b.frequency_penalty,
+            presence_penalty=b.presence_penalty, seed=seed, logprobs=want_logprobs, top_logprobs=top)
+
+    def stop_strings(self) -> list[str]:
+        return self.body.stop_list()
+
+    def usage(self, contexts: list[StreamContext]) -> dict:
+        prompt = sum(c.prompt_tokens for c in contexts[:: self.body.n])
+        completion = sum(c.completion_tokens for c in contexts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.body.stream_options and self.body.stream_options.include_usage)
+
+    def format_stream_error(self, error: APIError) -> str:
+        return sse_event(error_body(error, anthropic=False)) + DONE_FRAME
+
+
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {"content": [{**_token_entry(e.text, e.logprob),
+                         "top_logprobs": [_token_entry(t, lp) for _, t, lp in e.top]} for e in entries]}
+
+
+def _message_text(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for i, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise APIError("invalid_request", f"content part of type {part.type!r} is not supported; "
+                           "this model reads text parts only", param=f"messages.content.{i}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+class OpenAIHandler(_OpenAIBase):
+    """``POST /v1/chat/completions``."""
+
+    body: ChatCompletionRequest
+
+    def create_response_id(self) -> str:
+        return new_id("chatcmpl-")
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.body.max_completion_tokens or self.body.max_tokens
+
+    def logprob_settings(self) -> tuple[bool, int]:
+        return self.body.logprobs, self.body.top_logprobs if self.body.logprobs else 0
+
+    @property
+    def tools_active(self) -> bool:
+        return bool(self.body.tools) and self.body.tool_choice != "none"
+
+    def build_prompt(self) -> list[list[int]]:
+        messages = []
+        for message in self.body.messages:
+            role = "system" if message.role == "developer" else message.role
+            text = _message_text(message)
+            if message.tool_calls:
+                calls = [render_tool_call(c.function.name, c.function.arguments) for c in message.tool_calls]
+                text = "\n".join(([text] if text else []) + calls)
+            messages.append({"role": role, "content": text})
+        tools = [t.model_dump(exclude_none=True) for t in self.body.tools] if self.tools_active else None
+        prompt = self.tokenize_chat(messages, tools)
+        return [prompt] * self.body.n
+
+    # ---- streaming ------------------------------------------------------------
+    def _chunk(self, choices: list[dict], usage: Optional[dict] = None) -> str:
+        chunk = {"id": self.resp_id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.state.model_name, "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return sse_event(chunk)
+
+    def format_stream_start(self, contexts: list[StreamContext]) -> list[str]:
+        self._parsers = [ToolCallStreamParser() if self.tools_active else None for _ in contexts]
+        self._tool_counts = [0] * len(contexts)
+        return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for c in contexts]
+
+    def _pieces_to_frames(self, ctx: StreamContext, pieces, logprobs: list[TokenLogprob]) -> list[str]:
+        frames = []
+        for piece in pieces:
+            if isinstance(piece, ParsedToolCall):
+                call = {"index": self._tool_counts[ctx.index], "id": new_id("call_"), "type": "function",
+                        "function": {"name": piece.name, "arguments": piece.arguments}}
+                self._tool_counts[ctx.index] += 1
+                delta = {"tool_calls": [call]}
+            else:
+                delta = {"content": piece}
+            lp = chat_logprobs(logprobs) if logprobs and self.body.logprobs else None
+            logprobs = []
+            frames.append(self._chunk([{"index": ctx.index, "delta": delta, "logprobs": lp, "finish_reason": None}]))
+        return frames
+
+    def format_stream_token(self, ctx: StreamContext, delta: Delta) -> list[str]:
+        parser = self._parsers[ctx.index]
+        if not delta.finished:
+            pieces = parser.feed(delta.text) if parser else ([delta.text] if delta.text else [])
+            return self._pieces_to_frames(ctx, pieces, delta.logprobs)
+        frames = self._pieces_to_frames(ctx, parser.finish(), []) if parser else []
+        finish = "tool_calls" if self._tool_counts[ctx.index] else ctx.finish_reason
+        frames.append(self._chunk([{"index": ctx.index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+        return frames
+
+    def format_stream_end(self, contexts: list[StreamContext]) -> list[str]:
+        frames = [self._chunk([], self.usage(contexts))] if self.include_usage else []
+        return frames + [DONE_FRAME]
+
+    # ---- whole response -------------------------------------------------------
+    def format_non_stream_response(self, contexts: list[StreamContext]) -> dict:
+        choices = []
+        for ctx in contexts:
+            message: dict = {"role": "assistant", "content": ctx.accumulated}
+            finish = ctx.finish_reason
+            if self.tools_active:
+                content, calls = parse_tool_calls(ctx.accumulated)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [
+                        {"id": new_id("call_"), "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+                    finish = "tool_calls"
+            choices.append({"index": ctx.index, "message": message,
+                            "logprobs": chat_logprobs(ctx.logprobs) if self.body.logprobs else None,
+                            "finish_reason": finish})
+        return {"id": self.resp_id, "object": "chat.completion", "created": self.created,
+                "model": self.state.model_name, "system_fingerprint": None, "choices": choices,
+                "usage": self.usage(contexts)}
+
+
+class OpenAICompletionHandler(_OpenAIBase):
+    """``POST /v1/completions``: raw prompts, no chat template."""
+
+    body: CompletionRequest
+
+    def create_response_id(self) -> str:
+        return new_id("cmpl-")
+
+    def logprob_settings(self) -> tuple[bool, int]:
+        return self.body.logprobs is not None, self.body.logprobs or 0
+
+    def _prompt_ids(self) -> list[list[int]]:
+        prompt = self.body.prompt
+        tokenizer = self.state.tokenizer
+        if isinstance(prompt, str):
+            prompts = [tokenizer.encode(prompt)]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [tokenizer.encode(p) for p in prompt]
+        elif prompt and all(isinstance(p, list) for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            raise APIError("invalid_request", "prompt must be a string, a list of strings, a list of token ids "
+                           "or a list of token-id lists, and must not be empty", param="prompt")
+        vocab = getattr(tokenizer, "vocab_size", None)
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise APIError("invalid_request", f"prompt {i} is empty", param="prompt")
+            if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+                raise APIError("invalid_request", f"prompt {i} has token ids outside [0, {vocab})", param="prompt")
+        return prompts
+
+    def build_prompt(self) -> list[list[int]]:
+        self._prompts = self._prompt_ids()
+        return [p for p in self._prompts for _ in range(self.body.n)]
+
+    def _echo(self, ctx: StreamContext) -> str:
+        if not self.body.echo:
+            return ""
+        return self.state.tokenizer.decode(self._prompts[ctx.index // self.body.n], skip_special_tokens=False)
+
+    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> Optional[dict]:
+        if self.body.logprobs is None:
+            return None
+        offsets, pos = [], offset
+        for e in entries:
+            offsets.append(pos)
+            pos += len(e.text)
+        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _chunk(self, choices: list[dict], usage: Optional[dict] = None) -> str:
+        chunk = {"id": self.resp_id, "object": "text_completion", "created": self.created,
+                 "model": self.state.model_name, "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return sse_event(chunk)
+
+    def format_stream_start(self, contexts: list[StreamContext]) -> list[str]:
+        self._sent = [0] * len(contexts)
+        frames = []
+        for c in contexts:
+            echo = self._echo(c)
+            self._sent[c.index] = len(echo)
+            if echo:
+                frames.append(self._chunk([{"index": c.index, "text": echo, "logprobs": None, "finish_reason": None}]))
+        return frames
+
+    def format_stream_token(self, ctx: StreamContext, delta: Delta) -> list[str]:
+        if delta.finished:
+            return [self._chunk([{"index": ctx.index, "text": "", "logprobs": None,
+                                  "finish_reason": ctx.finish_reason}])]
+        lp = self._logprobs(delta.logprobs, self._sent[ctx.index])
+        self._sent[ctx.index] += len(delta.text)
+        return [self._chunk([{"index": ctx.index, "text": delta.text, "logprobs": lp, "finish_reason": None}])]
+
+    def format_stream_end(self, contexts: list[StreamContext]) -> list[str]:
+        frames = [self._chunk([], self.usage(contexts))] if self.include_usage else []
+        return frames + [DONE_FRAME]
+
+    def format_non_stream_response(self, contexts: list[StreamContext]) -> dict:
+        choices = []
+        for ctx in contexts:
+            echo = self._echo(ctx)
+            choices.append({"index": ctx.index, "text": echo + ctx.accumulated,
+                            "logprobs": self._logprobs(ctx.logprobs, len(echo)), "finish_reason": ctx.finish_reason})
+        return {"id": self.resp_id, "object": "text_completion", "created": self.created,
+                "model": self.state.model_name, "system_fingerprint": None, "choices": choices,
+                "usage": self.usage(contexts)}

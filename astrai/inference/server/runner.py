@@ -1,0 +1,42 @@
+"""``run_server``: load a model directory behind the app and serve it with uvicorn.
+
+The port opens at once and the model loads in the background (``/health`` reports
+``ready: false`` until it is in), so process managers see a live server quickly and
+load balancers can wait for readiness.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from astrai.errors import ConfigError
+
+from .app import DEFAULT_MAX_BODY_BYTES, create_app
+
+API_KEY_ENV = "ASTRAI_API_KEY"
+
+
+def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
+               model_name: Optional[str] = None, cors_origins: Optional[list[str]] = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
+               log_level: str = "info", **engine_limits) -> None:
+    """Serve ``model_dir`` until interrupted; ``engine_limits`` go to ``InferenceEngine.from_pretrained``."""
+    import uvicorn
+
+    from astrai.inference import InferenceEngine
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {model_dir}: no config.json there; pass a model directory written by "
+                          "save_pretrained (config.json, model.safetensors, tokenizer.json)")
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    limits = {k: v for k, v in engine_limits.items() if v is not None}
+    app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(str(path), **limits),
+                     model_name=model_name or path.resolve().name, api_key=api_key, cors_origins=cors_origins,
+                     max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
+                     max_seq_len=limits.get("max_seq_len"))
+    logging.basicConfig(level=log_level.upper(), format="%(message)s")
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

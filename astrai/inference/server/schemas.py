@@ -1,0 +1,160 @@
+"""Request bodies of the OpenAI and Anthropic protocols, as pydantic models.
+
+Validation here is what turns a wrong type or an out-of-range number into a 422
+that names the field, before anything reaches the engine. Unknown fields are
+ignored (clients send vendor extras such as ``metadata`` or ``parallel_tool_calls``)
+but every field astrai acts on is typed and bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _stop_list(value: Union[str, list[str], None]) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else list(value)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return stops
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Body):
+    class _Name(_Body):
+        name: str
+
+    type: Literal["function"] = "function"
+    function: _Name
+
+
+class ContentPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    """One OpenAI chat message; content is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    """Sampling fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value):
+        _stop_list(value)
+        return value
+
+    def stop_list(self) -> list[str]:
+        return _stop_list(self.stop)
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+
+
+class CompletionRequest(_OpenAISampling):
+    """Body of ``POST /v1/completions``: a prompt string, several, or token ids."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class AnthropicContentBlock(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class AnthropicMessage(_Body):
+    """One Anthropic message; content is a string or a list of content blocks."""
+
+    role: Literal["user", "assistant"]
+    content: Union[str, list[AnthropicContentBlock]]
+
+
+class MessagesRequest(_Body):
+    """Body of ``POST /v1/messages``."""
+
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Union[str, list[AnthropicContentBlock], None] = None
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop_sequences: Optional[list[str]] = None
+    stream: bool = False
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _check_stop(cls, value):
+        _stop_list(value)
+        return value
