@@ -1,0 +1,78 @@
+"""More requests than pages, aborts, limits and stats of the scheduler."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from astrai.inference import InferenceEngine, SamplingParams
+from inference_helpers import greedy_reference
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.timeout(120)
+def test_more_requests_than_pages_all_finish_correctly(gqa_model):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 14))] for _ in range(10)]
+    expected = [greedy_reference(gqa_model, p, 12) for p in prompts]
+    # 10 requests x up to 26 tokens need ~70 pages of 4; the cache has 16 (one request needs at most 7)
+    with InferenceEngine(gqa_model, None, max_batch_size=8, page_size=4, num_pages=16, prefix_cache=False) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=12, **GREEDY)) for p in prompts]
+        got = [h.result(timeout=90) for h in handles]
+        stats = engine.get_stats()
+    assert [r.token_ids for r in got] == expected
+    assert all(r.finish_reason == "length" for r in got)
+    assert stats["requests_finished"] == 10 and stats["pages_used"] == 0
+    assert stats["preemptions"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_abort_frees_pages_at_once_and_ends_stream(gqa_model):
+    with InferenceEngine(gqa_model, None, page_size=4, num_pages=64, prefix_cache=False) as engine:
+        handle = engine.submit(list(range(1, 30)), SamplingParams(max_tokens=200, **GREEDY))
+        events = iter(handle)
+        next(events)
+        assert engine.get_stats()["pages_used"] > 0
+        handle.abort()
+        assert engine.get_stats()["pages_used"] == 0
+        last = list(events)[-1]
+        assert last.finished and last.finish_reason == "abort"
+        assert handle.result(timeout=5).finish_reason == "abort"
+        assert engine.get_stats()["requests_aborted"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_waiting_request_abort_and_shutdown_never_hang(gqa_model):
+    engine = InferenceEngine(gqa_model, None, max_batch_size=1, page_size=4, num_pages=64)
+    long = engine.submit([1, 2, 3], SamplingParams(max_tokens=150, **GREEDY))
+    queued = engine.submit([4, 5, 6], SamplingParams(max_tokens=5, **GREEDY))
+    assert engine.get_stats()["queue_len"] >= 1
+    queued.abort()
+    assert queued.result(timeout=5).finish_reason == "abort"
+    engine.shutdown()
+    assert long.result(timeout=5).finish_reason in ("abort", "length")
+
+
+@pytest.mark.timeout(60)
+def test_batch_limit_and_stats(gqa_model):
+    with InferenceEngine(gqa_model, None, max_batch_size=2, page_size=4, num_pages=64) as engine:
+        handles = [engine.submit([i + 1, i + 2], SamplingParams(max_tokens=30, **GREEDY)) for i in range(5)]
+        seen_running = 0
+        while not all(h.finished for h in handles):
+            seen_running = max(seen_running, engine.get_stats()["running"])
+            time.sleep(0.001)
+        stats = engine.get_stats()
+    assert seen_running <= 2
+    assert stats["requests_finished"] == 5 and stats["ttft_avg_s"] > 0 and stats["tokens_per_s"] > 0
+    assert set(stats) >= {"queue_len", "running", "pages_total", "pages_used", "pages_free", "pages_cached",
+                          "prefix_hit_rate", "tokens_per_s", "ttft_avg_s", "requests_finished", "requests_aborted"}
+
+
+@pytest.mark.timeout(60)
+def test_context_limit_ends_with_length(gqa_model):
+    with InferenceEngine(gqa_model, None, max_seq_len=20, page_size=4, num_pages=16) as engine:
+        r = engine.submit(list(range(1, 16)), SamplingParams(max_tokens=100, **GREEDY)).result(timeout=30)
+    assert r.finish_reason == "length" and r.completion_tokens == 5
