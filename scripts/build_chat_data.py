@@ -122,7 +122,7 @@ def main() -> None:
 
     problems = make_problems(500, seed=2)
     write_jsonl(args.out / "grpo" / "arithmetic.jsonl",
-                [{"prompt": p["prompt"], "messages": problem_messages(p), "answer": p["answer"]} for p in problems])
+                [{"prompt": problem_messages(p), "problem": p["prompt"], "answer": p["answer"]} for p in problems])
 
 
 if __name__ == "__main__":

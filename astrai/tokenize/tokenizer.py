@@ -187,27 +187,38 @@ class AutoTokenizer:
         return self.encode(text) if tokenize else text
 
     def encode_chat(self, messages, **kwargs) -> tuple[list[int], list[int]]:
-        """Ids of a rendered conversation and a 0/1 mask over assistant tokens.
+        """Ids of a rendered conversation and a 0/1 mask over assistant tokens."""
+        text, spans = self.chat_spans(messages, **kwargs)
+        return self.encode_spans([text], [spans])[0]
 
-        A token counts as the assistant's when it starts inside an assistant span;
-        the span ends after the turn's last stop token, so the newline the template
+    def chat_spans(self, messages, **kwargs) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans the assistant produced.
+
+        Each span ends after the turn's last stop token, so the newline the template
         writes after ``<|im_end|>`` (never generated) is not trained on.
         """
         text, spans = self.chat_template.assistant_spans(messages, **kwargs)
+        return text, [(begin, self.end_of_response(text, begin, end)) for begin, end in spans]
+
+    def end_of_response(self, text: str, begin: int, end: int) -> int:
+        """End of ``text[begin:end]`` cut after its last stop token (``end`` if it has none)."""
         stops = [t for t in (END_OF_TURN, self.eos_token) if t]
-        trimmed = []
-        for begin, end in spans:
-            last = max((text.rfind(s, begin, end) + len(s) for s in stops if text.rfind(s, begin, end) >= 0), default=end)
-            trimmed.append((begin, last))
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        mask = [0] * len(encoding.ids)
-        span_index = 0
-        for i, (start, _) in enumerate(encoding.offsets):
-            while span_index < len(trimmed) and start >= trimmed[span_index][1]:
-                span_index += 1
-            if span_index < len(trimmed) and trimmed[span_index][0] <= start:
-                mask[i] = 1
-        return encoding.ids, mask
+        found = [text.rfind(s, begin, end) + len(s) for s in stops if text.rfind(s, begin, end) >= 0]
+        return max(found, default=end)
+
+    def encode_spans(self, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[tuple[list[int], list[int]]]:
+        """Encode texts (batched) with a 0/1 mask of tokens starting inside the given character spans."""
+        out = []
+        for encoding, text_spans in zip(self._tokenizer.encode_batch(texts, add_special_tokens=False), spans):
+            mask = [0] * len(encoding.ids)
+            span_index = 0
+            for i, (start, _) in enumerate(encoding.offsets):
+                while span_index < len(text_spans) and start >= text_spans[span_index][1]:
+                    span_index += 1
+                if span_index < len(text_spans) and text_spans[span_index][0] <= start:
+                    mask[i] = 1
+            out.append((encoding.ids, mask))
+        return out
 
     def __len__(self) -> int:
         return self.vocab_size

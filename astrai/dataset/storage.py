@@ -1,0 +1,140 @@
+"""Storage: named token streams on disk behind one interface, whatever the format.
+
+A preprocessed dataset directory holds ``meta.json`` (format, keys and their
+dtypes, shard list, how it was made) and one file per shard per format:
+``{key}.{shard}.bin`` for memory-mapped raw arrays, ``shard-{shard}.h5`` for HDF5,
+``shard-{shard}.json`` for JSON. Every format loads into a ``MultiSegmentFetcher``,
+so datasets read ``fetch(begin, end, keys)`` and never care which format it was.
+HDF5 and JSON files written by other tools (one object of key → list of numbers,
+or JSONL lines of such objects) load too, without meta.json.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from astrai.dataset.fetcher import MultiSegmentFetcher
+from astrai.errors import DataError
+from astrai.factory import Registry
+
+META_FILE = "meta.json"
+_STORAGE_REGISTRY = Registry("storage format")
+SUFFIXES = {".bin": "mmap", ".h5": "h5", ".hdf5": "h5", ".json": "json", ".jsonl": "json"}
+
+
+def register_storage(name: str):
+    def decorator(cls):
+        _STORAGE_REGISTRY.register(name, cls, category="storage")
+        cls.format_name = name
+        return cls
+    return decorator
+
+
+def read_meta(path: Path) -> dict:
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        return {}
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{meta_path}: cannot be read as JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path}: expected a JSON object")
+    return meta
+
+
+def detect_format(path: str | Path) -> str:
+    """'mmap', 'h5' or 'json' for a dataset directory (by meta.json, else by its files) or a file."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such dataset file or directory")
+    if path.is_file():
+        if path.suffix in SUFFIXES and SUFFIXES[path.suffix] != "mmap":
+            return SUFFIXES[path.suffix]
+        raise DataError(f"{path}: unknown storage file type {path.suffix!r}; expected .h5, .json or .jsonl "
+                        f"(memory-mapped .bin data is loaded through its directory's meta.json)")
+    meta = read_meta(path)
+    if "format" in meta:
+        if meta["format"] not in _STORAGE_REGISTRY:
+            raise DataError(f"{path / META_FILE}: unknown format {meta['format']!r}; "
+                            f"known: {', '.join(_STORAGE_REGISTRY.list_names())}")
+        return meta["format"]
+    try:
+        found = {SUFFIXES[p.suffix] for p in path.iterdir() if p.suffix in SUFFIXES}
+    except PermissionError:
+        raise DataError(f"{path}: directory cannot be read (permission denied)") from None
+    if found == {"h5"} or found == {"json"}:
+        return found.pop()
+    if not found:
+        raise DataError(f"{path}: no dataset here (no meta.json, .h5, .json or .jsonl files); "
+                        f"create one with `astrai preprocess`")
+    raise DataError(f"{path}: mixed storage files {sorted(found)} and no meta.json saying which to use")
+
+
+def create_storage(storage_type: str) -> "BaseStorage":
+    """A storage object for a format name ('mmap', 'h5', 'json')."""
+    return _STORAGE_REGISTRY.get(storage_type)()
+
+
+def shard_names(meta: dict, path: Path) -> list[str]:
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and "name" in s for s in shards):
+        raise DataError(f"{path / META_FILE}: 'shards' must be a list of {{'name': ...}} objects")
+    return [s["name"] for s in shards]
+
+
+class BaseStorage(ABC):
+    """Named, aligned token streams (``keys``) read by range."""
+
+    format_name = "base"
+
+    def __init__(self):
+        self._fetcher: MultiSegmentFetcher | None = None
+        self.meta: dict = {}
+        self.path: Path | None = None
+
+    def load(self, load_path: str | Path, tokenizer=None) -> "BaseStorage":
+        """Open ``load_path``; ``tokenizer`` is accepted for interface compatibility and unused
+        (data is stored already tokenised)."""
+        self.path = Path(load_path)
+        if not self.path.exists():
+            raise DataError(f"{self.path}: no such dataset file or directory")
+        self.meta = read_meta(self.path) if self.path.is_dir() else {}
+        segments = self._load_segments(self.path)
+        if not segments or all(len(s) == 0 for segs in segments.values() for s in segs):
+            raise DataError(f"{self.path}: the dataset is empty (no tokens stored)")
+        self._fetcher = MultiSegmentFetcher(segments)
+        return self
+
+    @abstractmethod
+    def _load_segments(self, path: Path) -> dict[str, list[np.ndarray]]:
+        """key → its shards, in order."""
+
+    @property
+    def fetcher(self) -> MultiSegmentFetcher:
+        if self._fetcher is None:
+            raise DataError("storage used before load(path)")
+        return self._fetcher
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.fetcher.multi_keys)
+
+    def length(self, key: str) -> int:
+        return self.fetcher.length(key)
+
+    def fetch(self, begin: int, end: int, keys: str | Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        return self.fetcher.key_fetch(begin, end, self.keys if keys is None else keys)
+
+    def __len__(self) -> int:
+        return len(self.fetcher)
+
+    def __repr__(self) -> str:
+        lengths = {k: self.length(k) for k in self.keys} if self._fetcher else {}
+        return f"{type(self).__name__}({self.path}, {lengths})"
