@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from astrai.errors import CheckpointError, DataError
-from astrai.tokenize import AutoTokenizer
+from astrai.tokenize import SPECIAL_TOKENS, AutoTokenizer
 from astrai.tokenize.cli import add_arguments, run
 
 MIXED = "In the beginning 起初，神创造天地。 🙂👍🏽 x = 42\n\tdef f(): return 'ok'  \u00e9\u0301"
@@ -19,16 +19,19 @@ MIXED = "In the beginning 起初，神创造天地。 🙂👍🏽 x = 42\n\tdef
 @given(st.text())
 def test_decode_inverts_encode_for_any_unicode(tokenizer, text):
     assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
-    assert tokenizer.decode(tokenizer.encode(text)) == text
+    if not any(t in text for t in SPECIAL_TOKENS):  # special-token literals are parsed as specials, like HF
+        assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=60))
+@given(st.text(max_size=60) | st.lists(st.sampled_from(["<|im_end|>", "你", "🙂", "a b", "\n"])).map("".join))
 def test_stream_decoding_concatenates_to_full_decode(tokenizer, text):
     ids = tokenizer.encode(text)
-    decoder = tokenizer.stream_decoder()
-    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
-    assert "".join(pieces) == tokenizer.decode(ids) == text
+    for skip in (True, False):
+        decoder = tokenizer.stream_decoder(skip_special_tokens=skip)
+        pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "".join(pieces) == text
     if "\ufffd" not in text:
         assert not any("\ufffd" in p for p in pieces)
 
