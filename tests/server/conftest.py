@@ -135,7 +135,7 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
 
     torch.manual_seed(0)
     cfg = preset("tiny", vocab_size=tokenizer.vocab_size, n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
-                 dim_ffn=128, max_len=512)
+                 dim_ffn=128, max_len=2048)
     model = AutoModel.from_config(cfg)
     path = tmp_path_factory.mktemp("tiny_model")
     model.save_pretrained(path)
@@ -147,7 +147,7 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
 def tiny_engine(tiny_model_dir):
     from astrai.inference import InferenceEngine
 
-    engine = InferenceEngine.from_pretrained(str(tiny_model_dir), max_batch_size=32, max_seq_len=512,
+    engine = InferenceEngine.from_pretrained(str(tiny_model_dir), max_batch_size=32, max_seq_len=2048,
                                              page_size=16, max_queue=64)
     yield engine
     engine.shutdown()

@@ -54,9 +54,10 @@ class AnthropicHandler(ProtocolHandler):
             messages.append({"role": message.role, "content": _blocks_text(message.content, f"messages.{i}.content")})
         return [self.tokenize_chat(messages)]
 
-    def sampling_params(self, choice: int, prompt_len: int) -> SamplingParams:
+    def sampling_params(self, choice: int) -> SamplingParams:
         b = self.body
-        return SamplingParams(max_tokens=b.max_tokens, temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)
+        return SamplingParams(max_tokens=b.max_tokens, temperature=b.temperature, top_p=b.top_p, top_k=b.top_k,
+                              seed=b.seed)
 
     def stop_strings(self) -> list[str]:
         return list(self.body.stop_sequences or [])

@@ -85,7 +85,7 @@ def parse_body(model_cls, data: dict):
 def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = None, tokenizer=None,
                model_name: str = "astrai", api_key: Optional[str] = None,
                cors_origins: Optional[list[str]] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               default_max_tokens: int = 512, max_seq_len: Optional[int] = None) -> FastAPI:
+               default_max_tokens: int = 512) -> FastAPI:
     """Build the app around ``engine``, or around what ``load_engine()`` returns once loaded.
 
     With ``load_engine`` the engine is built in a background thread when the app starts
@@ -97,9 +97,8 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
     holder: dict = {"state": None, "error": None}
 
     def install(eng) -> None:
-        seq = max_seq_len or getattr(eng, "max_seq_len", None)
         holder["state"] = ServerState(engine=eng, tokenizer=tokenizer or eng.tokenizer, model_name=model_name,
-                                      default_max_tokens=default_max_tokens, max_seq_len=seq, metrics=metrics)
+                                      default_max_tokens=default_max_tokens, metrics=metrics)
 
     metrics = ServerMetrics()
     if engine is not None:

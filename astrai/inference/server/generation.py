@@ -77,6 +77,9 @@ async def stream_choice(handle, ctx: StreamContext, stops: list[str]) -> AsyncIt
     done = False
     try:
         async for event in events:
+            if getattr(event, "error", None):
+                done = True
+                raise APIError("internal", f"generation failed in the engine: {event.error}")
             if event.token_ids and ctx.first_token_at is None:
                 ctx.first_token_at = time.perf_counter()
             ctx.completion_tokens += len(event.token_ids)
@@ -92,7 +95,7 @@ async def stream_choice(handle, ctx: StreamContext, stops: list[str]) -> AsyncIt
                 text += checker.flush()
                 ctx.completion_tokens = max(ctx.completion_tokens, event.completion_tokens)
                 ctx.finish_reason = "length" if event.finish_reason == "length" else "stop"
-            if text or pending_logprobs and done:
+            if text or (pending_logprobs and done):
                 ctx.accumulated += text
                 ctx.logprobs.extend(pending_logprobs)
                 yield Delta(ctx.index, text, pending_logprobs)

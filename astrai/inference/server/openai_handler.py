@@ -36,15 +36,15 @@ class _OpenAIBase(ProtocolHandler):
     def logprob_settings(self) -> tuple[bool, int]:
         """(whether to return logprobs, how many alternatives per token)."""
 
-    def sampling_params(self, choice: int, prompt_len: int) -> SamplingParams:
+    def sampling_params(self, choice: int) -> SamplingParams:
         b = self.body
         want_logprobs, top = self.logprob_settings()
         seed = None if b.seed is None else b.seed + choice % b.n
         return SamplingParams(
-            max_tokens=self.state.max_tokens_for(prompt_len, self.requested_max_tokens()),
+            max_tokens=self.state.max_tokens_for(self.requested_max_tokens()),
             temperature=b.temperature, top_p=b.top_p, top_k=max(b.top_k, 0), min_p=b.min_p,
             repetition_penalty=b.repetition_penalty, frequency_penalty=b.frequency_penalty,
-            presence_penalty=b.presence_penalty, seed=seed, logprobs=want_logprobs, top_logprobs=top)
+            presence_penalty=b.presence_penalty, seed=seed, ignore_eos=b.ignore_eos, logprobs=want_logprobs, top_logprobs=top)
 
     def stop_strings(self) -> list[str]:
         return self.body.stop_list()

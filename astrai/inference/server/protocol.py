@@ -36,16 +36,11 @@ class ServerState:
     tokenizer: object
     model_name: str
     default_max_tokens: int = 512
-    max_seq_len: Optional[int] = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
-    def max_tokens_for(self, prompt_len: int, requested: Optional[int]) -> int:
-        """The request's own limit, or the default bounded by the context left."""
-        if requested is not None:
-            return requested
-        if self.max_seq_len is None:
-            return self.default_max_tokens
-        return max(1, min(self.default_max_tokens, self.max_seq_len - prompt_len))
+    def max_tokens_for(self, requested: Optional[int]) -> int:
+        """The request's own limit or the server default (the engine stops at its context limit)."""
+        return self.default_max_tokens if requested is None else requested
 
 
 class ProtocolHandler(ABC):
@@ -69,7 +64,7 @@ class ProtocolHandler(ABC):
         """Prompt token ids for each choice, in choice order."""
 
     @abstractmethod
-    def sampling_params(self, choice: int, prompt_len: int) -> SamplingParams: ...
+    def sampling_params(self, choice: int) -> SamplingParams: ...
 
     @abstractmethod
     def stop_strings(self) -> list[str]: ...
@@ -110,7 +105,7 @@ class ProtocolHandler(ABC):
     async def handle(self) -> Response:
         self.check_model()
         prompts = self.build_prompt()
-        params = [self.sampling_params(i, len(p)) for i, p in enumerate(prompts)]
+        params = [self.sampling_params(i) for i in range(len(prompts))]
         handles = submit_all(self.state.engine, prompts, params)
         contexts = [StreamContext(self.resp_id, self.state.model_name, index=i, created=self.created,
                                   prompt_tokens=len(p)) for i, p in enumerate(prompts)]

@@ -98,6 +98,7 @@ class _OpenAISampling(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    ignore_eos: bool = False  # an extension (as in vLLM): generate to max_tokens even past end tokens
 
     @field_validator("stop")
     @classmethod
@@ -152,6 +153,7 @@ class MessagesRequest(_Body):
     top_k: int = Field(default=0, ge=0)
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
+    seed: Optional[int] = None  # an astrai extension: reproducible sampling, as in the OpenAI protocol
 
     @field_validator("stop_sequences")
     @classmethod
