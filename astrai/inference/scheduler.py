@@ -2,7 +2,7 @@
 
 Every step the loop (1) admits waiting tasks in FIFO order while the batch has room
 and pages are available, (2) picks either a prefill step (chunks of prompts still to
-compute, at most ``prefill_chunk_size`` tokens per task) or a decode step (every task
+compute, at most ``prefill_chunk_size`` padded tokens per step) or a decode step (every task
 with exactly one uncomputed token), alternating when both kinds wait so a long prompt
 never stalls the running decodes, (3) runs that step in one forward, and (4) turns
 the sampled tokens into events, finishing and releasing tasks as they end.
@@ -65,7 +65,6 @@ class InferenceScheduler:
         self.max_prompt_len = int(max_prompt_len or self.max_seq_len - 1)
         self.page_size = page_size
         self.prefill_chunk_size = prefill_chunk_size
-        self.prefill_token_budget = 2 * prefill_chunk_size
         self.max_queue = max_queue
         if stop_ids is None and tokenizer is not None:
             stop_ids = getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id]
@@ -280,10 +279,14 @@ class InferenceScheduler:
         return "decode", decode, [1] * len(decode)
 
     def _plan_prefill(self, prefill: list[Task]) -> tuple[list[Task], list[int]]:
+        """Rows of prompt chunks, FIFO, whose padded size (rows x longest chunk) stays
+        within ``prefill_chunk_size`` tokens; a task alone may use the whole budget."""
         batch, n_new, width = [], [], 0
+        budget = self.prefill_chunk_size
         for task in prefill:
-            n = min(task.remaining, self.prefill_chunk_size)
-            if batch and max(width, n) * (len(batch) + 1) > self.prefill_token_budget:
+            rows = len(batch) + 1
+            n = min(task.remaining, budget // rows)
+            if batch and (n < 1 or max(width, n) * rows > budget):
                 break
             batch.append(task)
             n_new.append(n)
