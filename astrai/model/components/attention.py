@@ -27,10 +27,20 @@ class AttnFactory(BaseFactory[nn.Module]):
 
 
 def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] = None) -> torch.Tensor:
-    """q [B,T,H,D], k/v [B,S,H,*] → [B,T,H,Dv]."""
+    """q [B,T,H,D], k/v [B,S,Hkv,*] → [B,T,H,Dv]; Hkv divides H (grouped-query attention).
+
+    Without a mask the fused kernels take the K/V groups directly (``enable_gqa``),
+    sparing the copy that ``repeat_interleave`` makes; with a mask K/V are expanded
+    first, because on CUDA the masked (memory-efficient) kernel has no GQA support
+    and SDPA would otherwise fall back to the slow math path.
+    """
+    n_rep = q.shape[2] // k.shape[2]
+    if n_rep > 1 and attn_mask is not None:
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     causal = attn_mask is None and q.shape[2] > 1
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
@@ -43,7 +53,6 @@ class GQA(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.resolved_head_dim
-        self.n_rep = self.n_heads // self.n_kv_heads
         self.use_qk_norm, self.use_gated_attention = config.use_qk_norm, config.use_gated_attention
         d, hd = config.dim, self.head_dim
         self.q_proj = Linear(d, self.n_heads * hd, bias=config.attn_bias)
@@ -74,9 +83,6 @@ class GQA(nn.Module):
             paged_cache.write(self.layer_idx, k, v)
             k, v = paged_cache.gather(self.layer_idx)
             attn_mask = paged_cache.attn_mask
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
         out = _attend(q, k, v, attn_mask).reshape(B, T, self.n_heads * self.head_dim)
         if self.use_gated_attention:
             out = out * torch.sigmoid(self.gate(x))
@@ -96,7 +102,6 @@ class MLA(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
-        self.n_rep = 1
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
