@@ -130,7 +130,8 @@ class RecordEncoder:
         if not text.startswith(prompt_text):
             raise RecordError("template", "the chat template renders the prompt differently once an answer "
                                           "follows, so the answer cannot be located")
-        return text, [(len(prompt_text), self.tokenizer.end_of_response(text, len(prompt_text), len(text)))]
+        end = self.tokenizer.end_of_response(text, len(prompt_text), len(text))
+        return text[:end], [(len(prompt_text), end)]  # what follows the stop token is never generated
 
     def _prepare_dpo(self, record):
         prompt_text, messages = self._prompt_text(record)

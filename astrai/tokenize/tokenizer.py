@@ -207,17 +207,27 @@ class AutoTokenizer:
         return max(found, default=end)
 
     def encode_spans(self, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[tuple[list[int], list[int]]]:
-        """Encode texts (batched) with a 0/1 mask of tokens starting inside the given character spans."""
-        out = []
-        for encoding, text_spans in zip(self._tokenizer.encode_batch(texts, add_special_tokens=False), spans):
-            mask = [0] * len(encoding.ids)
-            span_index = 0
-            for i, (start, _) in enumerate(encoding.offsets):
-                while span_index < len(text_spans) and start >= text_spans[span_index][1]:
-                    span_index += 1
-                if span_index < len(text_spans) and text_spans[span_index][0] <= start:
-                    mask[i] = 1
-            out.append((encoding.ids, mask))
+        """Encode texts with a 0/1 mask that is 1 on the tokens of the given character spans.
+
+        Each text is cut at its span boundaries and the pieces are encoded separately
+        (in one batch): no token straddles a boundary, and an answer is tokenised
+        exactly as a model generating it after the prompt would produce it.
+        """
+        pieces, flags, owners = [], [], []
+        for owner, (text, text_spans) in enumerate(zip(texts, spans)):
+            position = 0
+            for begin, end in sorted(text_spans):
+                for piece, flag in ((text[position:begin], 0), (text[begin:end], 1)):
+                    if piece:
+                        pieces.append(piece), flags.append(flag), owners.append(owner)
+                position = max(position, end)
+            if position < len(text):
+                pieces.append(text[position:]), flags.append(0), owners.append(owner)
+        out = [([], []) for _ in texts]
+        for encoding, flag, owner in zip(self._tokenizer.encode_batch_fast(pieces, add_special_tokens=False),
+                                         flags, owners):
+            out[owner][0].extend(encoding.ids)
+            out[owner][1].extend([flag] * len(encoding.ids))
         return out
 
     def __len__(self) -> int:
