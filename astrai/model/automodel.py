@@ -190,6 +190,9 @@ def read_safetensors_dir(directory: Path, origins: Optional[dict[str, Path]] = N
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"{f}: listed in {INDEX_NAME} but missing")
+    elif any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise CheckpointError(f"{directory}: only pickled weights (.bin/.pt) found; astrai reads safetensors only "
+                              "(re-save with transformers' save_pretrained(safe_serialization=True))")
     else:
         raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {INDEX_NAME}) found")
     state: dict[str, torch.Tensor] = {}

@@ -70,6 +70,12 @@ def test_missing_weights_file_is_named(saved):
         AutoModel.from_pretrained(saved)
 
 
+def test_pickled_weights_are_refused(saved):
+    (saved / "model.safetensors").rename(saved / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"only pickled weights \(\.bin/\.pt\) found"):
+        AutoModel.from_pretrained(saved)
+
+
 def test_missing_config_is_named(saved):
     (saved / "config.json").unlink()
     with pytest.raises(CheckpointError, match=r"config\.json: missing"):
