@@ -76,7 +76,7 @@ class InferenceScheduler:
         self._page_cache = KVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_cache=prefix_cache)
         self._executor = Executor(model, self._page_cache, tokenizer)
         self._task_mgr = TaskManager()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a stream callback may abort its own task
         self._wake = threading.Condition(self._lock)
         self.model_lock = threading.Lock()
         self._running = False
