@@ -2,8 +2,8 @@
 
 ColumnParallelLinear splits the output features across ranks; RowParallelLinear
 splits the input features and sums the partial products. Put back to back
-(column → row) they need a single all-reduce per pair. Communication goes through
-``torch.distributed.nn.functional`` so gradients flow through it.
+(column → row) they need one all-reduce forward and one backward per pair. The three
+small autograd functions below are the only places ranks talk to each other.
 """
 
 from __future__ import annotations
@@ -12,9 +12,53 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.nn import functional as F
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Identity forward; backward sums the input gradient of every rank's shard."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """All-reduce (sum) forward; the gradient of a sum reaches every rank unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    """Concatenate the ranks' last-dim shards forward; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(world, dim=-1)[rank].contiguous(), None
 
 
 class ParallelModel(nn.Module):
@@ -53,10 +97,12 @@ class ColumnParallelLinear(ParallelModel):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            x = _CopyToParallel.apply(x, self.process_group)
         y = F.linear(x, self.weight, self.bias)
         if not self.gather_output or self.world_size == 1:
             return y
-        return torch.cat(dist_fn.all_gather(y, group=self.process_group), dim=-1)
+        return _GatherFromParallel.apply(y, self.process_group)
 
 
 class RowParallelLinear(ParallelModel):
@@ -87,5 +133,5 @@ class RowParallelLinear(ParallelModel):
             x = x.chunk(self.world_size, dim=-1)[self.rank]
         y = F.linear(x, self.weight)
         if self.world_size > 1:
-            y = dist_fn.all_reduce(y, group=self.process_group)
+            y = _ReduceFromParallel.apply(y, self.process_group)
         return y if self.bias is None else y + self.bias
