@@ -44,18 +44,27 @@ def _compile(template_str: str):
 
 
 def validate_messages(messages: Any) -> list[dict]:
-    """Check the shape of a conversation so a bad record names its problem."""
+    """Check the shape of a conversation so a bad record names its problem.
+
+    ``content: null`` (an assistant turn that only calls tools) becomes "" so
+    templates can concatenate it; other keys (``tool_calls``, ``name``) pass through.
+    """
     if not isinstance(messages, (list, tuple)):
         raise DataError(f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise DataError(f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}")
         for key in ("role", "content"):
             if key not in message:
                 raise DataError(f"messages[{i}] is missing '{key}'")
+        if message["content"] is None:
+            message = {**message, "content": ""}
+        for key in ("role", "content"):
             if not isinstance(message[key], str):
                 raise DataError(f"messages[{i}].{key} must be a string, got {type(message[key]).__name__}")
-    return list(messages)
+        checked.append(message)
+    return checked
 
 
 class ChatTemplate:
