@@ -73,9 +73,23 @@ def test_packed_rows_hold_whole_documents_kept_apart(sft_file, tokenizer, tokeni
             seen.append((ids, mask))
             inside = where[where < 127]
             assert item["position_ids"][inside].tolist() == list(range(len(inside)))  # positions restart per document
-        attend = item["doc_ids"][:, None] == item["doc_ids"][None, :]
-        assert not attend[item["doc_ids"] != item["doc_ids"][0]][:, 0].any() or item["doc_ids"].unique().numel() == 1
-    assert sorted(map(str, seen)) == sorted(map(str, encoded))
+    assert sorted(map(str, seen)) == sorted(map(str, encoded))  # each document id holds exactly one whole conversation
+
+
+def test_plain_text_rows_split_long_documents_and_ignore_padding(tokenizer, tokenizer_dir, tmp_path):
+    texts = ["short one", "a much longer document " * 12, "中文的文档"]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    summary = preprocess([path], tmp_path / "rows", tokenizer_dir, packing="best_fit", seq_len=31)
+    assert summary["split"] == 1
+    dataset = DatasetFactory.load("seq", tmp_path / "rows", 31)
+    stored = dataset.storage.fetch(0, len(dataset.storage))
+    real = stored["sequence"][stored["loss_mask"] == 1].tolist()
+    expected = [tokenizer.encode(t) + [tokenizer.eos_id] for t in texts]
+    assert sorted(real) == sorted(t for doc in expected for t in doc)  # nothing lost, only padding added
+    for i in range(len(dataset)):
+        item = dataset[i]
+        padded = stored["loss_mask"][i * 32 + 1:(i + 1) * 32] == 0
+        assert (item["target_ids"][padded] == -100).all() and (item["target_ids"][~padded] >= 0).all()
 
 
 PREFERENCES = [
