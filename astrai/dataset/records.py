@@ -58,13 +58,15 @@ def _messages(value, key: str) -> list[dict]:
 
 
 def _answer(record: dict, key: str) -> str:
-    value = record.get(key)
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):  # [{"role": "assistant", ...}]
-        value = value[0].get("content")
+    """An answer given as a string or as one assistant message (the TRL convention)."""
     if key not in record:
         raise RecordError("missing field", f"missing field '{key}'")
+    value = record[key]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+        value = value[0].get("content")
     if not isinstance(value, str):
-        raise RecordError("wrong type", f"field '{key}' must be a string, got {type(record[key]).__name__}")
+        raise RecordError("wrong type", f"field '{key}' must be a string (or one assistant message), "
+                                        f"got {type(record[key]).__name__}")
     return value
 
 

@@ -151,8 +151,13 @@ class AutoTokenizer:
         if isinstance(text, (list, tuple)):
             if not all(isinstance(t, str) for t in text):
                 raise DataError("encode: every item of a batch must be a string")
-            return [e.ids for e in self._tokenizer.encode_batch_fast(list(text), add_special_tokens=add_special_tokens)]
+            return [e.ids for e in self._encode_batch(list(text), add_special_tokens=add_special_tokens)]
         raise DataError(f"encode: expected a string or a list of strings, got {type(text).__name__}")
+
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool):
+        """Batch encoding without character offsets where the library offers it (tokenizers >= 0.20)."""
+        fast = getattr(self._tokenizer, "encode_batch_fast", None) or self._tokenizer.encode_batch
+        return fast(texts, add_special_tokens=add_special_tokens)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
@@ -224,7 +229,7 @@ class AutoTokenizer:
             if position < len(text):
                 pieces.append(text[position:]), flags.append(0), owners.append(owner)
         out = [([], []) for _ in texts]
-        for encoding, flag, owner in zip(self._tokenizer.encode_batch_fast(pieces, add_special_tokens=False),
+        for encoding, flag, owner in zip(self._encode_batch(pieces, add_special_tokens=False),
                                          flags, owners):
             out[owner][0].extend(encoding.ids)
             out[owner][1].extend([flag] * len(encoding.ids))
