@@ -21,6 +21,7 @@ from astrai.tokenize.training import SPECIAL_TOKENS, train_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
 END_OF_TURN = "<|im_end|>"
 
 
@@ -79,6 +80,9 @@ class AutoTokenizer:
                 config = json.loads(config_file.read_text(encoding="utf-8"))
             except json.JSONDecodeError as exc:
                 raise CheckpointError(f"{config_file}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        template_file = tokenizer_file.parent / TEMPLATE_FILE  # where newer transformers versions save it
+        if "chat_template" not in config and template_file.is_file():
+            config["chat_template"] = template_file.read_text(encoding="utf-8")
         return cls(tokenizer, config)
 
     load = from_pretrained

@@ -55,3 +55,14 @@ def test_chat_template_with_tools_renders_identically(tokenizer, hf_tokenizer):
     theirs = hf_tokenizer.apply_chat_template(CONVERSATION, tools=tools, tokenize=False, add_generation_prompt=True)
     assert ours == theirs
     assert '"name": "add"' in ours and ours.count("<|im_start|>system") == 1
+
+
+def test_directory_saved_by_transformers_loads_back(tokenizer, hf_tokenizer, tmp_path):
+    from astrai.tokenize import AutoTokenizer
+
+    hf_tokenizer.save_pretrained(str(tmp_path))
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.encode(TEXTS[1]) == tokenizer.encode(TEXTS[1])
+    assert loaded.apply_chat_template(CONVERSATION) == tokenizer.apply_chat_template(CONVERSATION)
+    assert (loaded.bos_id, loaded.eos_id, loaded.pad_id, loaded.stop_ids) == \
+        (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, tokenizer.stop_ids)
