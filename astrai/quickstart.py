@@ -1,40 +1,492 @@
 """``astrai quickstart``: the first thing a newcomer runs.
 
-For now it builds the tiny model, saves it, loads it back and greedily continues a
-prompt of token ids; the full pipeline (tokenizer → pre-training → SFT → DPO → GRPO
-→ report) grows here as those stages land.
+One command walks a model through its whole life on the bundled data: a tokenizer
+trained on the bilingual corpus, pre-training of the ``tiny`` preset, SFT on the
+bundled conversations (which include the arithmetic answer format), DPO on the
+bundled preference pairs, online GRPO on the arithmetic task, an evaluation after
+every stage, and a report. It uses only the public APIs a user would
+(AutoTokenizer, run_preprocess, Trainer/TrainConfig with the registered strategies,
+the eval package), so it doubles as a worked example.
+
+Time: a short measured training run gives the machine's tokens/s; each stage then
+gets a share of the time that is left (recomputed at every stage, so a slow stage
+does not sink the rest), turned into a step count, with a deadline callback as a
+guard. Resume: every finished stage leaves ``done.json``; an unfinished training
+stage continues from its last checkpoint, with the settings it started with.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+# Share of the training time each stage gets (of what is left when it starts).
+STAGE_SHARES = {"pretrain": 0.58, "sft": 0.2, "dpo": 0.08, "grpo": 0.14}
+TRAIN_STAGES = tuple(STAGE_SHARES)
+
+
+@dataclass
+class Settings:
+    """Everything that shapes a run; saved to ``settings.json`` so a resumed run keeps them."""
+
+    out: str = "runs/quickstart"
+    minutes: float = 15.0
+    seed: int = 0
+    preset: str = "tiny"
+    model_overrides: dict = field(default_factory=dict)
+    vocab_size: int = 4096
+    window_size: int = 256
+    batch_size: int = 8
+    dpo_seq_len: int = 128
+    grpo_prompts_per_step: int = 8
+    grpo_group_size: int = 4
+    grpo_max_new_tokens: int = 6
+    grpo_temperature: float = 0.7
+    sft_arithmetic: int = 2000
+    eval_problems: int = 100
+    steps: Optional[dict] = None          # fixed optimizer steps per stage instead of sizing by time
+    lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 5e-5, "grpo": 5e-5})
+    ppl_max_tokens: Optional[int] = None
+    sample_max_new_tokens: int = 48
+    progress: bool = True
+
+
+# --- small helpers ----------------------------------------------------------------------
+def log(message: str) -> None:
+    print(f"[quickstart] {message}", file=sys.stderr, flush=True)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+class Deadline:
+    """Wall-clock budget of the whole run."""
+
+    def __init__(self, minutes: float, already_spent: float = 0.0):
+        self.total = minutes * 60.0
+        self.start = time.perf_counter() - already_spent
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def left(self) -> float:
+        return max(0.0, self.total - self.elapsed)
+
+
+def make_stage_deadline_callback(seconds: float):
+    """A TrainCallback ending the stage as if its step budget were reached once
+    ``seconds`` have passed (a guard for when the throughput estimate was too kind)."""
+    from astrai.trainer import TrainCallback
+
+    class StageDeadline(TrainCallback):
+        def on_train_begin(self, context) -> None:
+            self.until = time.perf_counter() + seconds
+
+        def on_step_end(self, context) -> None:
+            if time.perf_counter() > self.until and not context.done:
+                log(f"stage time budget ({seconds:.0f}s) used up at step {context.step}/{context.total_steps}")
+                context.total_steps = context.step
+
+    return StageDeadline()
+
+
+def make_policy_sync_callback():
+    """A TrainCallback making sure GRPO's ``after_optimizer_step`` (engine weight refresh,
+    reference re-sync) has run once per completed step before the next rollout.
+
+    The Trainer does not call that hook itself (yet), so without this the rollouts would
+    keep sampling the starting policy. It checks the strategy's own step count first, so
+    it never calls the hook twice once something else does.
+    """
+    from astrai.trainer import TrainCallback
+
+    class PolicySync(TrainCallback):
+        def on_train_begin(self, context) -> None:
+            self.base_step, self.base_synced = context.step, getattr(context.strategy, "steps", 0)
+
+        def on_step_begin(self, context) -> None:
+            strategy = context.strategy
+            while getattr(strategy, "steps", 0) < self.base_synced + context.step - self.base_step:
+                strategy.after_optimizer_step()
+
+    return PolicySync()
+
+
+# --- the run ------------------------------------------------------------------------
+class Quickstart:
+    def __init__(self, settings: Settings):
+        self.s = settings
+        self.out = Path(settings.out)
+        self.stages_dir = self.out / "stages"
+        self.summary_path = self.out / "summary.json"
+
+    # paths
+    def stage_dir(self, name: str) -> Path:
+        return self.stages_dir / name
+
+    def done_path(self, name: str) -> Path:
+        return self.stage_dir(name) / "done.json"
+
+    def model_dir(self, name: str) -> Path:
+        return self.stage_dir(name) / "ckpt" / "final"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.out / "tokenizer"
+
+    def run(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        spent = read_json(self.out / "time.json")["seconds"] if (self.out / "time.json").is_file() else 0.0
+        self.deadline = Deadline(self.s.minutes, spent)
+        self.stage_tokenizer()
+        self.stage_data()
+        tokens_per_s = self.measure_throughput()
+        records = []
+        for index, name in enumerate(TRAIN_STAGES):
+            records.append(self.train_stage(index, name, tokens_per_s))
+            self.save_time()
+        final = self.finish(records, tokens_per_s)
+        self.save_time()
+        return final
+
+    def save_time(self) -> None:
+        write_json(self.out / "time.json", {"seconds": self.deadline.elapsed})
+
+    # --- stage 0: tokenizer -------------------------------------------------------------
+    def stage_tokenizer(self) -> None:
+        from astrai.tokenize import AutoTokenizer
+
+        marker = self.done_path("tokenizer")
+        if marker.is_file():
+            log(f"tokenizer: done already ({self.tokenizer_dir})")
+        else:
+            log(f"[1/7] training a byte-level BPE tokenizer (vocabulary {self.s.vocab_size}) on the bundled corpus")
+            start = time.perf_counter()
+            sources = [DATA_DIR / "pretrain" / "train.jsonl", DATA_DIR / "sft" / "train.jsonl"]
+            tokenizer = AutoTokenizer.train([str(p) for p in sources], self.s.vocab_size, show_progress=self.s.progress)
+            tokenizer.save_pretrained(self.tokenizer_dir)
+            write_json(marker, {"seconds": time.perf_counter() - start, "vocab_size": tokenizer.vocab_size})
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+
+    # --- stage 1: tokenised datasets ------------------------------------------------------
+    def data_dir(self, kind: str) -> Path:
+        return self.out / "data" / kind
+
+    def stage_data(self) -> None:
+        from astrai.dataset import PreprocessOptions, run_preprocess
+
+        marker = self.done_path("data")
+        if marker.is_file():
+            log("datasets: done already")
+            return
+        log("[2/7] tokenising the bundled data (pre-training text, conversations, preference pairs, arithmetic)")
+        jobs = {
+            "pretrain": dict(inputs=[DATA_DIR / "pretrain" / "train.jsonl"], train_type="seq"),
+            "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", self.arithmetic_conversations()], train_type="sft"),
+            "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl"], train_type="dpo", seq_len=self.s.dpo_seq_len,
+                        packing="none"),
+            "grpo": dict(inputs=[DATA_DIR / "grpo" / "arithmetic.jsonl"], train_type="grpo", seq_len=64,
+                         packing="none"),
+        }
+        summaries = {}
+        for kind, job in jobs.items():
+            target = self.data_dir(kind)
+            if target.exists():
+                shutil.rmtree(target)  # a half-written directory from an interrupted run
+            opts = PreprocessOptions(inputs=[str(p) for p in job.pop("inputs")], output=str(target),
+                                     tokenizer=str(self.tokenizer_dir), show_progress=self.s.progress, **job)
+            summaries[kind] = run_preprocess(opts)
+        write_json(marker, summaries)
+
+    def arithmetic_conversations(self) -> Path:
+        """Extra SFT conversations in the arithmetic answer format ("3+4=" → "7"), generated by
+        the task's own ``sft_conversation``: the bundled conversations alone teach the format
+        but are too few for a tiny model to learn the sums in a few minutes."""
+        from astrai.dataset.arithmetic import make_problems, sft_conversation
+
+        path = self.out / "data" / "arithmetic_sft.jsonl"
+        problems = make_problems(self.s.sft_arithmetic, seed=1000 + self.s.seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(sft_conversation(p)) + "\n" for p in problems), encoding="utf-8")
+        return path
+
+    # --- throughput ---------------------------------------------------------------------
+    def model_overrides(self) -> dict:
+        return {**self.s.model_overrides, "vocab_size": self.tokenizer.vocab_size}
+
+    def measure_throughput(self) -> float:
+        """Training tokens/s of the pre-training set-up, from a few real Trainer steps."""
+        path = self.out / "throughput.json"
+        if path.is_file():
+            return read_json(path)["tokens_per_s"]
+        from astrai.config import TrainConfig
+        from astrai.trainer import Trainer
+
+        log("[3/7] measuring training throughput to size the stages")
+        probe_dir = self.stage_dir("throughput")
+        config = TrainConfig(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=self.s.preset,
+                             model_overrides=self.model_overrides(), tokenizer_path=str(self.tokenizer_dir),
+                             batch_per_device=self.s.batch_size, window_size=self.s.window_size, max_steps=6,
+                             ckpt_dir=str(probe_dir), ckpt_interval=1000, progress_bar=False,
+                             save_final_model=False, random_seed=self.s.seed)
+        start = time.perf_counter()
+        Trainer(config).train()
+        rates = [r["tokens_per_s"] for r in _metrics(probe_dir)[2:]]
+        tokens_per_s = sorted(rates)[len(rates) // 2] if rates else 6 * config.batch_per_device * config.window_size / (
+            time.perf_counter() - start)
+        shutil.rmtree(probe_dir, ignore_errors=True)
+        write_json(path, {"tokens_per_s": tokens_per_s})
+        log(f"throughput: {tokens_per_s:.0f} training tokens/s")
+        return tokens_per_s
+
+    # --- training stages ------------------------------------------------------------------
+    def stage_seconds(self, name: str) -> float:
+        """This stage's share of the time left, after reserving the remaining evaluations."""
+        remaining = TRAIN_STAGES[TRAIN_STAGES.index(name):]
+        eval_reserve = len(remaining) * getattr(self, "eval_seconds", self.estimate_eval_seconds()) + 5.0
+        share = STAGE_SHARES[name] / sum(STAGE_SHARES[n] for n in remaining)
+        return max(5.0, (self.deadline.left - eval_reserve) * share)
+
+    def estimate_eval_seconds(self) -> float:
+        """Before the first evaluation has been timed: forward passes cost about a third of
+        a training step per token; generations are short."""
+        ppl_tokens = self.s.ppl_max_tokens or 40_000
+        generated = (self.s.eval_problems * 4 + 6 * self.s.sample_max_new_tokens) * 64
+        return (ppl_tokens + generated) / (3 * self.tps) + 2.0
+
+    def train_config(self, index: int, name: str, seconds: float):
+        from astrai.config import TrainConfig
+
+        s, tps = self.s, self.tps
+        ckpt = self.stage_dir(name) / "ckpt"
+        common = dict(tokenizer_path=str(self.tokenizer_dir), ckpt_dir=str(ckpt), random_seed=s.seed + index,
+                      progress_bar=s.progress, ckpt_keep=2)
+        if name == "pretrain":
+            steps = seconds * tps / (s.batch_size * s.window_size)
+            kw = dict(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=s.preset,
+                      model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
+                      window_size=s.window_size, max_lr=s.lr["pretrain"], warmup_ratio=0.05)
+        elif name == "sft":
+            steps = seconds * tps / (s.batch_size * s.window_size)
+            kw = dict(train_type="sft", data_root_path=str(self.data_dir("sft")), param_path=str(self.model_dir("pretrain")),
+                      batch_per_device=s.batch_size, window_size=s.window_size, max_lr=s.lr["sft"], warmup_ratio=0.05)
+        elif name == "dpo":
+            # chosen + rejected through the policy (forward + backward) and the reference (forward)
+            steps = seconds * tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3)
+            kw = dict(train_type="dpo", data_root_path=str(self.data_dir("dpo")), param_path=str(self.model_dir("sft")),
+                      batch_per_device=s.batch_size, window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1,
+                      strategy_kwargs={"beta": 0.1})
+        else:
+            # an update over group·prompts sequences of ~32 tokens (policy, behaviour and reference passes)
+            # plus one decoding step of all sequences per answer token (a forward costs ~1/3 of training)
+            sequences = s.grpo_prompts_per_step * s.grpo_group_size
+            steps = seconds / (1.5 * sequences * 32 / tps + s.grpo_max_new_tokens * (sequences / (3 * tps) + 0.004))
+            kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
+                      batch_per_device=s.grpo_prompts_per_step, window_size=64, max_lr=s.lr["grpo"], warmup_ratio=0.0,
+                      schedule="constant", max_grad_norm=1.0,
+                      strategy_kwargs={"group_size": s.grpo_group_size, "reward": "arithmetic", "kl_coef": 0.01,
+                                       "max_new_tokens": s.grpo_max_new_tokens, "temperature": s.grpo_temperature,
+                                       "sync_interval": 0, "seed": s.seed})
+        steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
+        return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
+
+    def train_stage(self, index: int, name: str, tokens_per_s: float) -> dict:
+        from astrai.config import TrainConfig
+        from astrai.serialization import latest_checkpoint
+        from astrai.trainer import Trainer
+
+        self.tps = tokens_per_s
+        marker = self.done_path(name)
+        if marker.is_file():
+            record = read_json(marker)
+            log(f"{name}: done already (eval: {_headline(record.get('eval', {}))})")
+            if "seconds_eval" in record:
+                self.eval_seconds = record["seconds_eval"]
+            return record
+        config_path = self.stage_dir(name) / "train_config.json"
+        checkpoint = latest_checkpoint(self.stage_dir(name) / "ckpt") if config_path.is_file() else None
+        if checkpoint is not None:
+            config = TrainConfig.load(config_path)
+            seconds = read_json(self.stage_dir(name) / "budget.json")["seconds"]
+            log(f"[{index + 4}/7] {name}: resuming from {checkpoint}")
+        else:
+            seconds = self.stage_seconds(name)
+            config = self.train_config(index, name, seconds)
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            config.save(config_path)
+            write_json(self.stage_dir(name) / "budget.json", {"seconds": seconds})
+            log(f"[{index + 4}/7] {name}: {config.max_steps} steps in about {seconds:.0f}s "
+                f"({self.deadline.left / 60:.1f} min left in the run)")
+        start = time.perf_counter()
+        extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
+        callbacks = [] if self.s.steps else [make_stage_deadline_callback(seconds * 1.15)]
+        if name == "grpo":
+            callbacks.append(make_policy_sync_callback())
+        context = Trainer(config, callbacks=callbacks, strategy_extra=extra).train(checkpoint=checkpoint)
+        if context is None or context.stop_requested:
+            log(f"{name} interrupted after step {context.step if context else '?'}; its checkpoint is saved: "
+                f"run the same command again to resume")
+            raise KeyboardInterrupt
+        train_seconds = time.perf_counter() - start
+        metrics = _metrics(self.stage_dir(name) / "ckpt")
+        record = {
+            "name": name, "steps": context.step, "planned_steps": config.max_steps, "tokens": context.tokens_seen,
+            "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
+            "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
+        }
+        start = time.perf_counter()
+        record["eval"] = self.evaluate(name)
+        record["seconds_eval"] = self.eval_seconds = time.perf_counter() - start
+        log(f"{name}: {_headline(record['eval'])}")
+        write_json(marker, record)
+        return record
+
+    # --- evaluation ------------------------------------------------------------------------
+    def evaluate(self, name: str) -> dict:
+        from astrai.eval.runner import DEFAULT_HELDOUT, evaluate
+        from astrai.eval.task import arithmetic_task
+        from astrai.model import AutoModel
+
+        log(f"evaluating {name}: perplexity, arithmetic accuracy, sample answers")
+        model = AutoModel.from_pretrained(self.model_dir(name)).eval()
+        chat = name != "pretrain"
+        results = evaluate(model, self.tokenizer, heldout=DEFAULT_HELDOUT, ppl_window=self.s.window_size,
+                           ppl_max_tokens=self.s.ppl_max_tokens,
+                           task=arithmetic_task(self.s.eval_problems, seed=10_000 + self.s.seed),
+                           max_new_tokens=8)
+        results.update(evaluate(model, self.tokenizer, samples=True, chat=chat,
+                                max_new_tokens=self.s.sample_max_new_tokens))
+        results["samples_chat"] = chat
+        return results
+
+    # --- the end ---------------------------------------------------------------------------
+    def finish(self, records: list[dict], tokens_per_s: float) -> dict:
+        from astrai.eval.report import plot_curves, write_report
+
+        final_dir = self.out / "model"
+        if final_dir.exists():
+            shutil.rmtree(final_dir)
+        shutil.copytree(self.model_dir(TRAIN_STAGES[-1]), final_dir)
+        self.tokenizer.save_pretrained(final_dir)
+        write_json(final_dir / "generation_config.json",
+                   {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 128})
+        plots_dir = self.out / "plots"
+        plots_dir.mkdir(exist_ok=True)
+        plots = []
+        for record in records:
+            rows = _metrics(self.stage_dir(record["name"]) / "ckpt")
+            keys = {"grpo": ["loss", "reward_mean"], "dpo": ["loss", "reward_accuracy"]}.get(record["name"], ["loss"])
+            plot = plot_curves(rows, keys, f"{record['name']}: loss by step", plots_dir / f"{record['name']}.png")
+            if plot is not None:
+                plots.append(plot)
+        pretrain_ppl = records[0]["eval"].get("perplexity", {})
+        model_path = final_dir.resolve()
+        summary = {
+            "model": {"preset": self.s.preset, "vocab_size": self.tokenizer.vocab_size,
+                      "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
+            "budget_minutes": self.s.minutes, "total_seconds": self.deadline.elapsed, "device": _device_name(),
+            "measured_tokens_per_s": tokens_per_s, "stages": records,
+            "unigram_perplexity": {k: v["unigram_perplexity"] for k, v in pretrain_ppl.items()},
+            "model_dir": str(final_dir),
+            "commands": {
+                "serve": f"astrai serve --model {model_path} --port 8000",
+                "chat": f"astrai chat --model {model_path}",
+                "eval": f"astrai eval --model {model_path}",
+            },
+        }
+        write_json(self.summary_path, summary)
+        md, html = write_report(self.out, summary, plots)
+        log(f"done in {summary['total_seconds'] / 60:.1f} min: model in {final_dir}, report in {md} and {html}")
+        return summary
+
+
+# --- module helpers -------------------------------------------------------------------
+def _metrics(log_dir: Path) -> list[dict]:
+    from astrai.eval.report import read_metrics
+
+    return read_metrics(Path(log_dir) / "metrics.jsonl")
+
+
+def _median(values: list) -> Optional[float]:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def _parameters(model_dir: Path) -> int:
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        return sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
+
+
+def _device_name() -> str:
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({torch.get_num_threads()} threads, {os.cpu_count()} cores)"
+
+
+def _headline(ev: dict) -> str:
+    parts = [f"ppl {k} {v['perplexity']:.1f}" for k, v in ev.get("perplexity", {}).items()]
+    if "task" in ev:
+        parts.append(f"arithmetic accuracy {ev['task']['accuracy']:.2f}")
+    return ", ".join(parts) or "no evaluation"
+
+
+def run_quickstart(**settings: Any) -> dict:
+    """Python entry point: ``run_quickstart(out="runs/qs", minutes=15)``; returns the summary."""
+    s = Settings(**settings)
+    path = Path(s.out) / "settings.json"
+    if path.is_file():
+        saved = Settings(**read_json(path))
+        if (saved.minutes, saved.preset, saved.vocab_size) != (s.minutes, s.preset, s.vocab_size):
+            log(f"{path}: resuming a run started with other settings; keeping those ({saved.minutes:g} min, "
+                f"preset {saved.preset}, vocabulary {saved.vocab_size}). Use a new --out to start afresh.")
+        s = saved
+    else:
+        write_json(path, s.__dict__)
+    return Quickstart(s).run()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
-    parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run")
+    parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run (default 15)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default 4096)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from astrai.errors import ConfigError
 
-    from astrai.config import preset
-    from astrai.model import AutoModel
-
-    torch.manual_seed(args.seed)
-    out = Path(args.out) / "model"
-    model = AutoModel.from_config(preset("tiny"))
-    model.save_pretrained(out)
-    loaded = AutoModel.from_pretrained(out).eval()
-    ids = torch.tensor([[1, 2, 3, 4]])
-    start = time.perf_counter()
-    with torch.no_grad():
-        for _ in range(16):
-            next_id = loaded(ids)["logits"][:, -1].argmax(-1, keepdim=True)
-            ids = torch.cat([ids, next_id], dim=1)
-    print(f"model saved to {out} and loaded back: {loaded.num_parameters():,} parameters")
-    print(f"greedy continuation of [1, 2, 3, 4]: {ids[0, 4:].tolist()} ({time.perf_counter() - start:.2f}s)")
+    if args.minutes <= 0:
+        raise ConfigError(f"--minutes must be positive, got {args.minutes}")
+    summary = run_quickstart(out=args.out, minutes=args.minutes, seed=args.seed, preset=args.preset,
+                             vocab_size=args.vocab_size, progress=not args.no_progress)
+    print(json.dumps({"model_dir": summary["model_dir"], "report": str(Path(args.out) / "report.html"),
+                      **{f"{s['name']}": _headline(s.get("eval", {})) for s in summary["stages"]}},
+                     indent=2, ensure_ascii=False))
     return 0

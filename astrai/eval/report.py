@@ -119,7 +119,7 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
           "## Evaluation", "", _md_table(eval_h, eval_rows), "",
           "Perplexity is per token of this run's tokenizer, on the held-out documents; the task is "
           "the bundled arithmetic (greedy answers, exact match).", "", "## Loss curves", ""]
-    md += [f"![{p.stem}]({p.name})" for p in plots]
+    md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix() if p.is_relative_to(out_dir) else p})" for p in plots]
     md += ["", "## Sample generations", "", _md_table(["stage", "prompt", "answer"],
                                                        [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
            "## Use the model", "", "```bash"] + [commands[k] for k in ("serve", "chat", "eval")] + ["```", ""]
