@@ -113,13 +113,15 @@ def single_request(name, cfg, n_new, repeats=5) -> dict:
     return row
 
 
-def copy_bandwidth(nbytes=512 * 1024**2, repeats=5) -> float:
-    """Bytes moved per second by a large tensor copy (read + write, as STREAM counts it)."""
+def copy_bandwidth(nbytes=512 * 1024**2, repeats=5) -> tuple[float, float]:
+    """(copy, read) bandwidth in bytes/s: a large tensor copy counted as read + write (as
+    STREAM does), and a large sum, which only reads - the access pattern of a GEMV."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * nbytes / best
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    read = min(_timed(lambda: src.sum()) for _ in range(repeats))
+    return 2 * nbytes / copy, nbytes / read
 
 
 def _timed(fn) -> float:
@@ -132,12 +134,14 @@ def bandwidth_bound(n_new) -> dict:
     cfg = preset("small", **MODEL_125M)
     row = single_request("125M", cfg, n_new, repeats=2)
     weight_bytes = row["params"] * 4  # tied embedding: lm_head reads it once, the lookup reads one row
-    bandwidth = copy_bandwidth()
+    bandwidth, read_bandwidth = copy_bandwidth()
     bound = bandwidth / weight_bytes
-    row.update(copy_bandwidth_gb_s=bandwidth / 1e9, weight_bytes=weight_bytes, bound_tok_s=bound,
+    row.update(copy_bandwidth_gb_s=bandwidth / 1e9, read_bandwidth_gb_s=read_bandwidth / 1e9,
+               weight_bytes=weight_bytes, bound_tok_s=bound, read_bound_tok_s=read_bandwidth / weight_bytes,
                astrai_fraction_of_bound=row["astrai_tok_s"] / bound,
                transformers_fraction_of_bound=row["transformers_tok_s"] / bound)
-    print(f"[bound] copy bandwidth {bandwidth / 1e9:.1f} GB/s, bound {bound:.1f} tok/s: astrai "
+    print(f"[bound] copy bandwidth {bandwidth / 1e9:.1f} GB/s (read-only {read_bandwidth / 1e9:.1f} GB/s), "
+          f"bound {bound:.1f} tok/s: astrai "
           f"{row['astrai_fraction_of_bound']:.2f}, transformers {row['transformers_fraction_of_bound']:.2f}", flush=True)
     return row
 

@@ -18,6 +18,8 @@ from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw
 from astrai.inference.task import Task
 from astrai.inference.types import TokenLogprob
 
+Sampled = tuple[int, Optional[TokenLogprob]]  # a token id and, when asked for, its log-probability entry
+
 
 class Executor:
     def __init__(self, model, page_cache: KVCache, tokenizer=None):
@@ -41,23 +43,23 @@ class Executor:
             t.num_computed += n
         return out["logits"][:, -1]
 
-    def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[int]]:
+    def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[Sampled]]:
         """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""
         logits = self.forward(tasks, n_new)
         done = [i for i, t in enumerate(tasks) if t.remaining == 0]
-        tokens: list[Optional[int]] = [None] * len(tasks)
+        tokens: list[Optional[Sampled]] = [None] * len(tasks)
         if done:
             picked = self.sample([tasks[i] for i in done], logits[done])
             for i, tok in zip(done, picked):
                 tokens[i] = tok
         return tokens
 
-    def execute_decode(self, tasks: Sequence[Task]) -> list[tuple[int, Optional[TokenLogprob]]]:
+    def execute_decode(self, tasks: Sequence[Task]) -> list[Sampled]:
         logits = self.forward(tasks, [1] * len(tasks))
         return self.sample(tasks, logits)
 
     @torch.inference_mode()
-    def sample(self, tasks: Sequence[Task], logits: torch.Tensor) -> list[tuple[int, Optional[TokenLogprob]]]:
+    def sample(self, tasks: Sequence[Task], logits: torch.Tensor) -> list[Sampled]:
         """Next token (and its log-probability entry when asked) for each task's logits row."""
         logits = logits.float()
         params = [t.params for t in tasks]

@@ -76,3 +76,19 @@ def test_context_limit_ends_with_length(gqa_model):
     with InferenceEngine(gqa_model, None, max_seq_len=20, page_size=4, num_pages=16) as engine:
         r = engine.submit(list(range(1, 16)), SamplingParams(max_tokens=100, **GREEDY)).result(timeout=30)
     assert r.finish_reason == "length" and r.completion_tokens == 5
+
+
+@pytest.mark.timeout(60)
+def test_generate_result_collects_several_requests(gqa_model):
+    from astrai.inference import GenerateResult
+
+    prompts = [[1, 2, 3], [4, 5]]
+    result = GenerateResult(len(prompts))
+    with InferenceEngine(gqa_model, None, page_size=4, num_pages=32) as engine:
+        for i, p in enumerate(prompts):
+            engine.scheduler.add_task(p, SamplingParams(max_tokens=4, **GREEDY), result.callback(i))
+        assert result.wait_completion(timeout=30)
+    tokens = result.pop_all()
+    assert len(tokens) == 8 and result.pop_all() == []
+    assert sorted(t for t, _ in tokens) == sorted(greedy_reference(gqa_model, prompts[0], 4)
+                                                  + greedy_reference(gqa_model, prompts[1], 4))

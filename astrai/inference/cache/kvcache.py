@@ -20,6 +20,8 @@ from astrai.inference.cache.prefix_cache import ROOT
 from astrai.inference.cache.storage import Storage
 from astrai.inference.cache.task_table import TaskTable
 
+NEVER_AGAIN = 1 << 62  # "pages recorded" value that stops a task's chain from being recorded further
+
 
 class KvcacheView:
     """What one forward's attention layers read and write (the model's ``paged_cache``).
@@ -170,7 +172,7 @@ class KVCache:
         for i in range(start, full):
             parent = pages[i - 1] if i > 0 else ROOT
             if not self._pool.record(pages[i], token_ids[i * ps:(i + 1) * ps], parent):
-                self._table.set_recorded(task_id, 1 << 30)
+                self._table.set_recorded(task_id, NEVER_AGAIN)
                 return
         self._table.set_recorded(task_id, max(start, full))
 
