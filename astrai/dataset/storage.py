@@ -12,6 +12,7 @@ or JSONL lines of such objects) load too, without meta.json.
 from __future__ import annotations
 
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
@@ -54,6 +55,8 @@ def detect_format(path: str | Path) -> str:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such dataset file or directory")
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        raise DataError(f"{path}: cannot be read (permission denied)")
     if path.is_file():
         if path.suffix in SUFFIXES and SUFFIXES[path.suffix] != "mmap":
             return SUFFIXES[path.suffix]
@@ -65,10 +68,7 @@ def detect_format(path: str | Path) -> str:
             raise DataError(f"{path / META_FILE}: unknown format {meta['format']!r}; "
                             f"known: {', '.join(_STORAGE_REGISTRY.list_names())}")
         return meta["format"]
-    try:
-        found = {SUFFIXES[p.suffix] for p in path.iterdir() if p.suffix in SUFFIXES}
-    except PermissionError:
-        raise DataError(f"{path}: directory cannot be read (permission denied)") from None
+    found = {SUFFIXES[p.suffix] for p in path.iterdir() if p.suffix in SUFFIXES}
     if found == {"h5"} or found == {"json"}:
         return found.pop()
     if not found:

@@ -1,6 +1,7 @@
 """Bad input is reported with its file, line or key and the problem; --skip_bad counts instead."""
 
 import json
+import os
 
 import pytest
 from helpers_dataset import preprocess, write_jsonl
@@ -73,6 +74,15 @@ def test_unreadable_storage_is_named(tmp_path, tokenizer_dir):
     preprocess([path], tmp_path / "seq", tokenizer_dir)
     with pytest.raises(DataError, match=r"keys \['chosen'.*missing.*preprocessed as 'seq'"):
         DatasetFactory.load("dpo", tmp_path / "seq", 8)
+    if os.geteuid() != 0:  # permissions do not bind root
+        locked = tmp_path / "locked"
+        preprocess([path], locked, tokenizer_dir)
+        locked.chmod(0)
+        try:
+            with pytest.raises(DataError, match=r"locked: cannot be read \(permission denied\)"):
+                DatasetFactory.load("seq", locked, 8)
+        finally:
+            locked.chmod(0o755)
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "x.json").write_text(json.dumps({"sequence": [[1, 2], [3]]}))
     with pytest.raises(DataError, match=r"x\.json: key 'sequence'"):
