@@ -19,6 +19,8 @@ def test_default_template_is_chatml():
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 3+4?<|im_end|>\n"
                     "<|im_start|>assistant\n")
     assert ChatTemplate().render(CONVERSATION[1:2], system_prompt="S").startswith("<|im_start|>system\nS<|im_end|>")
+    tool_turn = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add"}}]}
+    assert ChatTemplate().render([tool_turn]) == "<|im_start|>assistant\n<|im_end|>\n"
 
 
 def test_assistant_mask_covers_exactly_the_assistant_tokens(tokenizer):
