@@ -253,6 +253,8 @@ def hf_config(config: ModelConfig, family: str, dtype: torch.dtype) -> dict[str,
         "initializer_range": config.init_std, "tie_word_embeddings": config.tie_weight,
         "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        # Unknown to the model; null keeps transformers from assuming Llama's 1/2.
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
     if family == "llama":
         out["mlp_bias"] = False
@@ -262,11 +264,13 @@ def hf_config(config: ModelConfig, family: str, dtype: torch.dtype) -> dict[str,
     return out
 
 
-def export_hf(model, save_directory: str | os.PathLike, family: str = "auto", max_shard_bytes: Optional[int] = None) -> Path:
+def export_hf(model, save_directory: str | os.PathLike, family: str = "auto", max_shard_bytes: Optional[int] = None,
+              token_ids: Optional[dict[str, int]] = None) -> Path:
     """Write ``model`` as a Hugging Face checkpoint (config.json + safetensors) that transformers loads.
 
     ``family`` is llama, qwen2, qwen3 or auto (llama unless the model has QK-norm →
-    qwen3, or q/k/v bias → qwen2).
+    qwen3, or q/k/v bias → qwen2). ``token_ids`` may set bos_token_id / eos_token_id /
+    pad_token_id in config.json (the tokenizer knows them, the model does not).
     """
     from astrai.model.automodel import DEFAULT_SHARD_BYTES, _atomic_write_text, write_safetensors
 
@@ -275,6 +279,10 @@ def export_hf(model, save_directory: str | os.PathLike, family: str = "auto", ma
     state = model._unique_state_dict()
     dtype = next(iter(state.values())).dtype
     hf = hf_config(config, family, dtype)
+    unknown = sorted(set(token_ids or {}) - {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if unknown:
+        raise ConfigError(f"token_ids: unknown key(s) {', '.join(unknown)}; use bos_token_id, eos_token_id, pad_token_id")
+    hf.update(token_ids or {})
     out = Path(save_directory)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors({astrai_to_hf_name(k): v for k, v in state.items()}, out,

@@ -104,8 +104,18 @@ def test_exported_model_loads_in_transformers_with_same_logits(case, tmp_path):
     ids = torch.randint(0, 128, (2, 48))
     with torch.no_grad():
         torch.testing.assert_close(reference(ids).logits, ours(ids)["logits"], rtol=0, atol=1e-4)
+    assert reference.config.eos_token_id is None  # not Llama's default 2
     back = AutoModel.from_pretrained(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values()))
+
+
+def test_export_writes_given_token_ids(tmp_path):
+    from astrai.model.hf import export_hf
+
+    model = AutoModel.from_config(preset("tiny", vocab_size=128, dim=64, n_layers=1, dim_ffn=128))
+    export_hf(model, tmp_path, token_ids={"bos_token_id": 1, "eos_token_id": 3})
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 3, None)
 
 
 def test_export_llama_refuses_what_llama_cannot_express(tmp_path):
