@@ -55,7 +55,10 @@ def test_sharded_save_round_trip(tmp_path):
 
 def test_load_with_dtype(tmp_path):
     _model().save_pretrained(tmp_path)
-    assert AutoModel.from_pretrained(tmp_path, dtype=torch.bfloat16).embed_tokens.weight.dtype == torch.bfloat16
+    model = AutoModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.rotary_embedding.inv_freq.dtype == torch.float32
+    assert _model().to(torch.bfloat16).rotary_embedding.inv_freq.dtype == torch.float32
 
 
 @pytest.fixture

@@ -125,6 +125,14 @@ class RotaryEmbedding(nn.Module):
         with torch.no_grad():
             self.inv_freq = inv_freq.to(self.inv_freq.device) if self.inv_freq.device.type != "meta" else inv_freq
 
+    def _apply(self, fn, recurse: bool = True):
+        """Keep the frequencies in fp32 when the model is cast (``model.to(torch.bfloat16)``):
+        bf16 frequencies would be off by whole radians a few hundred positions in."""
+        result = super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 and self.inv_freq.device.type != "meta":
+            self.reset_buffers()
+        return result
+
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
