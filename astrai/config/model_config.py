@@ -13,6 +13,14 @@ ATTN_TYPES = ("gqa", "mla")
 FFN_TYPES = ("mlp", "moe")
 TOPK_METHODS = ("greedy", "sigmoid")
 ROPE_SCALING_TYPES = ("linear", "ntk", "yarn", "llama3")
+# Keys each rope_scaling type understands (a misspelt or Hugging Face-named key is an error, not ignored).
+ROPE_SCALING_KEYS = {
+    "linear": {"type", "factor"},
+    "ntk": {"type", "factor"},
+    "yarn": {"type", "factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate"},
+    "llama3": {"type", "factor", "original_max_len", "low_freq_factor", "high_freq_factor"},
+}
 
 
 @dataclass
@@ -106,6 +114,12 @@ class ModelConfig:
             need(kind in ROPE_SCALING_TYPES, f"unknown rope_scaling type {kind!r}; choose one of {', '.join(ROPE_SCALING_TYPES)}")
             factor = self.rope_scaling.get("factor")
             need(isinstance(factor, (int, float)) and factor >= 1.0, f"rope_scaling factor must be a number >= 1, got {factor!r}")
+            unknown = sorted(set(self.rope_scaling) - ROPE_SCALING_KEYS[kind])
+            need(not unknown, f"rope_scaling type '{kind}' does not use {', '.join(unknown)}; "
+                              f"known keys: {', '.join(sorted(ROPE_SCALING_KEYS[kind]))}")
+            if kind == "llama3":
+                low, high = self.rope_scaling.get("low_freq_factor", 1.0), self.rope_scaling.get("high_freq_factor", 4.0)
+                need(high > low, f"rope_scaling llama3 needs high_freq_factor ({high}) > low_freq_factor ({low})")
         return self
 
     # --- JSON -----------------------------------------------------------------

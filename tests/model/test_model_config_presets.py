@@ -48,6 +48,10 @@ def test_json_round_trip(tmp_path):
     ({"rope_scaling": {"type": "ntk2", "factor": 2.0}}, r"unknown rope_scaling type 'ntk2'"),
     ({"rope_scaling": {"type": "linear", "factor": 0.5}}, r"rope_scaling factor must be a number >= 1"),
     ({"head_dim": 33}, r"head_dim \(33\) must be even"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}},
+     r"rope_scaling type 'yarn' does not use original_max_position_embeddings; known keys: .*original_max_len"),
+    ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+     r"high_freq_factor \(1.0\) > low_freq_factor \(4.0\)"),
 ])
 def test_validate_names_the_field_and_problem(overrides, message):
     with pytest.raises(ConfigError, match=message):
