@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-from conftest import MODEL_NAME
+from server_helpers import MODEL_NAME
 
 from astrai.inference.types import SamplingParams
 

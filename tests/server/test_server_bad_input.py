@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import MODEL_NAME
+from server_helpers import MODEL_NAME
 
 CHAT = "/v1/chat/completions"
 GOOD_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

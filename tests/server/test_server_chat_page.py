@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL_NAME, ScriptedEngine, live_server
+from server_helpers import MODEL_NAME, ScriptedEngine, live_server
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By

@@ -7,7 +7,7 @@ import threading
 import time
 
 import httpx
-from conftest import MODEL_NAME
+from server_helpers import MODEL_NAME
 
 from astrai.inference.types import SamplingParams
 

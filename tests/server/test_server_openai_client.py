@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import MODEL_NAME
+from server_helpers import MODEL_NAME
 
 from astrai.inference.types import SamplingParams
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import MODEL_NAME, ScriptedEngine, live_server
+from server_helpers import MODEL_NAME, ScriptedEngine, live_server
 
 from astrai.inference.server import create_app
 
@@ -107,10 +107,11 @@ def test_api_key_is_required_on_v1_routes_only(tokenizer):
 
 def test_health_reports_readiness_while_the_model_loads(tokenizer):
     release = threading.Event()
+    engine = ScriptedEngine(tokenizer, "ready")
 
     def slow_load():
         release.wait(10)
-        return ScriptedEngine(tokenizer, "ready")
+        return engine
 
     with live_server(create_app(load_engine=slow_load, model_name=MODEL_NAME)) as url:
         assert httpx.get(url + "/health").json()["ready"] is False
@@ -123,3 +124,5 @@ def test_health_reports_readiness_while_the_model_loads(tokenizer):
         while not httpx.get(url + "/health").json()["ready"] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert httpx.get(url + "/health/ready").status_code == 200
+        assert not engine.shut_down
+    assert engine.shut_down  # an engine the app loaded is shut down with the app

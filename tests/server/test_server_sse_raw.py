@@ -6,7 +6,7 @@ import json
 import time
 
 import httpx
-from conftest import MODEL_NAME
+from server_helpers import MODEL_NAME
 
 ANTHROPIC_ORDER = ["message_start", "content_block_start", "ping"]
 

@@ -40,7 +40,6 @@ def stop_reason(ctx: StreamContext) -> str:
 class AnthropicHandler(ProtocolHandler):
     """One ``/v1/messages`` request (always a single choice)."""
 
-    anthropic = True
     body: MessagesRequest
 
     def create_response_id(self) -> str:

@@ -23,7 +23,7 @@ from astrai.errors import AstraiError
 from astrai.inference.types import SamplingParams
 
 from .errors import APIError
-from .generation import Delta, StreamContext, collect, merge_choices, new_id, stream_choice, submit_all
+from .generation import Delta, StreamContext, collect, merge_choices, stream_choice, submit_all
 from .metrics import ServerMetrics
 from .sse import SSEResponse
 
@@ -45,8 +45,6 @@ class ServerState:
 
 class ProtocolHandler(ABC):
     """One request: subclasses supply the protocol hooks, ``handle`` runs it."""
-
-    anthropic = False
 
     def __init__(self, state: ServerState, body, request: Request):
         self.state = state
