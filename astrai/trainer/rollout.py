@@ -22,7 +22,11 @@ from astrai.errors import ConfigError
 
 @dataclass
 class RolloutBatch:
-    """``group_size`` responses per prompt, grouped consecutively (prompt 0's group first)."""
+    """``group_size`` responses per prompt, grouped consecutively (prompt 0's group first).
+
+    Response ids include the stop token that ended them (so the policy learns to stop);
+    response texts are the engine's decoded text without it.
+    """
 
     input_ids: torch.Tensor          # [N, L] prompt + response, right-padded with 0
     response_mask: torch.Tensor      # [N, L] 1 on response tokens
@@ -71,6 +75,7 @@ class EngineRollout:
         behaviour = copy.deepcopy(getattr(policy, "module", policy)).eval()
         for p in behaviour.parameters():
             p.requires_grad_(False)
+        engine_kwargs.setdefault("max_queue", 8192)  # a whole step's requests are queued at once
         engine = InferenceEngine(behaviour, tokenizer, max_batch_size=max_batch_size, **engine_kwargs)
         return cls(engine, tokenizer, max_new_tokens, temperature, top_p, seed)
 
@@ -78,6 +83,9 @@ class EngineRollout:
         """Load the policy's current weights into the engine (drops its prefix cache)."""
         state = getattr(policy, "module", policy).state_dict()
         self.engine.update_weights({k: v.detach() for k, v in state.items()})
+
+    def close(self) -> None:
+        self.engine.shutdown()
 
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int,
                  prompt_texts: Optional[Sequence[str]] = None) -> RolloutBatch:
@@ -93,6 +101,9 @@ class EngineRollout:
                 self.requests += 1
                 handles.append(self.engine.submit(list(prompt), params))
         results = [h.result() for h in handles]
+        for r in results:
+            if r.error:
+                raise RuntimeError(f"GRPO rollout failed in the inference engine: {r.error}")
         responses = [list(r.token_ids) for r in results]
         repeated = [list(p) for p in prompts for _ in range(group_size)]
         ids, mask = pack_sequences(repeated, responses)
@@ -100,6 +111,6 @@ class EngineRollout:
         return RolloutBatch(
             input_ids=ids, response_mask=mask,
             prompt_texts=[t for t in texts for _ in range(group_size)],
-            response_texts=[self.tokenizer.decode(r) for r in responses],
+            response_texts=[r.text for r in results],
             seconds=time.perf_counter() - start,
         )

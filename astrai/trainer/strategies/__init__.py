@@ -10,6 +10,7 @@ from astrai.trainer.strategies.seq import SEQStrategy, SFTStrategy, token_cross_
 from astrai.trainer.strategies.dpo import DPOStrategy
 from astrai.trainer.strategies.rm import RMStrategy
 from astrai.trainer.strategies.grpo import GRPOStrategy
+from astrai.trainer.strategies.kl import KLStrategy
 
-__all__ = ["DPOStrategy", "GRPOStrategy", "IGNORE_INDEX", "RMStrategy", "BaseStrategy", "SEQStrategy", "SFTStrategy", "StrategyFactory", "document_mask",
+__all__ = ["DPOStrategy", "GRPOStrategy", "IGNORE_INDEX", "KLStrategy", "RMStrategy", "BaseStrategy", "SEQStrategy", "SFTStrategy", "StrategyFactory", "document_mask",
            "model_inputs", "token_cross_entropy"]

@@ -8,8 +8,9 @@ reference. After each optimizer step ``after_optimizer_step`` refreshes the engi
 every ``weight_sync_interval`` steps and re-syncs the reference every
 ``sync_interval`` steps (0 = never).
 
-Offline, the batch already holds ``prompts``, ``responses``, ``masks`` and
-``rewards`` (consecutive rows form the groups), and no engine is needed.
+Offline, the batch already holds ``prompts`` (+ ``prompt_mask``), ``responses``,
+``masks`` and ``rewards``, one response per row; rows with the same prompt form a
+group, and no engine is needed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from astrai.errors import ConfigError, DataError
 from astrai.trainer.rewards import compute_rewards, resolve_reward
 from astrai.trainer.rollout import EngineRollout, RolloutBatch, pack_sequences
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
-from astrai.trainer.strategies.losses import REDUCTIONS, group_advantages, grpo_loss, shifted_token_logprobs
+from astrai.trainer.strategies.losses import (REDUCTIONS, group_advantages, grpo_loss, keyed_group_advantages,
+                                              shifted_token_logprobs)
 from astrai.trainer.strategies.reference import ReferenceModel, frozen, unwrap
 
 
@@ -96,10 +98,13 @@ class GRPOStrategy(BaseStrategy):
                                   rollout.response_mask)
         return rollout, rewards, time.perf_counter() - start
 
-    def policy_loss(self, input_ids: torch.Tensor, response_mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-        """The GRPO objective on scored, grouped sequences; fills ``self.metrics``."""
+    def policy_loss(self, input_ids: torch.Tensor, response_mask: torch.Tensor, rewards: torch.Tensor,
+                    advantages: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The GRPO objective on scored sequences (consecutive groups unless ``advantages`` is given)."""
         input_ids, response_mask = input_ids.to(self.device), response_mask.to(self.device)
-        advantages = group_advantages(rewards.to(self.device), self.group_size)
+        if advantages is None:
+            advantages = group_advantages(rewards, self.group_size)
+        advantages = advantages.to(self.device)
         mask = response_mask[:, 1:]
         logp = shifted_token_logprobs(self.model, input_ids)
         if self.behaviour is None:
@@ -136,24 +141,22 @@ class GRPOStrategy(BaseStrategy):
         return loss
 
     def offline_loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Stored responses and rewards: rows [B·G] (or [B, G, ...] groups), consecutive rows one group."""
+        """Stored responses and rewards, one response per row (the layout of the GRPO dataset).
+
+        Rows are grouped by identical prompt within the batch, so shuffled data still
+        compares each response with its siblings; a prompt seen once gets advantage 0.
+        """
         for key in ("masks", "rewards"):
             if key not in batch:
                 raise DataError(f"offline GRPO batch has no {key!r}; expected prompts, responses, masks, rewards")
-        responses, masks, rewards = batch["responses"], batch["masks"], batch["rewards"]
-        prompts = batch["prompts"]
-        if isinstance(rewards, torch.Tensor) and rewards.dim() == 2:
-            group = rewards.shape[1]
-            prompts = [p for p in _rows(prompts, batch.get("prompt_mask")) for _ in range(group)]
-            responses, masks, rewards = responses.flatten(0, 1), masks.flatten(0, 1), rewards.flatten()
-        else:
-            prompts = _rows(prompts, batch.get("prompt_mask"))
-        rewards = torch.as_tensor(rewards, dtype=torch.float32)
+        rewards = torch.as_tensor(batch["rewards"], dtype=torch.float32).flatten()
         if not torch.isfinite(rewards).all():
             bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
             raise DataError(f"offline GRPO batch: reward(s) at row(s) {bad} are not finite")
-        ids, response_mask = pack_sequences(prompts, _rows(responses, masks))
-        return self.policy_loss(ids, response_mask, rewards)
+        prompts = _rows(batch["prompts"], batch.get("prompt_mask"))
+        ids, response_mask = pack_sequences(prompts, _rows(batch["responses"], batch["masks"]))
+        advantages = keyed_group_advantages(rewards, [tuple(p) for p in prompts])
+        return self.policy_loss(ids, response_mask, rewards, advantages)
 
     # --- schedule ---------------------------------------------------------------
     def after_optimizer_step(self) -> None:
@@ -166,6 +169,12 @@ class GRPOStrategy(BaseStrategy):
                 self.behaviour.load_state_dict(unwrap(self.model).state_dict())
         if self.sync_interval and self.steps % self.sync_interval == 0:
             self.reference.sync()
+
+    def close(self) -> None:
+        """Stop the rollout engine's scheduler thread (the strategy can still compute offline losses)."""
+        if self._rollout is not None:
+            self._rollout.close()
+            self._rollout = None
 
     def mean_reward(self, prompts: Sequence[Sequence[int]], prompt_texts: Optional[Sequence[str]] = None) -> float:
         """Mean reward of fresh samples on ``prompts`` (for held-out evaluation; no gradients)."""

@@ -96,6 +96,24 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return ((grouped - mean) / (std + eps)).view(-1)
 
 
+def keyed_group_advantages(rewards: torch.Tensor, keys: list, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages normalised among rows that share a key (the prompt), for stored (offline) data.
+
+    A prompt with a single response in the batch has nothing to be compared with and
+    gets advantage 0.
+    """
+    rewards = rewards.float()
+    advantages = torch.zeros_like(rewards)
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    for rows in groups.values():
+        if len(rows) > 1:
+            group = rewards[rows]
+            advantages[rows] = (group - group.mean()) / (group.std(unbiased=False) + eps)
+    return advantages
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     mask = mask.to(values.dtype)
     if dim is None:

@@ -1,0 +1,151 @@
+"""KL-staged training (spec 003): language-model stages, each later one anchored to a frozen snapshot.
+
+Stage 0 is plain next-token training. At each stage boundary the run evaluates,
+saves a checkpoint ``boundary_<i>_<j>`` (from stage i to stage j), and freezes a
+copy of the weights as the reference; from then on the loss is
+NLL + β·(policy NLL − reference NLL), the spec's cheap per-batch estimate of
+KL(policy ‖ reference) that keeps the new stage from drifting far from what the
+earlier stages learnt. Each stage has its own token budget and dataset mixture.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from astrai.errors import ConfigError
+from astrai.trainer.strategies.base import StrategyFactory
+from astrai.trainer.strategies.losses import kl_stage_loss
+from astrai.trainer.strategies.masks import model_inputs
+from astrai.trainer.strategies.reference import ReferenceModel, unwrap
+from astrai.trainer.strategies.seq import SEQStrategy, token_cross_entropy
+
+
+@StrategyFactory.register("kl")
+class KLStrategy(SEQStrategy):
+    """Next-token loss plus β·(policy NLL − reference NLL) once a reference exists.
+
+    ``beta`` is the configured coefficient; the effective one (``effective_beta``) is 0
+    until ``start_stage`` snapshots a reference (or one is passed in).
+    """
+
+    def __init__(self, model: nn.Module, device: str | torch.device = "cpu", beta: float = 0.1,
+                 reference: Optional[ReferenceModel] = None, stage: int = 0, label_smoothing: float = 0.0,
+                 **kwargs: Any):
+        super().__init__(model, device, label_smoothing=label_smoothing, **kwargs)
+        if beta < 0:
+            raise ConfigError(f"beta must be >= 0 for the KL stage, got {beta!r}")
+        self.beta, self.reference, self.stage = float(beta), reference, int(stage)
+
+    @property
+    def effective_beta(self) -> float:
+        return self.beta if self.reference is not None else 0.0
+
+    @property
+    def ref_model(self) -> Optional[nn.Module]:
+        return None if self.reference is None else self.reference.model
+
+    def start_stage(self, stage: int) -> ReferenceModel:
+        """Freeze the current weights as the reference for stage ``stage`` onwards."""
+        self.reference = snapshot_reference(self.model)
+        self.stage = int(stage)
+        return self.reference
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        batch = self.to_device(batch)
+        inputs = model_inputs(batch)
+        targets = self.targets(batch)
+        outputs = self.model(**inputs)
+        nll = token_cross_entropy(outputs["logits"], targets, self.label_smoothing)
+        if self.reference is None:
+            loss, penalty = nll, torch.zeros(())
+        else:
+            with self.reference.active() as ref:
+                ref_nll = token_cross_entropy(ref(**inputs)["logits"], targets, self.label_smoothing)
+            loss, penalty = kl_stage_loss(nll, ref_nll, self.beta)
+        self.metrics = {"stage": float(self.stage), "beta": self.effective_beta, "nll": nll.item(),
+                        "kl_penalty": penalty.item()}
+        return self.add_aux_loss(loss, outputs)
+
+
+def snapshot_reference(model: nn.Module) -> ReferenceModel:
+    """A frozen copy of the current weights (a real copy even under LoRA: the adapters are part of it)."""
+    return ReferenceModel(unwrap(model), use_lora_base=False)
+
+
+@dataclass
+class Stage:
+    """One stage: a token budget and (optionally) its own data: a mixture [{"path", "rate"}, ...]
+    as in TrainConfig.datasets, or a Dataset object (for programmatic use)."""
+
+    tokens: int
+    datasets: Optional[list] = None
+
+    @classmethod
+    def parse(cls, stages: Sequence[Any]) -> list["Stage"]:
+        parsed = []
+        for i, raw in enumerate(stages):
+            if isinstance(raw, Stage):
+                raw = {"tokens": raw.tokens, "datasets": raw.datasets}
+            entry = raw if isinstance(raw, dict) else {"tokens": raw}
+            tokens = entry.get("tokens")
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+                raise ConfigError(f"KL stage {i}: 'tokens' must be a positive integer token budget, got {tokens!r}")
+            parsed.append(cls(tokens, entry.get("datasets")))
+        if len(parsed) < 2:
+            raise ConfigError(f"KL-staged training needs at least 2 stages (a boundary to anchor to), got {len(parsed)}")
+        return parsed
+
+
+def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Optional[nn.Module] = None,
+                    tokenizer: Any = None, callbacks: Optional[list] = None, val_dataset=None) -> nn.Module:
+    """Run every stage with the trainer, handing the weights (and the reference) from one to the next.
+
+    Stage i writes its checkpoints under ``<ckpt_dir>/stage_<i>``; the boundary checkpoints and
+    ``boundaries.jsonl`` (stage, tokens, validation loss) go to ``<ckpt_dir>`` itself. Returns the model.
+    """
+    from astrai.config import TrainConfig
+    from astrai.serialization import Checkpoint
+    from astrai.trainer.builder import load_model
+    from astrai.trainer.callbacks.validation import evaluate
+    from astrai.trainer.trainer import Trainer
+
+    plan = Stage.parse(stages)
+    root = Path(config.ckpt_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    model = model if model is not None else load_model(config)
+    reference: Optional[ReferenceModel] = None
+    for i, stage in enumerate(plan):
+        last = i == len(plan) - 1
+        fields = {**config.to_dict(), "train_type": "kl", "total_tokens": stage.tokens, "max_steps": None,
+                  "ckpt_dir": str(root / f"stage_{i}"), "log_dir": str(Path(config.log_dir or root) / f"stage_{i}"),
+                  "save_final_model": last and config.save_final_model,
+                  "strategy_kwargs": {**config.strategy_kwargs, "beta": beta}}
+        stage_dataset = None
+        if isinstance(stage.datasets, list):
+            fields.update(datasets=stage.datasets, data_root_path=None)
+        elif stage.datasets is not None:
+            stage_dataset = stage.datasets
+        stage_config = TrainConfig.from_dict(fields, source=f"KL stage {i}")
+        trainer = Trainer(stage_config, callbacks=callbacks, model=model, tokenizer=tokenizer,
+                          train_dataset=stage_dataset, val_dataset=val_dataset,
+                          strategy_extra={"reference": reference, "stage": i})
+        context = trainer.train()
+        model = unwrap(context.model)
+        if last:
+            break
+        val_loss = evaluate(context, config.validation_batches) if context.val_loader is not None else None
+        name = f"boundary_{i}_{i + 1}"
+        meta = {"stage": i, "next_stage": i + 1, "tokens_seen": context.tokens_seen, "val_loss": val_loss,
+                "beta": beta, "train_config": stage_config.to_dict()}
+        Checkpoint({k: v.detach().clone() for k, v in model.state_dict().items()}, epoch=context.epoch,
+                   iteration=context.iteration, meta=meta).save(root / name)
+        reference = snapshot_reference(model)
+        with open(root / "boundaries.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"boundary": name, **{k: v for k, v in meta.items() if k != "train_config"}}) + "\n")
+    return model

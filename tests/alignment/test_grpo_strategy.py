@@ -1,0 +1,135 @@
+"""GRPO with the inference engine on the bundled arithmetic task, plus its error messages."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from astrai.dataset.arithmetic import make_problems
+from astrai.errors import ConfigError, DataError
+from astrai.trainer.rewards import arithmetic_reward, resolve_reward
+from astrai.trainer.rollout import pack_sequences
+from astrai.trainer.strategies import StrategyFactory
+from astrai.trainer.strategies.grpo import GRPOStrategy
+from astrai.trainer.strategies.losses import shifted_token_logprobs
+
+from alignment_helpers import tiny_lm
+
+
+def sft(model, tokenizer, problems, steps, lr=3e-3, seed=1):
+    """A short supervised warm-up: prompt "3+4=" → answer "7" and end-of-sequence."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        batch = [rng.choice(problems) for _ in range(32)]
+        ids, mask = pack_sequences([tokenizer.encode(p["prompt"]) for p in batch],
+                                   [tokenizer.encode(p["answer"]) + [tokenizer.eos_id] for p in batch])
+        logp = shifted_token_logprobs(model, ids)
+        weights = mask[:, 1:].float()
+        loss = -(logp * weights).sum() / weights.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_online_grpo_raises_mean_reward_on_arithmetic(tokenizer):
+    """Short SFT, then 50 GRPO steps with engine rollouts; mean sampled reward on a fixed evaluation
+    draw of problems (never used for a gradient) rises. Single-digit addition has only 100 problems, so
+    the evaluation draw overlaps with the problems GRPO trains on."""
+    all_problems = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    model = tiny_lm(tokenizer.vocab_size, dim=64)
+    sft(model, tokenizer, all_problems, steps=300)
+    strategy = GRPOStrategy(model, group_size=8, reward="arithmetic", tokenizer=tokenizer, max_new_tokens=4,
+                            temperature=1.0, seed=0)
+    evaluation = [tokenizer.encode(p["prompt"]) for p in make_problems(80, seed=123)]
+    train_prompts = [tokenizer.encode(p["prompt"]) for p in make_problems(800, seed=7)]
+    try:
+        start = strategy.mean_reward(evaluation)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rewards = []
+        for step in range(50):
+            loss = strategy.compute_loss({"prompts": train_prompts[16 * step:16 * (step + 1)]})
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            strategy.after_optimizer_step()
+            rewards.append(strategy.metrics["reward_mean"])
+        end = strategy.mean_reward(evaluation)
+    finally:
+        strategy.close()
+    print(f"GRPO evaluation mean reward: start {start:.3f}, end {end:.3f}; training reward "
+          f"{sum(rewards[:5]) / 5:.3f} → {sum(rewards[-5:]) / 5:.3f}")
+    for key in ("reward_std", "kl", "clip_fraction", "response_length", "rollout_s", "scoring_s"):
+        assert math.isfinite(strategy.metrics[key])
+    assert end > start + 0.05, (start, end, rewards)
+
+
+def test_engine_weights_and_reference_follow_the_schedule(tokenizer):
+    model = tiny_lm(tokenizer.vocab_size)
+    strategy = GRPOStrategy(model, group_size=2, reward=lambda p, r: float(len(r)), tokenizer=tokenizer,
+                            max_new_tokens=3, sync_interval=2, weight_sync_interval=1)
+    try:
+        engine_model = strategy.rollout.engine.model
+        ref_before = {k: v.clone() for k, v in strategy.ref_model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        strategy.after_optimizer_step()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(engine_model.state_dict()[name], tensor), name
+        assert all(torch.equal(v, ref_before[k]) for k, v in strategy.ref_model.state_dict().items())
+        strategy.after_optimizer_step()
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in strategy.ref_model.state_dict().items())
+    finally:
+        strategy.close()
+
+
+def test_offline_grpo_groups_rows_by_prompt():
+    model = tiny_lm(64)
+    strategy = GRPOStrategy(model, group_size=2, kl_coef=0.0)
+    batch = {"prompts": torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]]),
+             "prompt_mask": torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]]),
+             "responses": torch.tensor([[1, 2, 0], [3, 0, 0], [4, 4, 4]]),
+             "masks": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]]),
+             "rewards": torch.tensor([1.0, 0.0, 5.0])}
+    loss = strategy.compute_loss(batch)
+    loss.backward()
+    assert strategy.metrics["reward_mean"] == pytest.approx(2.0)
+    # the lone third row gets advantage 0; the pair gets ±1, each averaged over its own tokens
+    assert loss.item() == pytest.approx(-(1.0 - 1.0) / 3, abs=1e-6)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(DataError, match=r"row\(s\) \[1\]"):
+        strategy.compute_loss(dict(batch, rewards=torch.tensor([1.0, float("nan"), 0.0])))
+
+
+def test_grpo_bad_settings_and_rewards(tokenizer):
+    model = tiny_lm(tokenizer.vocab_size)
+    with pytest.raises(ConfigError, match="group_size must be an integer >= 2"):
+        StrategyFactory.create(model, "grpo", group_size=1)
+    with pytest.raises(ConfigError, match="cannot import"):
+        resolve_reward("no_such_module_xyz:score")
+    with pytest.raises(ConfigError, match="expected 'arithmetic'"):
+        resolve_reward("nonsense")
+
+    def explode(prompt, response):
+        raise ValueError("boom")
+
+    prompts = [tokenizer.encode("1+2=")]
+    for reward, message in ((explode, r"reward '.*explode' raised ValueError: boom on sample 0"),
+                            (lambda p, r: float("nan"), r"returned nan for sample 0")):
+        strategy = GRPOStrategy(model, group_size=2, reward=reward, tokenizer=tokenizer, max_new_tokens=2)
+        try:
+            with pytest.raises(DataError, match=message):
+                strategy.compute_loss({"prompts": prompts})
+        finally:
+            strategy.close()
+
+
+def test_arithmetic_reward_reads_the_problem_from_the_prompt():
+    assert arithmetic_reward("3+4=", "7") == 1.0
+    assert arithmetic_reward("<|im_start|>user\n9-3=<|im_end|>\n<|im_start|>assistant\n", " 6.") == 1.0
+    assert arithmetic_reward("3*4=", "13") == 0.0
+    assert arithmetic_reward("3+4=", "7 and more") == 0.0
+    with pytest.raises(DataError, match="no 'a\\+b' style problem"):
+        arithmetic_reward("hello", "7")

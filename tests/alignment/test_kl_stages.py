@@ -1,0 +1,88 @@
+"""KL-staged training: beta switches on at the boundary, the reference is the boundary snapshot and stays frozen."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from astrai.config import TrainConfig
+from astrai.errors import ConfigError
+from astrai.serialization import Checkpoint
+from astrai.trainer import TrainCallback
+from astrai.trainer.strategies.kl import KLStrategy, Stage, train_kl_stages
+
+from alignment_helpers import tiny_lm
+
+VOCAB, WINDOW = 64, 16
+
+
+class Windows(Dataset):
+    def __init__(self, seed: int, n: int = 16):
+        self.tokens = torch.randint(0, VOCAB, (n, WINDOW + 1), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.tokens[i, :-1], "target_ids": self.tokens[i, 1:]}
+
+
+class Record(TrainCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, context):
+        strategy = context.strategy
+        ref = strategy.ref_model
+        self.steps.append({"stage": context.metrics["stage"], "beta": context.metrics["beta"],
+                           "penalty": context.metrics["kl_penalty"], "strategy": strategy,
+                           "ref_state": None if ref is None else {k: v.clone() for k, v in ref.state_dict().items()}})
+
+
+def test_kl_stages_switch_beta_and_freeze_the_boundary_reference(tmp_path):
+    model = tiny_lm(VOCAB)
+    tokens_per_step = 2 * WINDOW
+    config = TrainConfig(train_type="kl", batch_per_device=2, window_size=WINDOW, max_lr=1e-2, warmup_ratio=0.0,
+                         ckpt_dir=str(tmp_path / "run"), ckpt_interval=1000, progress_bar=False, random_seed=1)
+    record = Record()
+    stages = [Stage(3 * tokens_per_step, Windows(seed=0)), Stage(4 * tokens_per_step, Windows(seed=1))]
+    final = train_kl_stages(config, stages, beta=0.3, model=model, callbacks=[record])
+    stage0 = [s for s in record.steps if s["stage"] == 0]
+    stage1 = [s for s in record.steps if s["stage"] == 1]
+    assert len(stage0) == 3 and len(stage1) == 4
+    assert all(s["beta"] == 0.0 and s["penalty"] == 0.0 and s["ref_state"] is None for s in stage0)
+    assert all(s["beta"] == 0.3 for s in stage1)
+    assert stage1[0]["penalty"] == pytest.approx(0.0, abs=1e-6)  # first batch: policy == reference
+    boundary = tmp_path / "run" / "boundary_0_1"
+    assert (boundary / "meta.json").is_file()
+    saved = Checkpoint.load(boundary).state_dict
+    for s in stage1:
+        for name, tensor in s["ref_state"].items():
+            assert torch.equal(tensor, saved[name]), name
+    assert any(not torch.equal(v, saved[k]) for k, v in final.state_dict().items())
+    assert not any(p.requires_grad for p in stage1[-1]["strategy"].ref_model.parameters())
+    log = [json.loads(line) for line in (tmp_path / "run" / "boundaries.jsonl").read_text().splitlines()]
+    assert log[0]["boundary"] == "boundary_0_1" and log[0]["tokens_seen"] == 3 * tokens_per_step
+    assert (tmp_path / "run" / "stage_1" / "final" / "model.safetensors").is_file()
+
+
+def test_kl_strategy_penalty_and_stage_errors():
+    model = tiny_lm(VOCAB)
+    strategy = KLStrategy(model, beta=0.5)
+    batch = Windows(seed=3)[0]
+    batch = {k: v.unsqueeze(0) for k, v in batch.items()}
+    nll = strategy.compute_loss(batch).item()
+    assert strategy.effective_beta == 0.0
+    strategy.start_stage(1)
+    assert strategy.compute_loss(batch).item() == pytest.approx(nll, rel=1e-6)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    loss = strategy.compute_loss(batch).item()
+    assert loss == pytest.approx(strategy.metrics["nll"] + 0.5 * strategy.metrics["kl_penalty"], rel=1e-6)
+    assert strategy.metrics["kl_penalty"] == pytest.approx(strategy.metrics["nll"] - nll, rel=1e-4)
+    with pytest.raises(ConfigError, match="at least 2 stages"):
+        Stage.parse([100])
+    with pytest.raises(ConfigError, match="stage 1"):
+        Stage.parse([100, -5])
