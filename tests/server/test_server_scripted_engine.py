@@ -76,6 +76,19 @@ def test_client_disconnect_mid_stream_aborts_the_engine_task(tokenizer):
         assert handle.events_sent < 200
 
 
+def test_client_hanging_up_on_a_non_streaming_request_aborts_the_engine_task(tokenizer):
+    engine = ScriptedEngine(tokenizer, "word " * 200, delay_s=0.02)
+    with live_server(create_app(engine, model_name=MODEL_NAME)) as url:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while engine.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.handles[0].aborted and not engine.running
+        assert engine.handles[0].events_sent < 200
+
+
 def test_queue_full_answers_503_with_retry_after_in_both_protocols(tokenizer):
     engine = ScriptedEngine(tokenizer, "x", max_queue=0)
     with live_server(create_app(engine, model_name=MODEL_NAME)) as url:
