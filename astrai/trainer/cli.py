@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
         else:
             parser.add_argument(f"--{f.name}", type=_flag_type(hints[f.name]), default=argparse.SUPPRESS, help=help_text)
+    from astrai.trainer.alignment_cli import add_alignment_arguments
+
+    add_alignment_arguments(parser)
 
 
 def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
@@ -77,6 +80,9 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
         if not args.config:
             saved = Checkpoint.read_meta(resume)["meta"].get("train_config", {})
             config = TrainConfig.from_dict({**saved, **flags}, source=f"{resume}/meta.json")
+    from astrai.trainer.alignment_cli import alignment_strategy_kwargs
+
+    config.strategy_kwargs.update(alignment_strategy_kwargs(args))
     return config, resume
 
 
@@ -123,10 +129,10 @@ def run(args: argparse.Namespace) -> int:
     config, resume = build_config(args)
     if args.dry_run:
         return dry_run(config)
-    from astrai.trainer.trainer import Trainer
+    from astrai.trainer.alignment_cli import train
 
     Path(config.ckpt_dir).mkdir(parents=True, exist_ok=True)
-    context = Trainer(config).train(resume)
+    context = train(config, resume)
     if context is not None and context.stop_requested:
         print(f"astrai train: interrupted at step {context.step}; resume with --resume --ckpt_dir {config.ckpt_dir}")
         return 130

@@ -63,12 +63,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
             opt.load_state_dict(state_dict[str(i)])
 
 
+def _fused_supported(model: nn.Module) -> bool:
+    """The single-kernel AdamW exists for CPU and CUDA float params; it avoids a pass per tensor."""
+    return all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+               for p in model.parameters())
+
+
 def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
-    """AdamW (fused on CUDA) or Muon on hidden matrices + AdamW on the rest, per ``config.optimizer``."""
+    """AdamW (fused kernel) or Muon on hidden matrices + AdamW on the rest, per ``config.optimizer``."""
     groups = split_parameters(model)
     betas = (config.adamw_beta1, config.adamw_beta2)
-    fused = any(p.is_cuda for p in model.parameters())
-    adamw_kwargs = dict(lr=config.max_lr, betas=betas, eps=config.adamw_eps, fused=fused or None)
+    adamw_kwargs = dict(lr=config.max_lr, betas=betas, eps=config.adamw_eps, fused=_fused_supported(model))
     if config.optimizer == "muon":
         muon = torch.optim.Muon(groups["decay"], lr=config.muon_lr, weight_decay=config.adamw_weight_decay)
         adamw = torch.optim.AdamW([{"params": groups["no_decay"], "weight_decay": 0.0}], **adamw_kwargs)

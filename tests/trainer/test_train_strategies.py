@@ -61,7 +61,7 @@ def test_sft_loss_counts_only_masked_tokens_and_masked_tokens_get_no_gradient():
     model = FixedLogits(logits)
     strategy = StrategyFactory.create(model, "sft", "cpu")
     loss = strategy(batch)
-    assert float(loss) == pytest.approx(hand_cross_entropy(logits, targets, keep=loss_mask.bool()), rel=1e-5)
+    assert loss.item() == pytest.approx(hand_cross_entropy(logits, targets, keep=loss_mask.bool()), rel=1e-5)
     assert strategy.count_loss_units(batch) == 5
     loss.backward()
     grad_norm_per_pos = model.logits.grad.abs().sum(-1)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from astrai.errors import ConfigError, DataError
+from astrai.trainer.callbacks.base import TrainCallback
 from astrai.trainer.rewards import compute_rewards, resolve_reward
 from astrai.trainer.rollout import EngineRollout, RolloutBatch, pack_sequences
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
@@ -170,6 +171,9 @@ class GRPOStrategy(BaseStrategy):
         if self.sync_interval and self.steps % self.sync_interval == 0:
             self.reference.sync()
 
+    def callbacks(self) -> list:
+        return [GRPOScheduleCallback(self)]
+
     def close(self) -> None:
         """Stop the rollout engine's scheduler thread (the strategy can still compute offline losses)."""
         if self._rollout is not None:
@@ -181,3 +185,24 @@ class GRPOStrategy(BaseStrategy):
         _, rewards, _ = self.sample(prompts, prompt_texts)
         return rewards.mean().item()
 
+
+
+class GRPOScheduleCallback(TrainCallback):
+    """Ties GRPO to the training loop: the run's tokenizer for rollouts, the weight/reference
+    schedule after every optimizer step, and the engine thread stopped when the run ends."""
+
+    def __init__(self, strategy: GRPOStrategy):
+        self.strategy = strategy
+
+    def on_train_begin(self, context) -> None:
+        if self.strategy.tokenizer is None:
+            self.strategy.tokenizer = context.tokenizer
+
+    def on_step_end(self, context) -> None:
+        self.strategy.after_optimizer_step()
+
+    def on_train_end(self, context) -> None:
+        self.strategy.close()
+
+    def on_error(self, context) -> None:
+        self.strategy.close()

@@ -1,0 +1,122 @@
+"""The alignment and LoRA flags of ``astrai train`` and what they change about a run.
+
+Strategy settings (``--beta``, ``--group_size``, ``--reward``, ``--stage_tokens``, ...)
+are folded into ``TrainConfig.strategy_kwargs`` so they are saved in every checkpoint's
+meta.json and a resumed run gets them back; LoRA settings go there too, under ``lora``.
+``train`` then prepares what a plain Trainer run cannot: a reward model built from a
+language model (rm), adapters injected before the optimizer is built (LoRA), and the
+stage-by-stage driver (kl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from astrai.errors import ConfigError
+
+STRATEGY_FLAGS = {
+    "beta": (float, "DPO β (default 0.1) / KL-stage β (default 0.1)"),
+    "ref_path": (str, "reference model directory for DPO/GRPO (default: a frozen copy of the starting weights)"),
+    "reduction": (str, "mean | sum over pairs / responses"),
+    "group_size": (int, "GRPO responses sampled per prompt (default 4, at least 2)"),
+    "clip_eps": (float, "GRPO ratio clipping ε (default 0.2)"),
+    "kl_coef": (float, "GRPO KL penalty coefficient (default 0.01)"),
+    "sync_interval": (int, "GRPO: re-sync the reference to the policy every N steps (default 200, 0 = never)"),
+    "weight_sync_interval": (int, "GRPO: refresh the rollout engine's weights every N steps (default 1)"),
+    "reward": (str, "GRPO reward: arithmetic | package.module:function | reward-model directory"),
+    "max_new_tokens": (int, "GRPO rollout length limit (default 64)"),
+    "temperature": (float, "GRPO rollout sampling temperature (default 1.0)"),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_alignment_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("alignment (dpo, rm, grpo, kl) and LoRA")
+    for name, (kind, help_text) in STRATEGY_FLAGS.items():
+        group.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=help_text)
+    group.add_argument("--stage_tokens", type=_int_list, default=argparse.SUPPRESS,
+                       help="kl: token budget per stage, e.g. 1000000,200000 (at least two stages)")
+    group.add_argument("--stage_datasets", type=json.loads, default=argparse.SUPPRESS,
+                       help='kl: one dataset mixture per stage as JSON, e.g. [[{"path": "a"}], [{"path": "b"}]]')
+    group.add_argument("--lora_rank", type=int, default=argparse.SUPPRESS, help="train LoRA adapters of this rank")
+    group.add_argument("--lora_alpha", type=float, default=argparse.SUPPRESS, help="LoRA scale α (default 2·rank)")
+    group.add_argument("--lora_targets", type=_name_list, default=argparse.SUPPRESS,
+                       help="projections to adapt (default q_proj,k_proj,v_proj,o_proj)")
+
+
+def alignment_strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy_kwargs entries given by flags (only the flags actually passed)."""
+    given = vars(args)
+    kwargs = {name: given[name] for name in STRATEGY_FLAGS if name in given}
+    if "stage_tokens" in given or "stage_datasets" in given:
+        tokens = given.get("stage_tokens")
+        mixtures = given.get("stage_datasets")
+        if tokens is None:
+            raise ConfigError("--stage_datasets needs --stage_tokens (one budget per stage)")
+        if mixtures is not None and len(mixtures) != len(tokens):
+            raise ConfigError(f"--stage_datasets has {len(mixtures)} mixtures for {len(tokens)} stages")
+        kwargs["stages"] = [{"tokens": t, **({"datasets": mixtures[i]} if mixtures else {})} for i, t in enumerate(tokens)]
+    if "lora_rank" in given:
+        rank = given["lora_rank"]
+        kwargs["lora"] = {"rank": rank, "alpha": given.get("lora_alpha", 2.0 * rank)}
+        if "lora_targets" in given:
+            kwargs["lora"]["targets"] = given["lora_targets"]
+    elif "lora_alpha" in given or "lora_targets" in given:
+        raise ConfigError("--lora_alpha/--lora_targets need --lora_rank")
+    return kwargs
+
+
+def prepare_model(config) -> Optional[Any]:
+    """The model object a run needs when the plain loader is not enough (rm head, LoRA), else None."""
+    lora = config.strategy_kwargs.get("lora")
+    if config.train_type != "rm" and not lora:
+        return None
+    from astrai.model.lora import LoraConfig, inject_lora
+    from astrai.model.reward import RewardModel
+    from astrai.trainer.builder import load_model
+
+    model = load_model(config)
+    if config.train_type == "rm" and not isinstance(model, RewardModel):
+        model = RewardModel.from_base(model)
+    if lora:
+        inject_lora(model, LoraConfig(**lora))
+    return model
+
+
+def train(config, resume: Optional[str] = None):
+    """Run ``config`` with the alignment preparations; the final TrainContext (None for kl, which runs several)."""
+    from astrai.trainer.trainer import Trainer
+
+    model = prepare_model(config)
+    callbacks = []
+    if config.strategy_kwargs.get("lora"):
+        from astrai.trainer.lora_callback import LoraSaveCallback
+
+        callbacks.append(LoraSaveCallback(Path(config.ckpt_dir)))
+        config.save_final_model = False
+    if config.train_type == "kl":
+        from astrai.trainer.strategies.kl import train_kl_stages
+
+        kwargs = dict(config.strategy_kwargs)
+        stages = kwargs.get("stages")
+        if not stages:
+            raise ConfigError("train_type 'kl' needs stages: --stage_tokens N1,N2[,...] (and optionally --stage_datasets)")
+        if resume:
+            raise ConfigError("--resume is not supported for train_type 'kl'; restart from a boundary checkpoint's "
+                              "weights with a shorter --stage_tokens list")
+        train_kl_stages(config, stages, beta=float(kwargs.get("beta", 0.1)), model=model, callbacks=callbacks)
+        return None
+    return Trainer(config, callbacks=callbacks, model=model).train(resume)

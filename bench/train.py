@@ -1,0 +1,188 @@
+"""Training throughput of astrai's Trainer against a plain PyTorch loop over transformers' Llama.
+
+Both sides train a model of the same shape (preset → LlamaConfig with the same sizes),
+on the same random batches, with the same threads, optimizer (AdamW), gradient
+clipping and precision (fp32, or bf16 autocast with fp32 master weights). astrai's
+side is the full Trainer: strategy, exact-accumulation weighting, callbacks (clipping,
+JSONL metric logging, checkpoint bookkeeping), scheduler. Each side runs its steps in
+alternating rounds; since contention from other processes only adds time, the ratio
+uses each side's fastest step and reports the median ratio beside it. The achieved
+FLOP/s (6·N·tokens + attention) is compared with this machine's measured matmul peak.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/train.py --presets tiny small --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+
+class RandomTokens(Dataset):
+    def __init__(self, n: int, window: int, vocab: int):
+        self.tokens = torch.randint(0, vocab, (n, window + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i, :-1], "target_ids": self.tokens[i, 1:]}
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 20) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * size ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def flops_per_token(config, window: int) -> float:
+    n = config.dim * config.vocab_size  # lm head (tied with the embedding, counted once)
+    head_dim = config.resolved_head_dim
+    attn = config.dim * head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+    n += config.n_layers * (attn + 3 * config.dim * config.dim_ffn)
+    return 6 * n + 12 * config.n_layers * config.n_heads * head_dim * window
+
+
+class AstraiSide:
+    def __init__(self, config, args, precision: str, tmp: str):
+        from astrai.config import TrainConfig
+        from astrai.model import AutoModel
+        from astrai.trainer import TrainCallback, TrainContextBuilder, Trainer
+
+        steps = args.warmup + args.steps * args.rounds
+        train_config = TrainConfig(train_type="seq", batch_per_device=args.batch, window_size=args.seq, max_steps=steps,
+                                   precision=precision, ckpt_dir=tmp, ckpt_interval=10 ** 9, progress_bar=False,
+                                   save_final_model=False, compile=args.compile, warmup_ratio=0.0)
+        torch.manual_seed(0)
+        model = AutoModel.from_config(config)
+        self.trainer = Trainer(train_config, model=model,
+                               train_dataset=RandomTokens(args.batch * (steps + 1), args.seq, config.vocab_size))
+        self.context = self.trainer._build_context(None)
+        self.times: list[float] = []
+        self.base = TrainCallback
+
+    def run(self, steps: int) -> list[float]:
+        """Run ``steps`` optimizer steps through the Trainer's own loop; return their durations."""
+        context, times = self.context, []
+        outer = self
+
+        class Timer(self.base):
+            def on_step_begin(self, ctx):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, ctx):
+                times.append(time.perf_counter() - self.start)
+
+        context.total_steps = context.step + steps
+        self.trainer.callbacks = [Timer()]
+        self.trainer._run(context)
+        outer.loss = context.loss
+        return times
+
+
+class ReferenceSide:
+    def __init__(self, config, args, precision: str):
+        import transformers
+
+        llama = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.dim,
+                                         intermediate_size=config.dim_ffn, num_hidden_layers=config.n_layers,
+                                         num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
+                                         max_position_embeddings=config.max_len, rope_theta=config.rope_theta,
+                                         rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_weight)
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForCausalLM(llama).train()
+        self.model.config._attn_implementation = "sdpa"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+        self.data = RandomTokens(args.batch * 4, args.seq, config.vocab_size)
+        self.batch, self.bf16 = args.batch, precision == "bf16"
+
+    def run(self, steps: int) -> list[float]:
+        times = []
+        for i in range(steps):
+            batch = [self.data[(i * self.batch + j) % len(self.data)] for j in range(self.batch)]
+            ids = torch.stack([b["input_ids"] for b in batch])
+            labels = torch.stack([b["target_ids"] for b in batch])
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                logits = self.model(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def bench_one(preset_name: str, precision: str, args, peaks: dict) -> dict:
+    from astrai.config import preset
+
+    config = preset(preset_name)
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, ref = AstraiSide(config, args, precision, tmp), ReferenceSide(config, args, precision)
+        ours.run(args.warmup)
+        ref.run(args.warmup)
+        times = {"astrai": [], "transformers": []}
+        for _ in range(args.rounds):
+            times["astrai"] += ours.run(args.steps)
+            times["transformers"] += ref.run(args.steps)
+    tokens = args.batch * args.seq
+    rate = {k: tokens / min(v) for k, v in times.items()}
+    median = {k: tokens / statistics.median(v) for k, v in times.items()}
+    flops = flops_per_token(config, args.seq)
+    peak = peaks[precision]
+    result = {"preset": preset_name, "precision": precision, "parameters": sum(p.numel() for p in ours.context.model.parameters()),
+              "astrai_tokens_per_s": rate["astrai"], "transformers_tokens_per_s": rate["transformers"],
+              "ratio": rate["astrai"] / rate["transformers"], "median_ratio": median["astrai"] / median["transformers"],
+              "astrai_fraction_of_matmul_peak": rate["astrai"] * flops / peak,
+              "transformers_fraction_of_matmul_peak": rate["transformers"] * flops / peak, "step_seconds": times}
+    print(f"{preset_name:6s} {precision:5s} astrai {rate['astrai']:9.1f} tok/s  transformers {rate['transformers']:9.1f} tok/s"
+          f"  ratio {result['ratio']:.2f} (median {result['median_ratio']:.2f})"
+          f"  peak fraction {result['astrai_fraction_of_matmul_peak']:.1%} vs {result['transformers_fraction_of_matmul_peak']:.1%}",
+          flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--compile", action="store_true", help="torch.compile astrai's model")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "train.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s", flush=True)
+    results = [bench_one(p, prec, args, peaks) for p in args.presets for prec in args.precisions]
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
+           "batch": args.batch, "seq": args.seq, "matmul_peak_flops": peaks, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
