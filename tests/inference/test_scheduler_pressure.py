@@ -92,3 +92,23 @@ def test_generate_result_collects_several_requests(gqa_model):
     assert len(tokens) == 8 and result.pop_all() == []
     assert sorted(t for t, _ in tokens) == sorted(greedy_reference(gqa_model, prompts[0], 4)
                                                   + greedy_reference(gqa_model, prompts[1], 4))
+
+
+@pytest.mark.timeout(60)
+def test_abort_between_planning_and_forward_spares_batch_mates(gqa_model):
+    """An abort landing after a step was planned must not break the other rows of that step."""
+    from astrai.inference import InferenceScheduler
+
+    sched = InferenceScheduler(gqa_model, None, page_size=4, num_pages=32)
+    sched._running = True  # drive the loop by hand instead of on its thread
+    events = {}
+    ids = [sched.add_task(p, SamplingParams(max_tokens=3, **GREEDY), lambda ev, i=i: events.setdefault(i, []).append(ev))
+           for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7]])]
+    sched._admit()
+    kind, batch, n_new = sched._plan_step()
+    assert kind == "prefill" and len(batch) == 2
+    sched.remove_task(ids[0])
+    sched._run_step(kind, batch, n_new)
+    assert events[0][-1].finish_reason == "abort" and events[0][-1].error is None
+    assert events[1][-1].token_ids == greedy_reference(gqa_model, [4, 5, 6, 7], 1)
+    sched.stop()

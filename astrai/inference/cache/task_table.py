@@ -48,8 +48,13 @@ class TaskTable:
         return list(self._entries)
 
     def table_tensor(self, task_ids: list[str], device, min_width: int = 1) -> torch.Tensor:
-        """[B, max_pages] page indices, rows padded with the sink page."""
-        rows = [self._entries[t].pages for t in task_ids]
+        """[B, max_pages] page indices, rows padded with the sink page.
+
+        A task that is no longer here (aborted while its step was being prepared) gets
+        a row of sink pages: its writes land in the sink and its output is discarded.
+        """
+        missing = _Entry()
+        rows = [self._entries.get(t, missing).pages for t in task_ids]
         width = max(min_width, max(len(r) for r in rows))
         pad = self._pad_page
         return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)

@@ -15,7 +15,7 @@ from .runner import run_server
 from .schemas import AnthropicMessage, ChatCompletionRequest, ChatMessage, CompletionRequest, MessagesRequest
 from .stop import StopChecker
 
-__all__ = ["create_app", "run_server", "app", "ProtocolHandler", "OpenAIHandler", "OpenAICompletionHandler",
+__all__ = ["create_app", "run_server", "ProtocolHandler", "OpenAIHandler", "OpenAICompletionHandler",
            "AnthropicHandler", "StreamContext", "StopChecker", "ChatMessage", "ChatCompletionRequest",
            "CompletionRequest", "AnthropicMessage", "MessagesRequest"]
 
