@@ -1,0 +1,70 @@
+"""``astrai train --train_type dpo|rm|grpo`` end to end on bundled data (tiny model, a few steps)."""
+
+import json
+
+import pytest
+import torch
+
+from astrai.cli import main
+from astrai.model import AutoModel
+from astrai.model.reward import RewardModel
+
+MODEL = {"vocab_size": 1000, "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "dim_ffn": 64, "max_len": 128}
+
+
+@pytest.fixture(scope="module")
+def prepared(bundled_data, tokenizer_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("align")
+    pairs = out / "pairs.jsonl"
+    pairs.write_text("".join((bundled_data / "dpo" / "train.jsonl").read_text(encoding="utf-8").splitlines(True)[:64]),
+                     encoding="utf-8")
+    assert main(["preprocess", str(pairs), "-o", str(out / "dpo"), "--tokenizer", str(tokenizer_dir),
+                 "--train_type", "dpo", "--seq_len", "64", "--quiet"]) == 0
+    assert main(["preprocess", str(bundled_data / "grpo" / "arithmetic.jsonl"), "-o", str(out / "grpo"),
+                 "--tokenizer", str(tokenizer_dir), "--train_type", "grpo", "--seq_len", "48", "--quiet"]) == 0
+    return out
+
+
+def common(out, tokenizer_dir, name, train_type, data):
+    return ["train", "--train_type", train_type, "--data_root_path", str(out / data), "--model_preset", "tiny",
+            "--model_overrides", json.dumps(MODEL), "--tokenizer_path", str(tokenizer_dir), "--window_size", "64",
+            "--batch_per_device", "4", "--max_steps", "2", "--max_lr", "1e-3", "--ckpt_dir", str(out / name),
+            "--no-progress_bar"]
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cli_lora_dpo_saves_adapters_and_merged_model(prepared, tokenizer_dir):
+    args = common(prepared, tokenizer_dir, "dpo_lora", "dpo", "dpo") + [
+        "--beta", "0.2", "--lora_rank", "4", "--lora_targets", "q_proj,v_proj"]
+    assert main(args) == 0
+    run = prepared / "dpo_lora"
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert config["rank"] == 4 and config["alpha"] == 8.0 and config["targets"] == ["q_proj", "v_proj"]
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    merged = AutoModel.from_pretrained(run / "final")
+    assert merged(torch.tensor([[1, 2, 3]]))["logits"].shape == (1, 3, 1000)
+    logged = metrics(run)
+    assert "reward_accuracy" in logged[-1] and "reward_margin" in logged[-1]
+
+
+def test_cli_reward_model_and_grpo(prepared, tokenizer_dir):
+    assert main(common(prepared, tokenizer_dir, "rm", "rm", "dpo")) == 0
+    assert isinstance(AutoModel.from_pretrained(prepared / "rm" / "final"), RewardModel)
+    assert "reward_accuracy" in metrics(prepared / "rm")[-1]
+    args = common(prepared, tokenizer_dir, "grpo", "grpo", "grpo") + [
+        "--reward", "arithmetic", "--group_size", "2", "--max_new_tokens", "3", "--kl_coef", "0.02"]
+    assert main(args) == 0
+    logged = metrics(prepared / "grpo")
+    assert {"reward_mean", "reward_std", "kl", "clip_fraction", "response_length"} <= set(logged[-1])
+    saved = json.loads((prepared / "grpo" / "final" / "config.json").read_text())
+    assert saved["model_type"] == "transformer"
+
+
+def test_cli_rejects_bad_alignment_flags(prepared, tokenizer_dir, capsys):
+    assert main(common(prepared, tokenizer_dir, "bad", "grpo", "grpo") + ["--group_size", "1", "--reward", "arithmetic"]) == 2
+    assert "group_size must be an integer >= 2" in capsys.readouterr().err
+    assert main(common(prepared, tokenizer_dir, "bad2", "kl", "dpo")) == 2
+    assert "needs stages" in capsys.readouterr().err
