@@ -8,13 +8,15 @@ import time
 import pytest
 
 from astrai.inference import InferenceEngine, SamplingParams
-from inference_helpers import greedy_reference
+from inference_helpers import greedy_reference, make_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.timeout(120)
-def test_more_requests_than_pages_all_finish_correctly(gqa_model):
+@pytest.mark.parametrize("kind", ["tiny", "tiny-mla"])
+def test_more_requests_than_pages_all_finish_correctly(kind):
+    gqa_model = make_model(kind)
     rng = random.Random(7)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 14))] for _ in range(10)]
     expected = [greedy_reference(gqa_model, p, 12) for p in prompts]
