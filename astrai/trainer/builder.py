@@ -84,14 +84,18 @@ def check_model_fits(config: TrainConfig, model: nn.Module, tokenizer: Any) -> N
                           f"is {model_config.vocab_size}; build the model with vocab_size >= {tokenizer.vocab_size}")
 
 
-def strategy_kwargs(config: TrainConfig, extra: dict) -> dict:
-    """label_smoothing (when the strategy takes it) + config.strategy_kwargs + objects given to the builder."""
+def strategy_kwargs(config: TrainConfig, tokenizer: Any, extra: dict) -> dict:
+    """config.strategy_kwargs + objects given to the builder (``strategy_extra``), plus
+    ``label_smoothing``, ``tokenizer`` and ``train_config`` for strategies whose
+    ``__init__`` names those parameters."""
     cls = StrategyFactory.get(config.train_type)
     kwargs = dict(config.strategy_kwargs)
-    accepted = inspect.signature(cls.__init__).parameters
-    if "label_smoothing" in accepted:
-        kwargs.setdefault("label_smoothing", config.label_smoothing)
     kwargs.update(extra)
+    accepted = inspect.signature(cls.__init__).parameters
+    offered = {"label_smoothing": config.label_smoothing, "tokenizer": tokenizer, "train_config": config}
+    for name, value in offered.items():
+        if name in accepted:
+            kwargs.setdefault(name, value)
     return kwargs
 
 
@@ -157,7 +161,7 @@ class TrainContextBuilder:
             val_sampler = MixtureSampler([len(data.val)], shuffle=False, rank=rank, world_size=world)
             val_loader = make_loader(data.val, val_sampler, config, min(config.batch_per_device, len(val_sampler)))
         strategy = StrategyFactory.create(model, config.train_type, device,
-                                          **strategy_kwargs(config, {**self.strategy_extra}))
+                                          **strategy_kwargs(config, tokenizer, self.strategy_extra))
         context = TrainContext(config=config, model=model, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
                                dataloader=loader, sampler=sampler, device=device, total_steps=total_steps,
                                steps_per_epoch=steps_per_epoch, tokens_per_step=tokens_per_step,
