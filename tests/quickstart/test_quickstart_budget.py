@@ -1,0 +1,77 @@
+"""Sizing the stages from the time budget, the deadline guard, and the command line."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from astrai.cli import main
+from astrai.quickstart import (STAGE_SHARES, Deadline, Quickstart, Settings, make_policy_sync_callback,
+                               make_stage_deadline_callback)
+
+
+def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
+    qs = Quickstart(Settings(out=str(tmp_path), minutes=minutes))
+    qs.deadline = Deadline(minutes, already_spent=spent)
+    qs.tps = tokens_per_s
+    qs.tokenizer = SimpleNamespace(vocab_size=4096)
+    return qs
+
+
+def test_stage_shares_split_the_time_left(tmp_path):
+    qs = planner(tmp_path, minutes=15.0, spent=60.0)
+    qs.eval_seconds = 10.0
+    left = qs.deadline.left
+    pretrain = qs.stage_seconds("pretrain")
+    assert pretrain == pytest.approx((left - 4 * 10.0 - 5.0) * STAGE_SHARES["pretrain"], rel=1e-3)
+    grpo = qs.stage_seconds("grpo")  # the last stage gets all that is left after its evaluation
+    assert grpo == pytest.approx(left - 10.0 - 5.0, rel=1e-3)
+    assert sum(STAGE_SHARES.values()) == pytest.approx(1.0)
+
+
+def test_step_counts_follow_the_measured_throughput(tmp_path):
+    qs = planner(tmp_path, tokens_per_s=4000.0)
+    qs.s.steps = None
+    config = qs.train_config(0, "pretrain", seconds=100.0)
+    tokens_per_step = qs.s.batch_size * qs.s.window_size
+    assert config.max_steps == int(100.0 * 4000.0 / tokens_per_step)
+    assert config.model_overrides["vocab_size"] == 4096 and config.train_type == "seq"
+    faster = planner(tmp_path, tokens_per_s=8000.0).train_config(0, "pretrain", seconds=100.0)
+    assert faster.max_steps == pytest.approx(2 * config.max_steps, abs=1)
+    for index, name in enumerate(("sft", "dpo", "grpo"), start=1):
+        stage = qs.train_config(index, name, seconds=60.0)
+        assert stage.train_type == name and stage.max_steps >= 2
+    assert qs.train_config(3, "grpo", 60.0).strategy_kwargs["reward"] == "arithmetic"
+
+
+def test_deadline_guard_ends_the_stage_like_a_reached_budget():
+    guard = make_stage_deadline_callback(0.05)
+    context = SimpleNamespace(step=3, total_steps=100, done=False)
+    guard.on_train_begin(context)
+    guard.on_step_end(context)
+    assert context.total_steps == 100
+    time.sleep(0.06)
+    guard.on_step_end(context)
+    assert context.total_steps == 3
+
+
+def test_policy_sync_runs_the_strategy_hook_once_per_step():
+    calls = []
+    strategy = SimpleNamespace(steps=0)
+    strategy.after_optimizer_step = lambda: (calls.append(1), setattr(strategy, "steps", strategy.steps + 1))
+    context = SimpleNamespace(step=0, strategy=strategy)
+    sync = make_policy_sync_callback()
+    sync.on_train_begin(context)
+    sync.on_step_begin(context)
+    assert calls == []
+    context.step = 1
+    sync.on_step_begin(context)
+    strategy.steps += 1  # something else (a fixed trainer) already ran the hook for step 2
+    context.step = 2
+    sync.on_step_begin(context)
+    assert len(calls) == 1 and strategy.steps == 2
+
+
+def test_cli_refuses_a_non_positive_budget(capsys):
+    assert main(["quickstart", "--minutes", "0", "--out", "unused"]) == 2
+    assert "--minutes must be positive" in capsys.readouterr().err

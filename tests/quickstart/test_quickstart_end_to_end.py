@@ -1,0 +1,147 @@
+"""The quick start end to end at a miniature budget: every artefact, the numbers behind
+the report's claims, and resuming an interrupted stage from its checkpoint.
+
+The run uses fixed step counts (not the wall-clock sizing) so its numbers do not
+depend on how busy the machine is; the sizing itself is tested in
+test_quickstart_budget.py.
+"""
+
+import base64
+import json
+import re
+import shutil
+import time
+
+import pytest
+
+from astrai.quickstart import run_quickstart
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MINI = dict(
+    minutes=5, seed=0, vocab_size=512, window_size=128, batch_size=8,
+    model_overrides=dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, dim_ffn=192, max_len=256),
+    steps={"pretrain": 300, "sft": 300, "dpo": 16, "grpo": 24},
+    lr={"pretrain": 3e-3, "sft": 3e-3, "dpo": 5e-5, "grpo": 1e-5},
+    sft_arithmetic=6000, eval_problems=100, ppl_max_tokens=3000, sample_max_new_tokens=12, progress=False,
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    summary = run_quickstart(out=str(out), **MINI)
+    return out, summary
+
+
+def stage(summary, name):
+    return next(s for s in summary["stages"] if s["name"] == name)
+
+
+def test_every_stage_trained_and_evaluated(run):
+    out, summary = run
+    assert [s["name"] for s in summary["stages"]] == ["pretrain", "sft", "dpo", "grpo"]
+    for name, steps in MINI["steps"].items():
+        record = stage(summary, name)
+        assert record["steps"] == steps and record["tokens"] > 0
+        assert (out / "stages" / name / "done.json").is_file()
+        assert (out / "stages" / name / "ckpt" / "metrics.jsonl").is_file()
+    assert summary["measured_tokens_per_s"] > 0
+
+
+def test_pretraining_beats_the_unigram_baseline(run):
+    _, summary = run
+    ppl = stage(summary, "pretrain")["eval"]["perplexity"]
+    for language in ("en", "zh"):
+        model, unigram = ppl[language]["perplexity"], ppl[language]["unigram_perplexity"]
+        print(f"{language}: perplexity {model:.1f} vs unigram {unigram:.1f}")
+        assert model < unigram
+
+
+def test_task_accuracy_rises_with_sft_and_grpo_keeps_it(run):
+    _, summary = run
+    accuracy = {s["name"]: s["eval"]["task"]["accuracy"] for s in summary["stages"]}
+    print("arithmetic accuracy by stage:", accuracy)
+    assert accuracy["pretrain"] < 0.05
+    assert accuracy["sft"] >= 0.2
+    assert accuracy["grpo"] >= accuracy["sft"]
+
+
+def test_model_directory_opens_in_automodel_and_the_server(run):
+    from fastapi.testclient import TestClient
+
+    from astrai.inference import InferenceEngine
+    from astrai.inference.server.app import create_app
+    from astrai.model import AutoModel
+    from astrai.tokenize import AutoTokenizer
+
+    out, summary = run
+    model_dir = out / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (model_dir / name).is_file(), name
+    model = AutoModel.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert model.config.vocab_size == tokenizer.vocab_size == summary["model"]["vocab_size"]
+    assert model.num_parameters() == summary["model"]["parameters"]
+
+    app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(str(model_dir)), model_name="quickstart")
+    with TestClient(app) as client:
+        for _ in range(200):  # the engine loads in a background thread, as under `astrai serve`
+            if client.get("/health/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert client.get("/health").json()["ready"] is True
+        reply = client.post("/v1/chat/completions", json={
+            "model": "quickstart", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 4,
+            "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert isinstance(reply.json()["choices"][0]["message"]["content"], str)
+    assert f"astrai serve --model {model_dir.resolve()}" in summary["commands"]["serve"]
+    assert f"astrai chat --model {model_dir.resolve()}" in summary["commands"]["chat"]
+
+
+def test_report_has_the_numbers_and_valid_plots(run):
+    import matplotlib.image
+
+    out, summary = run
+    md = (out / "report.md").read_text(encoding="utf-8")
+    html = (out / "report.html").read_text(encoding="utf-8")
+    pretrain_en = stage(summary, "pretrain")["eval"]["perplexity"]["en"]["perplexity"]
+    grpo_accuracy = stage(summary, "grpo")["eval"]["task"]["accuracy"]
+    for text in (md, html):
+        assert f"{pretrain_en:.2f}" in text and f"{grpo_accuracy:.3f}" in text
+        assert summary["commands"]["serve"] in text and summary["commands"]["chat"] in text
+        assert "中国的首都是哪里？" in text  # the Chinese sample prompt
+    plots = sorted((out / "plots").glob("*.png"))
+    assert [p.stem for p in plots] == ["dpo", "grpo", "pretrain", "sft"]
+    for plot in plots:
+        assert plot.read_bytes()[:8] == PNG_SIGNATURE
+        assert matplotlib.image.imread(plot).ndim == 3
+        assert f"](plots/{plot.name})" in md
+    inlined = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
+    assert len(inlined) == 4 and "<img" in html and 'src="plots/' not in html
+    assert all(base64.b64decode(b)[:8] == PNG_SIGNATURE for b in inlined)
+
+
+def test_rerun_skips_finished_stages_and_resumes_an_unfinished_one(run, tmp_path):
+    out, summary = run
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    grpo = copy / "stages" / "grpo"
+    checkpoints = sorted((grpo / "ckpt").glob("step_*"))
+    assert len(checkpoints) >= 2
+    # as if killed after the first kept checkpoint: later checkpoints, the result and the marker never written
+    for later in checkpoints[1:]:
+        shutil.rmtree(later)
+    shutil.rmtree(grpo / "ckpt" / "final")
+    (grpo / "done.json").unlink()
+    resumed_from = int(checkpoints[0].name.split("_")[1])
+    settings = json.loads((copy / "settings.json").read_text())
+    settings["out"] = str(copy)
+    again = run_quickstart(**settings)
+    for name in ("pretrain", "sft", "dpo"):  # untouched: read back from their markers
+        assert stage(again, name) == stage(summary, name)
+    record = stage(again, "grpo")
+    assert record["steps"] == MINI["steps"]["grpo"] and resumed_from < record["steps"]
+    steps_logged = [r["step"] for r in map(json.loads, (grpo / "ckpt" / "metrics.jsonl").read_text().splitlines())]
+    assert steps_logged == list(range(1, MINI["steps"]["grpo"] + 1))
+    assert (copy / "model" / "model.safetensors").is_file()
