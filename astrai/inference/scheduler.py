@@ -16,6 +16,7 @@ forward runs outside it so ``add_task``/``remove_task`` never wait for the model
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -233,11 +234,9 @@ class InferenceScheduler:
     # --- admission, planning, preemption (called with the lock held) ----------------
     def _admit(self) -> None:
         mgr, cache = self._task_mgr, self._page_cache
-        scanned = 0
-        for task in list(mgr.waiting):
-            if len(mgr.running) >= self.max_batch_size or scanned >= self.max_batch_size:
+        for task in list(itertools.islice(mgr.waiting, self.max_batch_size)):
+            if len(mgr.running) >= self.max_batch_size:
                 return
-            scanned += 1
             if self._should_wait_for_shared_prefix(task):
                 continue
             if not cache.task_alloc(task.task_id, task.context, reserve=len(mgr.running)):
