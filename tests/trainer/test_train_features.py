@@ -1,0 +1,115 @@
+"""Optimisers, precision, gradient checkpointing, token budgets, mixtures and metric records."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from trainer_helpers import VOCAB, TokenWindows, config, tiny_model
+
+from astrai.config import TrainConfig, preset
+from astrai.model import AutoModel
+from astrai.serialization import Checkpoint, latest_checkpoint
+from astrai.trainer import TrainCallback, Trainer
+from astrai.trainer.optimizers import CombinedOptimizer, build_optimizer, split_parameters
+from astrai.trainer.sampling import MixtureSampler
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    model = tiny_model(attn_bias=True)
+    groups = split_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for p in groups["no_decay"]}
+    decay = {names[id(p)] for p in groups["decay"]}
+    assert "embed_tokens.weight" in no_decay and any("norm" in n for n in no_decay)
+    assert any(n.endswith("bias") for n in no_decay)
+    assert all(n.endswith("weight") and "norm" not in n and "embed" not in n for n in decay)
+    opt = build_optimizer(model, TrainConfig(adamw_weight_decay=0.1))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_muon_option_trains_and_resumes(tmp_path):
+    cfg = config(tmp_path, optimizer="muon", max_steps=4, ckpt_interval=2, save_final_model=False)
+    context = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows()).train()
+    assert isinstance(context.optimizer, CombinedOptimizer)
+    assert isinstance(context.optimizer.optimizers[0], torch.optim.Muon)
+    ckpt = Checkpoint.load(latest_checkpoint(tmp_path / "ckpt"))
+    resumed = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows())._build_context(ckpt)
+    assert resumed.step == 4
+    for a, b in zip(resumed.optimizer.optimizers, context.optimizer.optimizers):
+        assert a.state_dict()["param_groups"][0]["lr"] == b.state_dict()["param_groups"][0]["lr"]
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(tmp_path):
+    cfg = config(tmp_path, precision="bf16", max_steps=2, save_final_model=False)
+    context = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows()).train()
+    assert context.autocast_dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in context.model.parameters())
+    assert all(v.dtype == torch.float32 for s in context.optimizer.state.values() for k, v in s.items()
+               if k.startswith("exp_avg"))
+    assert torch.isfinite(torch.tensor(context.loss))
+
+
+class Grads(TrainCallback):
+    def on_optimizer_step(self, context):
+        self.grads = [p.grad.clone() for p in context.model.parameters()]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    results = []
+    for enabled in (False, True):
+        grads = Grads()
+        cfg = config(tmp_path / str(enabled), gradient_checkpointing=enabled, max_steps=1, save_final_model=False)
+        Trainer(cfg, callbacks=[grads], model=tiny_model(), train_dataset=TokenWindows()).train()
+        results.append(grads.grads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_token_budget_sets_steps_and_wsd_schedule(tmp_path):
+    cfg = config(tmp_path, total_tokens=10 * 2 * 16, n_epoch=99, schedule="wsd", warmup_ratio=0.2, decay_ratio=0.3,
+                 min_rate=0.0, save_final_model=False)
+    lrs = []
+
+    class Lr(TrainCallback):
+        def on_optimizer_step(self, context):
+            lrs.append(context.lr)
+
+    context = Trainer(cfg, callbacks=[Lr()], model=tiny_model(), train_dataset=TokenWindows(n=8)).train()
+    assert context.total_steps == 10 and context.step == 10 and context.tokens_seen == 320
+    assert context.epoch >= 2  # the budget, not n_epoch, ended the run (4 steps per epoch here)
+    assert lrs[2] == lrs[6] == pytest.approx(1e-2) and lrs[9] == pytest.approx(1e-2 * (1 - 2 / 3))
+
+
+def test_mixture_sampler_follows_rates_shards_ranks_and_resumes():
+    sampler = MixtureSampler([100, 1000], [0.8, 0.2], seed=3)
+    order = list(sampler)
+    share = Counter(i < 100 for i in order)
+    assert abs(share[True] / len(order) - 0.8) < 0.05
+    sampler.set_epoch(0, start=500)
+    assert list(sampler) == order[500:]
+    ranks = [list(MixtureSampler([40], seed=1, rank=r, world_size=2)) for r in range(2)]
+    assert not set(ranks[0]) & set(ranks[1]) and len(ranks[0]) == len(ranks[1]) == 20
+    sampler.set_epoch(1)
+    assert list(sampler) != order
+
+
+def test_metric_records_have_grad_norm_router_stats_and_val_loss(tmp_path):
+    torch.manual_seed(0)
+    model = AutoModel.from_config(preset("tiny-moe", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                         dim_ffn=64, moe_dim_ffn=16, max_len=64))
+    norms = []
+
+    class Norm(TrainCallback):
+        def on_step_end(self, context):
+            norms.append(context.grad_norm)
+
+    cfg = config(tmp_path, max_steps=4, val_fraction=0.25, validation_interval=2, max_grad_norm=0.5,
+                 save_final_model=False)
+    Trainer(cfg, callbacks=[Norm()], model=model, train_dataset=TokenWindows()).train()
+    records = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["grad_norm"] for r in records] == norms and len(set(norms)) == 4
+    assert ["val_loss" in r for r in records] == [False, True, False, True]
+    assert set(records[0]["router"]) == {"layer1"} and sum(records[0]["router"]["layer1"]) == pytest.approx(1.0, abs=1e-3)
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] == r["step"] * 32 for r in records)
