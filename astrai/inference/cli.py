@@ -13,10 +13,12 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from astrai.errors import DataError, RequestError
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "frequency_penalty", "presence_penalty", "seed")
 
@@ -36,7 +38,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.json)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="load the weights in this dtype")
     parser.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=16)
     parser.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
     parser.add_argument("--num-pages", dest="num_pages", type=int, default=None)
@@ -62,7 +65,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 def build_engine(args: argparse.Namespace):
     from astrai.inference.engine import InferenceEngine
 
-    return InferenceEngine.from_pretrained(args.model, device=args.device, max_batch_size=args.max_batch_size,
+    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None
+    return InferenceEngine.from_pretrained(args.model, device=args.device, dtype=dtype, max_batch_size=args.max_batch_size,
                                            max_seq_len=args.max_seq_len, num_pages=args.num_pages,
                                            page_size=args.page_size)
 
