@@ -68,3 +68,21 @@ def test_cli_rejects_bad_alignment_flags(prepared, tokenizer_dir, capsys):
     assert "group_size must be an integer >= 2" in capsys.readouterr().err
     assert main(common(prepared, tokenizer_dir, "bad2", "kl", "dpo")) == 2
     assert "needs stages" in capsys.readouterr().err
+
+
+def test_cli_kl_stages(prepared, bundled_data, tokenizer_dir):
+    docs = prepared / "docs.jsonl"
+    docs.write_text("".join((bundled_data / "pretrain" / "train.jsonl").read_text(encoding="utf-8")
+                            .splitlines(True)[:40]), encoding="utf-8")
+    assert main(["preprocess", str(docs), "-o", str(prepared / "seq"), "--tokenizer", str(tokenizer_dir),
+                 "--train_type", "seq", "--quiet"]) == 0
+    args = common(prepared, tokenizer_dir, "kl", "kl", "seq")
+    args[args.index("--window_size") + 1] = "32"
+    args[args.index("--max_steps"):args.index("--max_steps") + 2] = []
+    assert main(args + ["--stage_tokens", "256,256", "--beta", "0.2"]) == 0
+    run = prepared / "kl"
+    assert (run / "boundary_0_1" / "meta.json").is_file()
+    assert (run / "stage_1" / "final" / "model.safetensors").is_file()
+    stage0, stage1 = metrics(run / "stage_0"), metrics(run / "stage_1")
+    assert {r["beta"] for r in stage0} == {0.0} and {r["beta"] for r in stage1} == {0.2}
+    assert {r["stage"] for r in stage1} == {1.0}
