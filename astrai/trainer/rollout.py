@@ -58,12 +58,12 @@ class EngineRollout:
     """Samples with an InferenceEngine that holds a private copy of the policy's weights."""
 
     def __init__(self, engine, tokenizer, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, timeout_s: float = 600.0):
         if max_new_tokens <= 0:
             raise ConfigError(f"max_new_tokens must be positive, got {max_new_tokens}")
         self.engine, self.tokenizer = engine, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.seed = seed
+        self.seed, self.timeout_s = seed, timeout_s
         self.requests = 0
 
     @classmethod
@@ -100,7 +100,13 @@ class EngineRollout:
                                         seed=self.seed * 1_000_003 + self.requests)
                 self.requests += 1
                 handles.append(self.engine.submit(list(prompt), params))
-        results = [h.result() for h in handles]
+        try:
+            results = [h.result(timeout=self.timeout_s) for h in handles]
+        except TimeoutError:
+            for h in handles:
+                h.abort()
+            raise RuntimeError(f"GRPO rollout: the inference engine did not finish {len(handles)} requests within "
+                               f"{self.timeout_s:.0f} s") from None
         for r in results:
             if r.error:
                 raise RuntimeError(f"GRPO rollout failed in the inference engine: {r.error}")

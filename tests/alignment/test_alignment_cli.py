@@ -86,3 +86,12 @@ def test_cli_kl_stages(prepared, bundled_data, tokenizer_dir):
     stage0, stage1 = metrics(run / "stage_0"), metrics(run / "stage_1")
     assert {r["beta"] for r in stage0} == {0.0} and {r["beta"] for r in stage1} == {0.2}
     assert {r["stage"] for r in stage1} == {1.0}
+
+
+def test_preference_record_without_rejected_is_named(tmp_path, tokenizer_dir, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "hi", "chosen": "a", "rejected": "b"}\n{"prompt": "x", "chosen": "y"}\n')
+    assert main(["preprocess", str(pairs), "-o", str(tmp_path / "out"), "--tokenizer", str(tokenizer_dir),
+                 "--train_type", "dpo", "--seq_len", "32", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "rejected" in err and ":2" in err, err

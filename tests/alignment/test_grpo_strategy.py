@@ -133,3 +133,26 @@ def test_arithmetic_reward_reads_the_problem_from_the_prompt():
     assert arithmetic_reward("3+4=", "7 and more") == 0.0
     with pytest.raises(DataError, match="no 'a\\+b' style problem"):
         arithmetic_reward("hello", "7")
+
+
+def test_grpo_scores_with_a_trained_reward_model_directory(tokenizer, tmp_path):
+    from astrai.model.reward import RewardModel
+
+    rm = RewardModel.from_base(tiny_lm(tokenizer.vocab_size, seed=5))
+    rm.save_pretrained(tmp_path / "rm")
+    reward = resolve_reward(str(tmp_path / "rm"))
+    ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]])
+    with torch.no_grad():
+        expected = [rm.score(ids[:1, :4]).item(), rm.score(ids[1:, :3]).item()]
+    assert reward(["p", "p"], ["a", "b"], ids, mask) == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ConfigError, match="not a reward model"):
+        tiny_lm(tokenizer.vocab_size).save_pretrained(tmp_path / "lm")
+        resolve_reward(str(tmp_path / "lm"))
+    strategy = GRPOStrategy(tiny_lm(tokenizer.vocab_size), group_size=2, reward=str(tmp_path / "rm"),
+                            tokenizer=tokenizer, max_new_tokens=3)
+    try:
+        loss = strategy.compute_loss({"prompts": [tokenizer.encode("2+2=")]})
+        assert math.isfinite(loss.item()) and strategy.metrics["reward_std"] > 0
+    finally:
+        strategy.close()
