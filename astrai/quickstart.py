@@ -136,6 +136,8 @@ class Quickstart:
         self.out = Path(settings.out)
         self.stages_dir = self.out / "stages"
         self.summary_path = self.out / "summary.json"
+        self.tps = 0.0                         # measured training tokens/s
+        self.eval_seconds: Optional[float] = None  # how long the last evaluation took
 
     # paths
     def stage_dir(self, name: str) -> Path:
@@ -157,12 +159,12 @@ class Quickstart:
         self.deadline = Deadline(self.s.minutes, spent)
         self.stage_tokenizer()
         self.stage_data()
-        tokens_per_s = self.measure_throughput()
+        self.tps = self.measure_throughput()
         records = []
         for index, name in enumerate(TRAIN_STAGES):
-            records.append(self.train_stage(index, name, tokens_per_s))
+            records.append(self.train_stage(index, name))
             self.save_time()
-        final = self.finish(records, tokens_per_s)
+        final = self.finish(records)
         self.save_time()
         return final
 
@@ -260,7 +262,8 @@ class Quickstart:
     def stage_seconds(self, name: str) -> float:
         """This stage's share of the time left, after reserving the remaining evaluations."""
         remaining = TRAIN_STAGES[TRAIN_STAGES.index(name):]
-        eval_reserve = len(remaining) * getattr(self, "eval_seconds", self.estimate_eval_seconds()) + 5.0
+        per_eval = self.eval_seconds if self.eval_seconds is not None else self.estimate_eval_seconds()
+        eval_reserve = len(remaining) * per_eval + 5.0
         share = STAGE_SHARES[name] / sum(STAGE_SHARES[n] for n in remaining)
         return max(5.0, (self.deadline.left - eval_reserve) * share)
 
@@ -307,12 +310,11 @@ class Quickstart:
         steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
 
-    def train_stage(self, index: int, name: str, tokens_per_s: float) -> dict:
+    def train_stage(self, index: int, name: str) -> dict:
         from astrai.config import TrainConfig
         from astrai.serialization import latest_checkpoint
         from astrai.trainer import Trainer
 
-        self.tps = tokens_per_s
         marker = self.done_path(name)
         if marker.is_file():
             record = read_json(marker)
@@ -367,8 +369,9 @@ class Quickstart:
         log(f"evaluating {name}: perplexity, arithmetic accuracy, sample answers")
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
         chat = name != "pretrain"
-        results = evaluate(model, self.tokenizer, heldout=DEFAULT_HELDOUT, ppl_window=self.s.window_size,
-                           ppl_max_tokens=self.s.ppl_max_tokens,
+        window = self.s.window_size
+        results = evaluate(model, self.tokenizer, heldout=DEFAULT_HELDOUT, ppl_window=window,
+                           ppl_stride=window - window // 4, ppl_max_tokens=self.s.ppl_max_tokens,
                            task=arithmetic_task(self.s.eval_problems, seed=10_000 + self.s.seed),
                            max_new_tokens=8)
         results.update(evaluate(model, self.tokenizer, samples=True, chat=chat,
@@ -377,7 +380,7 @@ class Quickstart:
         return results
 
     # --- the end ---------------------------------------------------------------------------
-    def finish(self, records: list[dict], tokens_per_s: float) -> dict:
+    def finish(self, records: list[dict]) -> dict:
         from astrai.eval.report import plot_curves, write_report
 
         final_dir = self.out / "model"
@@ -402,7 +405,7 @@ class Quickstart:
             "model": {"preset": self.s.preset, "vocab_size": self.tokenizer.vocab_size,
                       "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
             "budget_minutes": self.s.minutes, "total_seconds": self.deadline.elapsed, "device": _device_name(),
-            "measured_tokens_per_s": tokens_per_s, "stages": records,
+            "measured_tokens_per_s": self.tps, "stages": records,
             "unigram_perplexity": {k: v["unigram_perplexity"] for k, v in pretrain_ppl.items()},
             "model_dir": str(final_dir),
             "commands": {

@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity")
     parser.add_argument("--ppl-window", type=int, default=None, help="perplexity window (default: model max_len)")
     parser.add_argument("--ppl-stride", type=int, default=None, help="window stride (default: half the window)")
+    parser.add_argument("--ppl-max-tokens", type=int, default=None,
+                        help="stop each held-out file after about this many tokens (whole documents)")
     parser.add_argument("--task-problems", type=int, default=100,
                         help="number of arithmetic problems to solve (0 skips the task)")
     parser.add_argument("--task-seed", type=int, default=1234, help="seed of the arithmetic problems")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     results = evaluate(
         model, tokenizer,
         heldout=None if args.no_perplexity else parse_heldout(args.heldout),
-        ppl_window=args.ppl_window, ppl_stride=args.ppl_stride,
+        ppl_window=args.ppl_window, ppl_stride=args.ppl_stride, ppl_max_tokens=args.ppl_max_tokens,
         task=arithmetic_task(args.task_problems, args.task_seed) if args.task_problems > 0 else None,
         samples=not args.no_samples, mmlu=args.mmlu, rouge=args.rouge, instructions=args.instructions,
         chat=not args.no_chat, max_new_tokens=args.max_new_tokens,

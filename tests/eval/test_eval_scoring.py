@@ -89,3 +89,37 @@ def test_evaluate_runs_every_section_on_bundled_samples(tiny_model, tokenizer, b
     assert results["mmlu"]["n"] == 6
     assert set(results["rouge"]) == {"rouge1", "rouge2", "rougeL", "n"}
     assert results["instructions"]["n"] == 6
+
+
+def test_eval_command_writes_every_requested_section(tiny_model, tokenizer, bundled_data, tmp_path):
+    import json
+
+    from astrai.cli import main
+
+    model_dir = tmp_path / "model"
+    tiny_model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "results.json"
+    status = main(["eval", "--model", str(model_dir), "--heldout", f"zh={bundled_data / 'pretrain' / 'valid_zh.jsonl'}",
+                   "--ppl-max-tokens", "500", "--task-problems", "3", "--no-samples", "--mmlu", str(bundled_data / "eval" / "mmlu_sample.jsonl"),
+                   "--max-new-tokens", "3", "--out", str(out)])
+    assert status == 0
+    results = json.loads(out.read_text(encoding="utf-8"))
+    assert set(results) == {"perplexity", "task", "mmlu", "seconds"}
+    assert set(results["perplexity"]) == {"zh"} and 500 <= results["perplexity"]["zh"]["tokens"] < 2000 and results["task"]["n"] == 3 and results["mmlu"]["n"] == 5
+
+
+def test_bad_multiple_choice_files_name_the_line(tmp_path, capsys):
+    from astrai.cli import main
+    from astrai.errors import DataError
+
+    bad_csv = tmp_path / "bad.csv"
+    bad_csv.write_text("Q1,a,b,c,d,A\nQ2,a,b,c,E\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.csv:2: expected 6 columns"):
+        load_questions(bad_csv)
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"question": "q", "choices": ["a", "b", "c", "d"], "answer": "F"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: answer must be a letter A-D"):
+        load_questions(bad_jsonl)
+    assert main(["eval", "--model", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
