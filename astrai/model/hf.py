@@ -87,11 +87,19 @@ def astrai_to_hf_name(name: str) -> str:
 
 # --- rotary scaling ------------------------------------------------------------------
 def rope_from_hf(raw: dict[str, Any], source: str) -> tuple[float, Optional[dict], Optional[int]]:
-    """(rope_theta, astrai rope_scaling, max_len cap) from either config convention.
+    """(rope_theta, astrai rope_scaling, max_len cap); CheckpointError naming a missing or bad rope field."""
+    try:
+        return _rope_from_hf(raw, source)
+    except KeyError as exc:
+        raise CheckpointError(f"{source}: rope scaling is missing {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: rope scaling has a bad value ({exc})") from None
 
-    transformers ≥ 5 writes ``rope_parameters`` (with ``rope_theta`` inside); older
-    files have top-level ``rope_theta`` and ``rope_scaling`` keyed by ``type`` or
-    ``rope_type``.
+
+def _rope_from_hf(raw: dict[str, Any], source: str) -> tuple[float, Optional[dict], Optional[int]]:
+    """Reads both conventions: transformers ≥ 5 writes ``rope_parameters`` (with
+    ``rope_theta`` inside); older files have top-level ``rope_theta`` and ``rope_scaling``
+    keyed by ``type`` or ``rope_type``.
     """
     params = dict(raw.get("rope_parameters") or {})
     legacy = raw.get("rope_scaling") or {}

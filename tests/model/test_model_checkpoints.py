@@ -145,3 +145,7 @@ def test_unsupported_hf_feature_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(CheckpointError, match=r"rope type 'longrope' is not supported"):
         AutoModel.from_pretrained(tmp_path)
+    hf.update(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=r"config\.json: rope scaling is missing 'original_max_position_embeddings'"):
+        AutoModel.from_pretrained(tmp_path)
