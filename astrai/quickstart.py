@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -400,7 +401,8 @@ class Quickstart:
             if plot is not None:
                 plots.append(plot)
         pretrain_ppl = records[0]["eval"].get("perplexity", {})
-        model_path = final_dir.resolve()
+        model_path = shlex.quote(str(final_dir.resolve()))
+        astrai = _astrai_command()
         summary = {
             "model": {"preset": self.s.preset, "vocab_size": self.tokenizer.vocab_size,
                       "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
@@ -409,9 +411,9 @@ class Quickstart:
             "unigram_perplexity": {k: v["unigram_perplexity"] for k, v in pretrain_ppl.items()},
             "model_dir": str(final_dir),
             "commands": {
-                "serve": f"astrai serve --model {model_path} --port 8000",
-                "chat": f"astrai chat --model {model_path}",
-                "eval": f"astrai eval --model {model_path}",
+                "serve": f"{astrai} serve --model {model_path} --port 8000",
+                "chat": f"{astrai} chat --model {model_path}",
+                "eval": f"{astrai} eval --model {model_path}",
             },
         }
         write_json(self.summary_path, summary)
@@ -439,6 +441,14 @@ def _parameters(model_dir: Path) -> int:
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
         return sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
+
+
+def _astrai_command() -> str:
+    """How this run was started (e.g. ``.venv/bin/astrai``), so the report's commands paste as they are."""
+    launcher = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if launcher is not None and launcher.name == "astrai" and launcher.parent != Path("."):
+        return shlex.quote(str(launcher))
+    return "astrai"
 
 
 def _device_name() -> str:

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+SAMPLES_NOTE = ("Greedy answers to fixed prompts: after pre-training the prompt is continued as plain text "
+                "(the model has not seen the chat template yet); after SFT, DPO and GRPO it goes through the template.")
 STAGE_TITLES = {"pretrain": "pre-training", "sft": "SFT", "dpo": "DPO", "grpo": "GRPO"}
 
 
@@ -120,7 +122,7 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
           "Perplexity is per token of this run's tokenizer, on the held-out documents; the task is "
           "the bundled arithmetic (greedy answers, exact match).", "", "## Loss curves", ""]
     md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix() if p.is_relative_to(out_dir) else p})" for p in plots]
-    md += ["", "## Sample generations", "", _md_table(["stage", "prompt", "answer"],
+    md += ["", "## Sample generations", "", SAMPLES_NOTE, "", _md_table(["stage", "prompt", "answer"],
                                                        [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
            "## Use the model", "", "```bash"] + [commands[k] for k in ("serve", "chat", "eval")] + ["```", ""]
     md_path = out_dir / "report.md"
@@ -145,7 +147,7 @@ figure {{ display: inline-block; margin: .5rem; }} td {{ white-space: pre-wrap; 
 <p>Perplexity is per token of this run's tokenizer, on the held-out documents; the task is the bundled
 arithmetic (greedy answers, exact match).</p>
 <h2>Loss curves</h2>{images}
-<h2>Sample generations</h2>{_html_table(["stage", "prompt", "answer"], sample_rows)}
+<h2>Sample generations</h2><p>{html.escape(SAMPLES_NOTE)}</p>{_html_table(["stage", "prompt", "answer"], sample_rows)}
 <h2>Use the model</h2><pre>{html.escape(chr(10).join(commands[k] for k in ("serve", "chat", "eval")))}</pre>
 </body></html>
 """
