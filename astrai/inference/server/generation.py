@@ -92,6 +92,8 @@ async def stream_choice(handle, ctx: StreamContext, stops: list[str]) -> AsyncIt
                 ctx.finish_reason = "stop"
             elif event.finished:
                 done = True
+                if event.finish_reason == "abort":
+                    raise APIError("not_ready", "the engine dropped the request (it is shutting down); retry")
                 text += checker.flush()
                 ctx.completion_tokens = max(ctx.completion_tokens, event.completion_tokens)
                 ctx.finish_reason = "length" if event.finish_reason == "length" else "stop"

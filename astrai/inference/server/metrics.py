@@ -61,15 +61,15 @@ class ServerMetrics:
             self.http_requests[(method, route, status)] += 1
             self.http_latency[route].observe(seconds)
 
-    def record_request(self, contexts, started: float, finished: bool) -> None:
+    def record_request(self, prompt_tokens: int, completion_tokens: int, ttft_s: Optional[float],
+                       finished: bool) -> None:
         with self._lock:
             self.generations += 1
             self.generations_cancelled += 0 if finished else 1
-            self.prompt_tokens += sum(c.prompt_tokens for c in contexts[:1])
-            self.completion_tokens += sum(c.completion_tokens for c in contexts)
-            first = min((c.first_token_at for c in contexts if c.first_token_at is not None), default=None)
-            if first is not None:
-                self.ttft.observe(first - started)
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+            if ttft_s is not None:
+                self.ttft.observe(ttft_s)
 
     def render(self, engine_stats: Optional[dict], model_name: str) -> str:
         """The Prometheus text for these counters plus the engine's numeric statistics."""

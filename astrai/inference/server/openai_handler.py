@@ -49,9 +49,12 @@ class _OpenAIBase(ProtocolHandler):
     def stop_strings(self) -> list[str]:
         return self.body.stop_list()
 
+    def token_counts(self, contexts: list[StreamContext]) -> tuple[int, int]:
+        """Each prompt counts once however many choices it has (as OpenAI counts)."""
+        return sum(c.prompt_tokens for c in contexts[:: self.body.n]), sum(c.completion_tokens for c in contexts)
+
     def usage(self, contexts: list[StreamContext]) -> dict:
-        prompt = sum(c.prompt_tokens for c in contexts[:: self.body.n])
-        completion = sum(c.completion_tokens for c in contexts)
+        prompt, completion = self.token_counts(contexts)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @property

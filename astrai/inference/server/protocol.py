@@ -82,6 +82,15 @@ class ProtocolHandler(ABC):
     @abstractmethod
     def format_non_stream_response(self, contexts: list[StreamContext]) -> dict: ...
 
+    def token_counts(self, contexts: list[StreamContext]) -> tuple[int, int]:
+        """(prompt tokens, completion tokens) of the whole response, as usage reports them."""
+        return contexts[0].prompt_tokens, sum(c.completion_tokens for c in contexts)
+
+    def _record(self, contexts: list[StreamContext], started: float, finished: bool) -> None:
+        first = min((c.first_token_at for c in contexts if c.first_token_at is not None), default=None)
+        self.state.metrics.record_request(*self.token_counts(contexts), None if first is None else first - started,
+                                          finished)
+
     # ---- the template ---------------------------------------------------------
     @property
     def stream(self) -> bool:
@@ -113,7 +122,7 @@ class ProtocolHandler(ABC):
         if self.stream:
             return SSEResponse(self._frames(streams, contexts, started))
         done = await self._collect_unless_disconnected(streams)
-        self.state.metrics.record_request(contexts, started, finished=done)
+        self._record(contexts, started, finished=done)
         if not done:
             return Response(status_code=499)
         return JSONResponse(self.format_non_stream_response(contexts))
@@ -134,7 +143,7 @@ class ProtocolHandler(ABC):
             yield self.format_stream_error(exc)
         finally:
             await merged.aclose()
-            self.state.metrics.record_request(contexts, started, finished=finished)
+            self._record(contexts, started, finished)
 
     async def _collect_unless_disconnected(self, streams) -> bool:
         """Collect every choice; False if the client hung up first (the tasks are aborted)."""

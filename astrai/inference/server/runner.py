@@ -38,4 +38,4 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_ke
                      model_name=model_name or path.resolve().name, api_key=api_key, cors_origins=cors_origins,
                      max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
