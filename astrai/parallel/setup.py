@@ -59,8 +59,8 @@ def setup_parallel(rank: int, world_size: int, backend: str = "auto", master_add
     os.environ.setdefault("MASTER_ADDR", str(master_addr))
     os.environ.setdefault("MASTER_PORT", str(master_port))
     if not is_distributed():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        # env:// also picks up torchrun's agent-hosted store instead of opening a second one
+        dist.init_process_group(backend, rank=rank, world_size=world_size, init_method="env://")
 
 
 def cleanup_parallel() -> None:

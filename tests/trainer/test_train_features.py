@@ -113,3 +113,16 @@ def test_metric_records_have_grad_norm_router_stats_and_val_loss(tmp_path):
     assert ["val_loss" in r for r in records] == [False, True, False, True]
     assert set(records[0]["router"]) == {"layer1"} and sum(records[0]["router"]["layer1"]) == pytest.approx(1.0, abs=1e-3)
     assert all(r["tokens_per_s"] > 0 and r["tokens"] == r["step"] * 32 for r in records)
+
+
+def test_exception_mid_step_leaves_an_emergency_checkpoint_of_the_last_step(tmp_path):
+    class Boom(TrainCallback):
+        def on_batch_begin(self, context):
+            if context.step == 3:
+                raise RuntimeError("boom")
+
+    cfg = config(tmp_path, max_steps=6, ckpt_interval=100, grad_accum_steps=2, save_final_model=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        Trainer(cfg, callbacks=[Boom()], model=tiny_model(), train_dataset=TokenWindows()).train()
+    ckpt = Checkpoint.load(latest_checkpoint(tmp_path / "ckpt"))
+    assert ckpt.meta["step"] == 3 and ckpt.extra["trainer_state"]["batch_in_epoch"] == 6
