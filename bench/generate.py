@@ -170,7 +170,7 @@ def throughput(n_requests, max_prompt, max_out) -> dict:
     return row
 
 
-def shared_prefix_ttft(n_requests=16, system_len=1000) -> dict:
+def shared_prefix_ttft(n_requests=16, system_len=1000, repeats=2) -> dict:
     cfg = preset("tiny", max_len=2048)
     torch.manual_seed(0)
     model = AutoModel.from_config(cfg).eval()
@@ -178,13 +178,20 @@ def shared_prefix_ttft(n_requests=16, system_len=1000) -> dict:
     system = [rng.randrange(cfg.vocab_size) for _ in range(system_len)]
     prompts = [system + [rng.randrange(cfg.vocab_size) for _ in range(16)] for _ in range(n_requests)]
     row = {"model": "tiny", "requests": n_requests, "system_tokens": system_len}
-    for label, enabled in (("off", False), ("on", True)):
-        with InferenceEngine(model, None, max_batch_size=16, page_size=16, prefix_cache=enabled) as engine:
-            engine_generate(engine, [prompts[0][:300]], 2)  # warm-up on an unrelated prefix length
+    engines = {label: InferenceEngine(model, None, max_batch_size=16, page_size=16, prefix_cache=enabled)
+               for label, enabled in (("off", False), ("on", True))}
+    outputs = {}
+    for label, engine in engines.items():
+        engine_generate(engine, [prompts[0][:300]], 2)  # warm-up on an unrelated prefix length
+    for _ in range(repeats):  # alternate, keep each side's best: load bursts hit both sides
+        for label, engine in engines.items():
             engine.scheduler.clear_prefix_cache()
-            outs, _, ttfts = engine_generate(engine, prompts, 4)
-        row[f"ttft_avg_s_{label}"] = sum(ttfts) / len(ttfts)
-        row[f"outputs_{label}"] = outs
+            outputs[label], _, ttfts = engine_generate(engine, prompts, 4)
+            best = row.get(f"ttft_avg_s_{label}", float("inf"))
+            row[f"ttft_avg_s_{label}"] = min(best, sum(ttfts) / len(ttfts))
+    for engine in engines.values():
+        engine.shutdown()
+    row["outputs_off"], row["outputs_on"] = outputs["off"], outputs["on"]
     row["ratio"] = row["ttft_avg_s_off"] / row["ttft_avg_s_on"]
     row["same_outputs"] = row.pop("outputs_off") == row.pop("outputs_on")
     print(f"[ttft] shared {system_len}-token prefix: off {row['ttft_avg_s_off'] * 1000:.0f} ms, on "

@@ -114,3 +114,39 @@ def test_eviction_only_when_nothing_is_free_and_forgets_descendants():
     assert cache.task_alloc("d", [8]) and cache.stats()["pages_cached"] == 0
     assert not cache.task_alloc("e", [8])  # everything in use: refused, nothing held
     assert cache.stats()["pages_used"] == 4
+
+
+def test_decode_buffers_match_paged_gather_and_avoid_copies():
+    """Decode steps read contexts from dense buffers kept across steps; what they return
+    must equal a plain gather from the pages, through joins, leaves and growth."""
+    torch.manual_seed(0)
+    cache = KVCache(n_layers=2, cache_shapes=((2, 3), (1, 4)), num_pages=64, page_size=4)
+    lens = {"a": 5, "b": 9, "c": 2}
+    for tid, n in lens.items():
+        assert cache.task_alloc(tid, list(range(n)))
+        view = cache.bind(cache.make_table_tensor([tid]), [0], [n])
+        for layer in range(2):
+            view.write(layer, torch.randn(1, n, 2, 3), torch.randn(1, n, 1, 4))
+    schedule = [("a", "b")] * 3 + [("a", "b", "c")] * 2 + [("b", "c")] * 2
+    pointers = []
+    for step, ids in enumerate(schedule):
+        for tid in ids:
+            assert cache.task_extend(tid, lens[tid] + 1)
+        table = cache.make_table_tensor(list(ids))
+        starts = [lens[t] for t in ids]
+        fast = cache.bind(table, starts, [1] * len(ids), task_ids=ids)
+        plain = cache.bind(table, starts, [1] * len(ids))
+        for layer in range(2):
+            k, v = torch.randn(len(ids), 1, 2, 3), torch.randn(len(ids), 1, 1, 4)
+            fast.write(layer, k, v)
+            got, want = fast.gather(layer), plain.gather(layer)
+            for row, tid in enumerate(ids):
+                n = lens[tid] + 1
+                assert torch.equal(got[0][row, :n], want[0][row, :n]) and torch.equal(got[1][row, :n], want[1][row, :n])
+            if layer == 0:
+                pointers.append(got[0].data_ptr())
+        for tid in ids:
+            lens[tid] += 1
+    # while the batch is unchanged the same buffer is returned (no copy); a change rebuilds it
+    assert pointers[0] == pointers[1] == pointers[2]
+    assert pointers[3] != pointers[2] and pointers[3] == pointers[4]

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from astrai.inference.cache.decode_buffers import DecodeBuffers
 from astrai.inference.cache.page_pool import PagePool
 from astrai.inference.cache.prefix_cache import ROOT
 from astrai.inference.cache.storage import Storage
@@ -32,8 +33,10 @@ class KvcacheView:
     a True. ``position_ids`` [B, T] is what the caller passes to the model.
     """
 
-    def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int]):
+    def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
+                 dense: Optional[DecodeBuffers] = None, rebuild: bool = False):
         self._storage = storage
+        self._dense, self._rebuild = dense, rebuild
         device = storage.device
         ps = storage.page_size
         B, T = len(n_new), max(n_new)
@@ -63,16 +66,34 @@ class KvcacheView:
             self.attn_mask: Optional[torch.Tensor] = None
         else:
             self.attn_mask = (s_idx.view(1, 1, S) <= self.position_ids.unsqueeze(2)).unsqueeze(1)
+        if dense is not None:
+            self._rows = torch.arange(B, device=device)
+            self._cols = start_t
 
     @property
     def total_len(self) -> int:
         return self._total_len
 
+        if dense is not None:
+            self._rows = torch.arange(B, device=device)
+            self._cols = start_t
+
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._storage.write(layer_idx, self._write_slots, k, v)
+        if self._dense is not None and not self._rebuild:
+            self._dense.k[layer_idx][self._rows, self._cols] = k[:, 0].to(self._dense.k[layer_idx].dtype)
+            self._dense.v[layer_idx][self._rows, self._cols] = v[:, 0].to(self._dense.v[layer_idx].dtype)
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._storage.gather(layer_idx, self._gather_slots, self._batch)
+        if self._dense is None:
+            return self._storage.gather(layer_idx, self._gather_slots, self._batch)
+        S = self._total_len
+        k_buf, v_buf = self._dense.k[layer_idx], self._dense.v[layer_idx]
+        if self._rebuild:
+            k, v = self._storage.gather(layer_idx, self._gather_slots, self._batch)
+            k_buf[:, :S].copy_(k)
+            v_buf[:, :S].copy_(v)
+        return k_buf[:, :S], v_buf[:, :S]
 
 
 class KVCache:
@@ -86,6 +107,7 @@ class KVCache:
         self._storage = Storage(n_layers, num_pages, page_size, cache_shapes, dtype, device)
         self._pool = PagePool(num_pages, page_size, prefix_cache)
         self._table = TaskTable(pad_page=self._storage.sink_page)
+        self._dense = DecodeBuffers(self._storage)
 
     @classmethod
     def for_model(cls, model, num_pages: int, page_size: int = 16, prefix_cache: bool = True) -> "KVCache":
@@ -179,7 +201,15 @@ class KVCache:
     def make_table_tensor(self, task_ids: list[str], device=None) -> torch.Tensor:
         return self._table.table_tensor(task_ids, device or self._storage.device)
 
-    def bind(self, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int]) -> KvcacheView:
+    def bind(self, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
+             task_ids: Optional[Sequence[str]] = None) -> KvcacheView:
+        """The view for one forward. Given ``task_ids``, a decode step (one new token per
+        row) reads the contexts from dense buffers kept across steps instead of
+        re-gathering them from the pages (see DecodeBuffers)."""
+        if task_ids is not None and all(n == 1 for n in n_new):
+            rebuild = self._dense.plan(task_ids, start)
+            if rebuild is not None:
+                return KvcacheView(self._storage, page_table, start, n_new, self._dense, rebuild)
         return KvcacheView(self._storage, page_table, start, n_new)
 
     def clear_prefix(self) -> None:

@@ -77,7 +77,7 @@ async def stream_choice(handle, ctx: StreamContext, stops: list[str]) -> AsyncIt
     done = False
     try:
         async for event in events:
-            if getattr(event, "error", None):
+            if event.error:
                 done = True
                 raise APIError("internal", f"generation failed in the engine: {event.error}")
             if event.token_ids and ctx.first_token_at is None:

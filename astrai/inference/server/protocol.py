@@ -120,7 +120,8 @@ class ProtocolHandler(ABC):
         streams = [stream_choice(h, c, stops) for h, c in zip(handles, contexts)]
         started = time.perf_counter()
         if self.stream:
-            return SSEResponse(self._frames(streams, contexts, started))
+            return SSEResponse(self._frames(streams, contexts, started),
+                               cleanup=lambda: [h.abort() for h in handles])
         done = await self._collect_unless_disconnected(streams)
         self._record(contexts, started, finished=done)
         if not done:

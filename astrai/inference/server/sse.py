@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -26,12 +26,18 @@ def sse_event(data: Any, event: Optional[str] = None) -> str:
 
 
 class SSEResponse(Response):
-    """Streams SSE frames from ``frames``; cancels and closes it if the client disconnects."""
+    """Streams SSE frames from ``frames``; cancels and closes it if the client disconnects.
+
+    ``cleanup`` runs however the response ends, even if streaming never began (a client
+    gone before the first byte), when closing an unstarted iterator would run no code.
+    """
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncIterator[str], status_code: int = 200, headers: Optional[dict] = None):
+    def __init__(self, frames: AsyncIterator[str], cleanup: Optional[Callable[[], None]] = None,
+                 status_code: int = 200, headers: Optional[dict] = None):
         self.frames = frames
+        self.cleanup = cleanup
         self.status_code = status_code
         self.background = None
         base = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -48,16 +54,20 @@ class SSEResponse(Response):
             pass
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(self._wait_disconnect(receive))
         try:
-            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(self._wait_disconnect(receive))
+            try:
+                await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, watch):
+                    task.cancel()
+                await asyncio.gather(pump, watch, return_exceptions=True)
         finally:
-            for task in (pump, watch):
-                task.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
             await self.frames.aclose()
+            if self.cleanup is not None:
+                self.cleanup()
         if pump.done() and not pump.cancelled() and pump.exception() is not None:
             exc = pump.exception()
             if not isinstance(exc, OSError):
