@@ -50,10 +50,10 @@ class Settings:
     grpo_group_size: int = 4
     grpo_max_new_tokens: int = 6
     grpo_temperature: float = 0.7
-    sft_arithmetic: int = 2000
+    sft_arithmetic: int = 4000
     eval_problems: int = 100
     steps: Optional[dict] = None          # fixed optimizer steps per stage instead of sizing by time
-    lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 5e-5, "grpo": 5e-5})
+    lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 5e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = None
     sample_max_new_tokens: int = 48
     progress: bool = True
@@ -264,7 +264,7 @@ class Quickstart:
         """This stage's share of the time left, after reserving the remaining evaluations."""
         remaining = TRAIN_STAGES[TRAIN_STAGES.index(name):]
         per_eval = self.eval_seconds if self.eval_seconds is not None else self.estimate_eval_seconds()
-        eval_reserve = len(remaining) * per_eval + 5.0
+        eval_reserve = min(len(remaining) * per_eval, 0.3 * self.deadline.left) + 5.0
         share = STAGE_SHARES[name] / sum(STAGE_SHARES[n] for n in remaining)
         return max(5.0, (self.deadline.left - eval_reserve) * share)
 
@@ -300,8 +300,11 @@ class Quickstart:
         else:
             # an update over group·prompts sequences of ~32 tokens (policy, behaviour and reference passes)
             # plus one decoding step of all sequences per answer token (a forward costs ~1/3 of training)
+            # The learning rate is constant, so erring towards too many steps costs nothing: the
+            # deadline guard ends the stage on time.
             sequences = s.grpo_prompts_per_step * s.grpo_group_size
-            steps = seconds / (1.5 * sequences * 32 / tps + s.grpo_max_new_tokens * (sequences / (3 * tps) + 0.004))
+            step_seconds = 1.5 * sequences * 32 / tps + s.grpo_max_new_tokens * (sequences / (3 * tps) + 0.004)
+            steps = 2 * seconds / step_seconds
             kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
                       batch_per_device=s.grpo_prompts_per_step, window_size=64, max_lr=s.lr["grpo"], warmup_ratio=0.0,
                       schedule="constant", max_grad_norm=1.0,
@@ -320,8 +323,8 @@ class Quickstart:
         if marker.is_file():
             record = read_json(marker)
             log(f"{name}: done already (eval: {_headline(record.get('eval', {}))})")
-            if "seconds_eval" in record:
-                self.eval_seconds = record["seconds_eval"]
+            self.eval_seconds = record.get("seconds_eval", self.eval_seconds)
+            self.follow_throughput(record)
             return record
         config_path = self.stage_dir(name) / "train_config.json"
         checkpoint = latest_checkpoint(self.stage_dir(name) / "ckpt") if config_path.is_file() else None
@@ -359,19 +362,30 @@ class Quickstart:
         record["seconds_eval"] = self.eval_seconds = time.perf_counter() - start
         log(f"{name}: {_headline(record['eval'])}")
         write_json(marker, record)
+        self.follow_throughput(record)
         return record
+
+    def follow_throughput(self, record: dict) -> None:
+        """Size later stages with the throughput just measured (the machine's load may have
+        changed since the probe); only seq/sft stages measure plain training tokens/s."""
+        if record["name"] in ("pretrain", "sft") and record.get("tokens_per_s"):
+            self.tps = record["tokens_per_s"]
 
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, name: str) -> dict:
+        """Arithmetic accuracy and sample answers after every stage; held-out perplexity after
+        pre-training (where it is the point) and after the last stage (to show what the
+        fine-tuning stages cost), since it is the most expensive evaluation."""
         from astrai.eval.runner import DEFAULT_HELDOUT, evaluate
         from astrai.eval.task import arithmetic_task
         from astrai.model import AutoModel
 
-        log(f"evaluating {name}: perplexity, arithmetic accuracy, sample answers")
+        with_ppl = name in (TRAIN_STAGES[0], TRAIN_STAGES[-1])
+        log(f"evaluating {name}: {'perplexity, ' if with_ppl else ''}arithmetic accuracy, sample answers")
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
         chat = name != "pretrain"
         window = self.s.window_size
-        results = evaluate(model, self.tokenizer, heldout=DEFAULT_HELDOUT, ppl_window=window,
+        results = evaluate(model, self.tokenizer, heldout=DEFAULT_HELDOUT if with_ppl else None, ppl_window=window,
                            ppl_stride=window - window // 4, ppl_max_tokens=self.s.ppl_max_tokens,
                            task=arithmetic_task(self.s.eval_problems, seed=10_000 + self.s.seed),
                            max_new_tokens=8)
