@@ -31,34 +31,37 @@ class DecodeBuffers:
         self.lens: list[int] = []
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.capacity = 0
-
-    def reset(self) -> None:
-        self.task_ids, self.lens, self.k, self.v, self.capacity = (), [], [], [], 0
+        self.rows = self.capacity = 0
+        self.valid = False
 
     def plan(self, task_ids: Sequence[str], start: Sequence[int]) -> Optional[bool]:
-        """For a decode step: None (don't use buffers), False (append) or True (rebuild).
+        """For a decode step: None (gather from the pages as usual), True (fill the
+        buffers from the pages this step) or False (append to the buffers).
 
-        Called once per step before binding; on success the buffers describe the
-        contexts as they will be after this step.
+        A batch that just changed is gathered normally - batches change often while
+        requests join and leave, and filling buffers then would only add a copy; the
+        buffers are filled on the first step the batch is seen unchanged.
         """
         ids = tuple(task_ids)
+        steady = ids == self.task_ids and list(start) == self.lens
+        self.task_ids, self.lens = ids, [s + 1 for s in start]
         needed = max(start) + 1
-        if ids == self.task_ids and list(start) == self.lens and needed <= self.capacity:
-            self.lens = [s + 1 for s in start]
+        if not steady:
+            self.valid = False
+            return None
+        if self.valid and needed <= self.capacity:
             return False
         st = self._storage
         capacity = -(-(needed + HEADROOM) // st.page_size) * st.page_size
         if len(ids) * capacity * st.bytes_per_token() > self._budget:
-            self.reset()
+            self.valid = False
             return None
-        if len(ids) != len(self.task_ids) or capacity > self.capacity or not self.k:
-            shape_k = (len(ids), capacity, st.k_heads, st.k_width)
-            shape_v = (len(ids), capacity, st.v_heads, st.v_width)
+        if len(ids) > self.rows or capacity > self.capacity:
+            self.k = self.v = []  # release the old buffers before allocating bigger ones
+            rows, capacity = max(len(ids), self.rows), max(capacity, self.capacity)
             # zeros, not empty: masked positions are still multiplied, so they must be finite
-            self.k = [st.k_cache.new_zeros(shape_k) for _ in range(st.n_layers)]
-            self.v = [st.v_cache.new_zeros(shape_v) for _ in range(st.n_layers)]
-            self.capacity = capacity
-        self.task_ids = ids
-        self.lens = [s + 1 for s in start]
+            self.k = [st.k_cache.new_zeros(rows, capacity, st.k_heads, st.k_width) for _ in range(st.n_layers)]
+            self.v = [st.v_cache.new_zeros(rows, capacity, st.v_heads, st.v_width) for _ in range(st.n_layers)]
+            self.rows, self.capacity = rows, capacity
+        self.valid = True
         return True

@@ -81,19 +81,20 @@ class KvcacheView:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._storage.write(layer_idx, self._write_slots, k, v)
         if self._dense is not None and not self._rebuild:
-            self._dense.k[layer_idx][self._rows, self._cols] = k[:, 0].to(self._dense.k[layer_idx].dtype)
-            self._dense.v[layer_idx][self._rows, self._cols] = v[:, 0].to(self._dense.v[layer_idx].dtype)
+            k_buf, v_buf = self._dense.k[layer_idx], self._dense.v[layer_idx]
+            k_buf[self._rows, self._cols] = k[:, 0].to(k_buf.dtype)
+            v_buf[self._rows, self._cols] = v[:, 0].to(v_buf.dtype)
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._dense is None:
             return self._storage.gather(layer_idx, self._gather_slots, self._batch)
-        S = self._total_len
-        k_buf, v_buf = self._dense.k[layer_idx], self._dense.v[layer_idx]
+        B, S = self._batch, self._total_len
+        k_buf, v_buf = self._dense.k[layer_idx][:B, :S], self._dense.v[layer_idx][:B, :S]
         if self._rebuild:
-            k, v = self._storage.gather(layer_idx, self._gather_slots, self._batch)
-            k_buf[:, :S].copy_(k)
-            v_buf[:, :S].copy_(v)
-        return k_buf[:, :S], v_buf[:, :S]
+            k, v = self._storage.gather(layer_idx, self._gather_slots, B)
+            k_buf.copy_(k)
+            v_buf.copy_(v)
+        return k_buf, v_buf
 
 
 class KVCache:
