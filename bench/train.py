@@ -72,25 +72,22 @@ class AstraiSide:
         self.trainer = Trainer(train_config, model=model,
                                train_dataset=RandomTokens(args.batch * (steps + 1), args.seq, config.vocab_size))
         self.context = self.trainer._build_context(None)
-        self.times: list[float] = []
-        self.base = TrainCallback
+        self.callback_base = TrainCallback
 
     def run(self, steps: int) -> list[float]:
-        """Run ``steps`` optimizer steps through the Trainer's own loop; return their durations."""
-        context, times = self.context, []
-        outer = self
+        """Run ``steps`` more optimizer steps through the Trainer's own loop; return their durations."""
+        times: list[float] = []
 
-        class Timer(self.base):
-            def on_step_begin(self, ctx):
+        class Timer(self.callback_base):
+            def on_step_begin(self, context):
                 self.start = time.perf_counter()
 
-            def on_step_end(self, ctx):
+            def on_step_end(self, context):
                 times.append(time.perf_counter() - self.start)
 
-        context.total_steps = context.step + steps
+        self.context.total_steps = self.context.step + steps
         self.trainer.callbacks = [Timer()]
-        self.trainer._run(context)
-        outer.loss = context.loss
+        self.trainer._run(self.context)
         return times
 
 

@@ -87,8 +87,12 @@ class TrainConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29517
 
-    def validate(self) -> "TrainConfig":
-        """Raise ConfigError naming the first bad field; return self when all is well."""
+    def validate(self, require_data: bool = True, require_model: bool = True) -> "TrainConfig":
+        """Raise ConfigError naming the first bad field; return self when all is well.
+
+        ``require_data``/``require_model`` are False when the caller hands the trainer a
+        dataset or model object instead of a path.
+        """
 
         def need(cond: bool, name: str, msg: str) -> None:
             if not cond:
@@ -120,7 +124,7 @@ class TrainConfig:
         need(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
         need(self.validation_interval >= 0, "validation_interval", "must be >= 0")
         need(self.num_workers >= 0, "num_workers", "must be >= 0")
-        need(self.data_root_path is not None or self.datasets, "data_root_path",
+        need(not require_data or self.data_root_path is not None or self.datasets, "data_root_path",
              "give a training data path (or a 'datasets' mixture)")
         if self.data_root_path is not None:
             need(Path(self.data_root_path).exists(), "data_root_path", "path does not exist")
@@ -132,7 +136,7 @@ class TrainConfig:
                 need(Path(entry["path"]).exists(), "datasets", f"entry {i}: path {entry['path']!r} does not exist")
         if self.val_data_path is not None:
             need(Path(self.val_data_path).exists(), "val_data_path", "path does not exist")
-        need(self.param_path is not None or self.model_preset is not None, "param_path",
+        need(not require_model or self.param_path is not None or self.model_preset is not None, "param_path",
              "give a model directory (param_path) or a model_preset")
         if self.param_path is not None:
             need((Path(self.param_path) / "config.json").is_file(), "param_path", "no config.json in that directory")

@@ -117,13 +117,7 @@ class TrainContextBuilder:
         return self
 
     def validate(self) -> None:
-        config = self.config
-        if self.train_dataset is not None:
-            config = TrainConfig.from_dict({**config.to_dict(), "data_root_path": None,
-                                            "datasets": [{"path": ".", "rate": 1.0}]})
-        if self.model is not None:
-            config = TrainConfig.from_dict({**config.to_dict(), "param_path": None, "model_preset": "tiny"})
-        config.validate()
+        self.config.validate(require_data=self.train_dataset is None, require_model=self.model is None)
         if self.config.train_type not in StrategyFactory.list_registered():
             raise ConfigError(f"TrainConfig.train_type: no strategy '{self.config.train_type}' is registered; "
                               f"known: {', '.join(StrategyFactory.list_registered())}")
