@@ -63,6 +63,9 @@ def test_streaming_chat_equals_non_streaming_and_reports_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
     assert all(c.usage is None for c in chunks[:-1])
+    with_logprobs = list(client.chat.completions.create(**kwargs, stream=True, logprobs=True, top_logprobs=1))
+    entries = [e for c in with_logprobs if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens and all(len(e.top_logprobs) == 1 for e in entries)
 
 
 def test_stop_string_is_absent_and_generation_stops(client):
