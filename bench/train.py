@@ -61,7 +61,7 @@ class AstraiSide:
     def __init__(self, config, args, precision: str, tmp: str):
         from astrai.config import TrainConfig
         from astrai.model import AutoModel
-        from astrai.trainer import TrainCallback, TrainContextBuilder, Trainer
+        from astrai.trainer import TrainCallback, Trainer
 
         steps = args.warmup + args.steps * args.rounds
         train_config = TrainConfig(train_type="seq", batch_per_device=args.batch, window_size=args.seq, max_steps=steps,
