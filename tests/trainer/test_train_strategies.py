@@ -82,9 +82,9 @@ def test_sft_document_mask_isolates_packed_conversations():
     packed_loss = strategy({"input_ids": packed, "target_ids": targets, "loss_mask": mask, "doc_ids": doc_ids,
                             "position_ids": positions})
     alone_loss = strategy({"input_ids": b, "target_ids": targets[:, 5:], "loss_mask": mask[:, 5:]})
-    assert float(packed_loss) == pytest.approx(float(alone_loss), abs=1e-5)
+    assert packed_loss.item() == pytest.approx(alone_loss.item(), abs=1e-5)
     leaky = strategy({"input_ids": packed, "target_ids": targets, "loss_mask": mask, "position_ids": positions})
-    assert abs(float(leaky) - float(alone_loss)) > 1e-4
+    assert abs(leaky.item() - alone_loss.item()) > 1e-4
 
 
 def test_moe_aux_loss_is_added_in_training():
