@@ -96,8 +96,8 @@ def test_moe_aux_loss_is_added_in_training():
     loss = strategy(batch)
     out = model(batch["input_ids"])
     ce = torch.nn.functional.cross_entropy(out["logits"].flatten(0, 1), batch["target_ids"].flatten())
-    assert float(out["aux_loss"]) > 0
-    assert float(loss) == pytest.approx(float(ce + out["aux_loss"]), rel=1e-5)
+    assert out["aux_loss"].item() > 0
+    assert loss.item() == pytest.approx((ce + out["aux_loss"]).item(), rel=1e-5)
 
 
 def test_unknown_train_type_is_a_config_error():
