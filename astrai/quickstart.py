@@ -329,8 +329,12 @@ class Quickstart:
         config_path = self.stage_dir(name) / "train_config.json"
         checkpoint = latest_checkpoint(self.stage_dir(name) / "ckpt") if config_path.is_file() else None
         if checkpoint is not None:
-            config = TrainConfig.load(config_path)
+            # The step budget (and with it the schedule) is the one the stage started with; paths
+            # are rebuilt here so a run directory that was moved still resumes into itself.
+            started = TrainConfig.load(config_path)
             seconds = read_json(self.stage_dir(name) / "budget.json")["seconds"]
+            config = self.train_config(index, name, seconds)
+            config.max_steps, config.ckpt_interval = started.max_steps, started.ckpt_interval
             log(f"[{index + 4}/7] {name}: resuming from {checkpoint}")
         else:
             seconds = self.stage_seconds(name)
@@ -487,10 +491,16 @@ def run_quickstart(**settings: Any) -> dict:
     s = Settings(**settings)
     path = Path(s.out) / "settings.json"
     if path.is_file():
-        saved = Settings(**read_json(path))
+        try:
+            saved = Settings(**read_json(path))
+        except (TypeError, json.JSONDecodeError) as exc:
+            from astrai.errors import ConfigError
+
+            raise ConfigError(f"{path}: not the settings of a quick start run ({exc}); use a new --out") from None
         if (saved.minutes, saved.preset, saved.vocab_size) != (s.minutes, s.preset, s.vocab_size):
             log(f"{path}: resuming a run started with other settings; keeping those ({saved.minutes:g} min, "
                 f"preset {saved.preset}, vocabulary {saved.vocab_size}). Use a new --out to start afresh.")
+        saved.out, saved.progress = s.out, s.progress  # where it lives now; display only
         s = saved
     else:
         write_json(path, s.__dict__)
