@@ -26,7 +26,7 @@ class CheckpointCallback(TrainCallback):
         self.last_saved_step = -1
         self._old_handlers: dict = {}
 
-    def _save(self, context) -> None:
+    def _save_checkpoint(self, context) -> None:
         if self.last_saved_step == context.step:
             return
         save_training_checkpoint(context, self.save_dir, self.keep)
@@ -45,10 +45,10 @@ class CheckpointCallback(TrainCallback):
 
     def on_step_end(self, context) -> None:
         if context.step % self.interval == 0:
-            self._save(context)
+            self._save_checkpoint(context)
 
     def on_train_end(self, context) -> None:
-        self._save(context)
+        self._save_checkpoint(context)
         self._restore_handlers()
 
     def on_error(self, context) -> None:
@@ -57,4 +57,4 @@ class CheckpointCallback(TrainCallback):
         if dist.is_initialized() and dist.get_world_size() > 1:
             return
         if context.step > 0:
-            self._save(context)
+            self._save_checkpoint(context)
