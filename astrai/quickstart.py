@@ -54,7 +54,7 @@ class Settings:
     eval_problems: int = 100
     steps: Optional[dict] = None          # fixed optimizer steps per stage instead of sizing by time
     lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 5e-5, "grpo": 1e-5})
-    ppl_max_tokens: Optional[int] = None
+    ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
     progress: bool = True
 
@@ -271,7 +271,7 @@ class Quickstart:
     def estimate_eval_seconds(self) -> float:
         """Before the first evaluation has been timed: forward passes cost about a third of
         a training step per token; generations are short."""
-        ppl_tokens = self.s.ppl_max_tokens or 40_000
+        ppl_tokens = 2 * (self.s.ppl_max_tokens or 20_000) * 4 / 3  # two languages, windows overlap by 1/4
         generated = (self.s.eval_problems * 4 + 6 * self.s.sample_max_new_tokens) * 64
         return (ppl_tokens + generated) / (3 * self.tps) + 2.0
 
