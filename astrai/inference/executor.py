@@ -36,7 +36,7 @@ class Executor:
         rows = [t.context[s:s + n] + [0] * (T - n) for t, s, n in zip(tasks, starts, n_new)]
         input_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         ids = [t.task_id for t in tasks]
-        table = self.page_cache.make_table_tensor(ids, self.device)
+        table = self.page_cache.make_table_tensor(ids, self.device, n_tokens=max(s + n for s, n in zip(starts, n_new)))
         view = self.page_cache.bind(table, starts, n_new, task_ids=ids)
         logits_index = None if T == 1 else torch.tensor([n - 1 for n in n_new], device=self.device)
         out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)

@@ -98,14 +98,15 @@ def test_generate_result_collects_several_requests(gqa_model):
 
 @pytest.mark.timeout(60)
 def test_abort_between_planning_and_forward_spares_batch_mates(gqa_model):
-    """An abort landing after a step was planned must not break the other rows of that step."""
+    """An abort landing after a step was planned must not break the other rows of that step
+    (here the aborted task is the longest row, so its vanished pages set the step's width)."""
     from astrai.inference import InferenceScheduler
 
     sched = InferenceScheduler(gqa_model, None, page_size=4, num_pages=32)
     sched._running = True  # drive the loop by hand instead of on its thread
     events = {}
     ids = [sched.add_task(p, SamplingParams(max_tokens=3, **GREEDY), lambda ev, i=i: events.setdefault(i, []).append(ev))
-           for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7]])]
+           for i, p in enumerate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7]])]
     sched._admit()
     kind, batch, n_new = sched._plan_step()
     assert kind == "prefill" and len(batch) == 2

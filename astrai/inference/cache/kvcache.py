@@ -199,8 +199,10 @@ class KVCache:
                 return
         self._table.set_recorded(task_id, max(start, full))
 
-    def make_table_tensor(self, task_ids: list[str], device=None) -> torch.Tensor:
-        return self._table.table_tensor(task_ids, device or self._storage.device)
+    def make_table_tensor(self, task_ids: list[str], device=None, n_tokens: int = 0) -> torch.Tensor:
+        """[B, pages] page table; at least wide enough for ``n_tokens`` positions (rows of
+        tasks aborted meanwhile are all sink pages and must still cover the step)."""
+        return self._table.table_tensor(task_ids, device or self._storage.device, min_width=self.pages_for(n_tokens))
 
     def bind(self, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
              task_ids: Optional[Sequence[str]] = None) -> KvcacheView:
