@@ -400,7 +400,7 @@ class Quickstart:
 
     # --- the end ---------------------------------------------------------------------------
     def finish(self, records: list[dict]) -> dict:
-        from astrai.eval.report import plot_curves, write_report
+        from astrai.eval.report import STAGE_TITLES, plot_curves, write_report
 
         final_dir = self.out / "model"
         if final_dir.exists():
@@ -415,7 +415,8 @@ class Quickstart:
         for record in records:
             rows = _metrics(self.stage_dir(record["name"]) / "ckpt")
             keys = {"grpo": ["loss", "reward_mean"], "dpo": ["loss", "reward_accuracy"]}.get(record["name"], ["loss"])
-            plot = plot_curves(rows, keys, f"{record['name']}: loss by step", plots_dir / f"{record['name']}.png")
+            plot = plot_curves(rows, keys, STAGE_TITLES.get(record["name"], record["name"]),
+                               plots_dir / f"{record['name']}.png")
             if plot is not None:
                 plots.append(plot)
         pretrain_ppl = records[0]["eval"].get("perplexity", {})

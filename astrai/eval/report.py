@@ -27,8 +27,20 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` points (noisy per-step metrics like GRPO rewards)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_curves(rows: list[dict], keys: list[str], title: str, path: Path) -> Optional[Path]:
-    """One PNG with each metric in ``keys`` against the optimizer step; None if nothing to plot."""
+    """One PNG with a panel per metric in ``keys`` against the optimizer step (raw and, for
+    long runs, a moving average); None if there is nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,13 +50,20 @@ def plot_curves(rows: list[dict], keys: list[str], title: str, path: Path) -> Op
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    for key, points in series.items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=key, marker="." if len(points) < 30 else None)
-    ax.set_xlabel("step")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(len(series), 1, figsize=(6, 2.4 * len(series) + 0.6), dpi=100, sharex=True,
+                             squeeze=False)
+    for ax, (key, points) in zip(axes[:, 0], series.items()):
+        steps, values = [p[0] for p in points], [p[1] for p in points]
+        smooth = len(values) > 30
+        ax.plot(steps, values, alpha=0.35 if smooth else 1.0, marker="." if len(values) < 30 else None, label=key)
+        if smooth:
+            window = max(2, len(values) // 20)
+            ax.plot(steps, moving_average(values, window), label=f"{key} (mean of {window} steps)")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    axes[0, 0].set_title(title)
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
