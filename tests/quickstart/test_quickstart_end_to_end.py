@@ -99,6 +99,17 @@ def test_model_directory_opens_in_automodel_and_the_server(run):
     assert f"astrai chat --model {model_dir.resolve()}" in summary["commands"]["chat"]
 
 
+def test_chat_command_opens_the_model_directory(run, monkeypatch, capsys):
+    import io
+
+    from astrai.cli import main
+
+    out, _ = run
+    monkeypatch.setattr("sys.stdin", io.StringIO("3+4=\n/exit\n"))
+    assert main(["chat", "--model", str(out / "model"), "--max-tokens", "4", "--temperature", "0"]) == 0
+    assert "assistant>" in capsys.readouterr().out
+
+
 def test_report_has_the_numbers_and_valid_plots(run):
     import matplotlib.image
 
