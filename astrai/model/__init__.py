@@ -4,6 +4,7 @@ from astrai.model.automodel import AutoModel
 from astrai.model.components import (GQA, MLA, MLP, AttnFactory, DecoderBlock, DeepSeekMoE, Embedding, FFNFactory,
                                      Linear, RMSNorm, RotaryEmbedding)
 from astrai.model.transformer import Transformer
+from astrai.model.reward import RewardModel  # registers model_type 'reward' for AutoModel.from_pretrained
 
 __all__ = ["AutoModel", "AttnFactory", "DecoderBlock", "DeepSeekMoE", "Embedding", "FFNFactory", "GQA", "Linear", "MLA",
-           "MLP", "RMSNorm", "RotaryEmbedding", "Transformer"]
+           "MLP", "RMSNorm", "RewardModel", "RotaryEmbedding", "Transformer"]

@@ -99,7 +99,8 @@ class Transformer(AutoModel):
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index].unsqueeze(1)
         out = {"logits": self.lm_head(x), "hidden_states": x}
-        aux = [m.aux_loss for m in self.modules() if isinstance(m, DeepSeekMoE) and m.aux_loss is not None]
+        aux = [layer.mlp.aux_loss for layer in self.layers
+               if isinstance(layer.mlp, DeepSeekMoE) and layer.mlp.aux_loss is not None]
         if aux:
             out["aux_loss"] = torch.stack(aux).sum()
         return out
