@@ -230,6 +230,10 @@ class Quickstart:
         path.write_text("".join(json.dumps(sft_conversation(p)) + "\n" for p in problems), encoding="utf-8")
         return path
 
+    def records(self, kind: str) -> int:
+        """How many examples the preprocessed ``kind`` dataset holds."""
+        return read_json(self.done_path("data"))[kind]["written"]
+
     # --- throughput ---------------------------------------------------------------------
     def model_overrides(self) -> dict:
         return {**self.s.model_overrides, "vocab_size": self.tokenizer.vocab_size}
@@ -293,7 +297,8 @@ class Quickstart:
                       batch_per_device=s.batch_size, window_size=s.window_size, max_lr=s.lr["sft"], warmup_ratio=0.05)
         elif name == "dpo":
             # chosen + rejected through the policy (forward + backward) and the reference (forward)
-            steps = seconds * tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3)
+            # at most one pass over the pairs: more DPO on the same small set over-optimises
+            steps = min(seconds * tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3), self.records("dpo") // s.batch_size)
             kw = dict(train_type="dpo", data_root_path=str(self.data_dir("dpo")), param_path=str(self.model_dir("sft")),
                       batch_per_device=s.batch_size, window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1,
                       strategy_kwargs={"beta": 0.1})

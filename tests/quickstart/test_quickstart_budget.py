@@ -7,7 +7,7 @@ import pytest
 
 from astrai.cli import main
 from astrai.quickstart import (STAGE_SHARES, Deadline, Quickstart, Settings, make_policy_sync_callback,
-                               make_stage_deadline_callback)
+                               make_stage_deadline_callback, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -15,6 +15,8 @@ def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
     qs.deadline = Deadline(minutes, already_spent=spent)
     qs.tps = tokens_per_s
     qs.tokenizer = SimpleNamespace(vocab_size=4096)
+    write_json(qs.done_path("data"), {kind: {"written": n} for kind, n in
+                                      (("pretrain", 2000), ("sft", 7000), ("dpo", 2800), ("grpo", 500))})
     return qs
 
 
@@ -41,6 +43,7 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
     for index, name in enumerate(("sft", "dpo", "grpo"), start=1):
         stage = qs.train_config(index, name, seconds=60.0)
         assert stage.train_type == name and stage.max_steps >= 2
+    assert qs.train_config(2, "dpo", seconds=1e6).max_steps == 2800 // qs.s.batch_size  # one pass at most
     assert qs.train_config(3, "grpo", 60.0).strategy_kwargs["reward"] == "arithmetic"
 
 
