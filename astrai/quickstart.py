@@ -53,7 +53,7 @@ class Settings:
     sft_arithmetic: int = 4000
     eval_problems: int = 100
     steps: Optional[dict] = None          # fixed optimizer steps per stage instead of sizing by time
-    lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 5e-5, "grpo": 1e-5})
+    lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
     progress: bool = True
@@ -297,8 +297,11 @@ class Quickstart:
                       batch_per_device=s.batch_size, window_size=s.window_size, max_lr=s.lr["sft"], warmup_ratio=0.05)
         elif name == "dpo":
             # chosen + rejected through the policy (forward + backward) and the reference (forward)
-            # at most one pass over the pairs: more DPO on the same small set over-optimises
-            steps = min(seconds * tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3), self.records("dpo") // s.batch_size)
+            # at most half a pass over the pairs: longer DPO on this small constructed set pulls the
+            # chosen answers down with the rejected ones (seen: arithmetic accuracy 0.24 → 0.04 after
+            # 1.3 passes at lr 5e-5)
+            steps = min(seconds * tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3),
+                        self.records("dpo") // (2 * s.batch_size))
             kw = dict(train_type="dpo", data_root_path=str(self.data_dir("dpo")), param_path=str(self.model_dir("sft")),
                       batch_per_device=s.batch_size, window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1,
                       strategy_kwargs={"beta": 0.1})
