@@ -434,7 +434,7 @@ class Quickstart:
             "model": {"preset": self.s.preset, "vocab_size": self.tokenizer.vocab_size,
                       "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
             "budget_minutes": self.s.minutes, "total_seconds": self.deadline.elapsed, "device": _device_name(),
-            "measured_tokens_per_s": self.tps, "stages": records,
+            "measured_tokens_per_s": read_json(self.out / "throughput.json")["tokens_per_s"], "stages": records,
             "unigram_perplexity": {k: v["unigram_perplexity"] for k, v in pretrain_ppl.items()},
             "model_dir": str(final_dir),
             "commands": {
