@@ -63,6 +63,25 @@ def test_cli_reward_model_and_grpo(prepared, tokenizer_dir):
     assert saved["model_type"] == "transformer"
 
 
+def test_trainer_refreshes_the_rollout_policy_after_every_optimizer_step(prepared, tokenizer_dir, monkeypatch):
+    """Online GRPO must sample from the updated policy: the Trainer fires the strategy's own
+    callback, which runs ``after_optimizer_step`` (engine weights, behaviour copy) once per step."""
+    from astrai.trainer.strategies.grpo import GRPOStrategy
+
+    seen = []
+    original = GRPOStrategy.after_optimizer_step
+
+    def counting(self):
+        seen.append(self.steps)
+        original(self)
+
+    monkeypatch.setattr(GRPOStrategy, "after_optimizer_step", counting)
+    args = common(prepared, tokenizer_dir, "grpo_sync", "grpo", "grpo") + [
+        "--reward", "arithmetic", "--group_size", "2", "--max_new_tokens", "2"]
+    assert main(args) == 0
+    assert seen == [0, 1]
+
+
 def test_cli_rejects_bad_alignment_flags(prepared, tokenizer_dir, capsys):
     assert main(common(prepared, tokenizer_dir, "bad", "grpo", "grpo") + ["--group_size", "1", "--reward", "arithmetic"]) == 2
     assert "group_size must be an integer >= 2" in capsys.readouterr().err

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from astrai.cli import main
-from astrai.quickstart import (STAGE_SHARES, Deadline, Quickstart, Settings, make_policy_sync_callback,
-                               make_stage_deadline_callback, write_json)
+from astrai.quickstart import SFT_MAX_PASSES, STAGE_SHARES, Deadline, Quickstart, Settings, make_stage_deadline_callback, write_json
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -15,7 +14,7 @@ def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
     qs.deadline = Deadline(minutes, already_spent=spent)
     qs.tps = tokens_per_s
     qs.tokenizer = SimpleNamespace(vocab_size=4096)
-    write_json(qs.done_path("data"), {kind: {"written": n} for kind, n in
+    write_json(qs.done_path("data"), {kind: {"written": n, "tokens": 50 * n} for kind, n in
                                       (("pretrain", 2000), ("sft", 7000), ("dpo", 2800), ("grpo", 500))})
     return qs
 
@@ -44,6 +43,7 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
         stage = qs.train_config(index, name, seconds=60.0)
         assert stage.train_type == name and stage.max_steps >= 2
     assert qs.train_config(2, "dpo", seconds=1e6).max_steps == 2800 // (2 * qs.s.batch_size)  # half a pass at most
+    assert qs.train_config(1, "sft", seconds=1e6).max_steps == int(SFT_MAX_PASSES * 50 * 7000 / tokens_per_step)
     assert qs.train_config(3, "grpo", 60.0).strategy_kwargs["reward"] == "arithmetic"
 
 
@@ -56,23 +56,6 @@ def test_deadline_guard_ends_the_stage_like_a_reached_budget():
     time.sleep(0.06)
     guard.on_step_end(context)
     assert context.total_steps == 3
-
-
-def test_policy_sync_runs_the_strategy_hook_once_per_step():
-    calls = []
-    strategy = SimpleNamespace(steps=0)
-    strategy.after_optimizer_step = lambda: (calls.append(1), setattr(strategy, "steps", strategy.steps + 1))
-    context = SimpleNamespace(step=0, strategy=strategy)
-    sync = make_policy_sync_callback()
-    sync.on_train_begin(context)
-    sync.on_step_begin(context)
-    assert calls == []
-    context.step = 1
-    sync.on_step_begin(context)
-    strategy.steps += 1  # something else (a fixed trainer) already ran the hook for step 2
-    context.step = 2
-    sync.on_step_begin(context)
-    assert len(calls) == 1 and strategy.steps == 2
 
 
 def test_cli_refuses_a_non_positive_budget(capsys):
