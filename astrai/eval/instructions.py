@@ -20,12 +20,12 @@ checked as is instead of generating).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable
 
 from astrai.errors import DataError
+from astrai.jsonl import iter_jsonl
 from astrai.eval.rouge import rouge_tokens
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -85,18 +85,8 @@ def run_check(text: str, spec: dict) -> bool:
 
 
 def load_instructions(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
     records = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+    for where, record in iter_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("checks"), list) or not record["checks"]:
             raise DataError(f"{where}: expected an object with a non-empty 'checks' list")
         if "prompt" not in record and "response" not in record:

@@ -15,7 +15,6 @@ Files: MMLU's own CSV (no header: question, A, B, C, D, answer letter) or JSONL 
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.errors import DataError
+from astrai.jsonl import iter_jsonl
 
 LETTERS = ("A", "B", "C", "D")
 
@@ -71,14 +71,7 @@ def _load_csv(path: Path) -> list[Question]:
 
 def _load_jsonl(path: Path) -> list[Question]:
     questions = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+    for where, record in iter_jsonl(path):
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object")
         for key in ("question", "choices", "answer"):

@@ -10,7 +10,6 @@ causal, and each window ends at the last token it scores.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.errors import ConfigError, DataError
+from astrai.jsonl import iter_jsonl
 
 
 @dataclass
@@ -135,15 +135,9 @@ def read_documents(path: str | Path) -> list[str]:
     if path.suffix != ".jsonl":
         return [path.read_text(encoding="utf-8")]
     docs = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+    for where, record in iter_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f"{path}:{line_no}: expected an object with a string 'text' field")
+            raise DataError(f"{where}: expected an object with a string 'text' field")
         docs.append(record["text"])
     if not docs:
         raise DataError(f"{path}: no documents found")

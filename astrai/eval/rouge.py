@@ -8,12 +8,12 @@ several references the best-matching reference counts, as in the original ROUGE.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
 from astrai.errors import DataError
+from astrai.jsonl import iter_jsonl
 
 _TOKEN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\W_]+", re.UNICODE)
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -89,21 +89,12 @@ def corpus_rouge(candidates: list[str], references: list[str | list[str]]) -> di
 def load_references(path: str | Path) -> list[dict]:
     """JSONL of ``{"prompt": ..., "reference": str | [str, ...]}`` (plus an optional
     ``"prediction"``: when present it is scored as is, without generating)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
     records = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+    for where, record in iter_jsonl(path):
         if not isinstance(record, dict) or "reference" not in record:
-            raise DataError(f"{path}:{line_no}: expected an object with a 'reference' field")
+            raise DataError(f"{where}: expected an object with a 'reference' field")
         if "prompt" not in record and "prediction" not in record:
-            raise DataError(f"{path}:{line_no}: needs a 'prompt' to generate from or a 'prediction' to score")
+            raise DataError(f"{where}: needs a 'prompt' to generate from or a 'prediction' to score")
         records.append(record)
     if not records:
         raise DataError(f"{path}: no records found")

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from astrai.errors import DataError, RequestError
+from astrai.jsonl import iter_jsonl
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -74,18 +74,9 @@ def build_engine(args: argparse.Namespace):
 def read_requests(args: argparse.Namespace) -> list[dict]:
     requests = [{"messages": [{"role": "user", "content": p}]} if args.chat else {"prompt": p} for p in args.prompt]
     if args.input:
-        path = Path(args.input)
-        if not path.is_file():
-            raise DataError(f"{path}: file not found")
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        for where, record in iter_jsonl(args.input):
             if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list)):
-                raise DataError(f"{path}:{lineno}: expected an object with a 'prompt' string or a 'messages' list")
+                raise DataError(f"{where}: expected an object with a 'prompt' string or a 'messages' list")
             requests.append(record)
     if not requests:
         raise RequestError("no prompts: give --prompt TEXT or --input FILE.jsonl")

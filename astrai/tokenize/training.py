@@ -9,13 +9,13 @@ common words.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from astrai.errors import DataError
+from astrai.jsonl import iter_jsonl
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 
@@ -55,17 +55,11 @@ def iter_texts(paths: Iterable[str | Path]) -> Iterator[str]:
         path = Path(source)
         if not path.is_file():
             raise DataError(f"{path}: tokenizer training source not found (give .txt or .jsonl files)")
-        with open(path, encoding="utf-8") as handle:
-            if path.suffix in (".jsonl", ".json"):
-                for lineno, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                    yield from _texts_from_record(record, f"{path}:{lineno}")
-            else:
+        if path.suffix in (".jsonl", ".json"):
+            for where, record in iter_jsonl(path):
+                yield from _texts_from_record(record, where)
+        else:
+            with open(path, encoding="utf-8") as handle:
                 yield from handle
 
 

@@ -74,10 +74,6 @@ class KvcacheView:
     def total_len(self) -> int:
         return self._total_len
 
-        if dense is not None:
-            self._rows = torch.arange(B, device=device)
-            self._cols = start_t
-
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._storage.write(layer_idx, self._write_slots, k, v)
         if self._dense is not None and not self._rebuild:
