@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from astrai.config.json_file import JsonConfig
 from astrai.errors import ConfigError
 
 ATTN_TYPES = ("gqa", "mla")
@@ -24,7 +23,7 @@ ROPE_SCALING_KEYS = {
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(JsonConfig):
     """Shapes and options of astrai's decoder-only Transformer.
 
     The first block of fields is the spec's class diagram; the rest is what MLA, MoE,
@@ -121,34 +120,6 @@ class ModelConfig:
                 low, high = self.rope_scaling.get("low_freq_factor", 1.0), self.rope_scaling.get("high_freq_factor", 4.0)
                 need(high > low, f"rope_scaling llama3 needs high_freq_factor ({high}) > low_freq_factor ({low})")
         return self
-
-    # --- JSON -----------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "ModelConfig":
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown ModelConfig field(s): {', '.join(unknown)}")
-        return cls(**data)
-
-    def save(self, config_path: str | Path) -> None:
-        Path(config_path).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-    @classmethod
-    def load(cls, config_path: str | Path) -> "ModelConfig":
-        path = Path(config_path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: file not found") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, source=str(path))
 
 
 def _presets() -> dict[str, dict[str, Any]]:

@@ -8,11 +8,11 @@ vocabulary) happen in the trainer's context builder, which has both at hand.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
+from astrai.config.json_file import JsonConfig
 from astrai.errors import ConfigError
 
 TRAIN_TYPES = ("seq", "sft", "dpo", "rm", "grpo", "kl")
@@ -23,7 +23,7 @@ PARALLEL_MODES = ("ddp", "fsdp")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(JsonConfig):
     """A training run. Steps count optimizer steps (one per ``grad_accum_steps`` micro-batches)."""
 
     # what to train, on what
@@ -143,30 +143,3 @@ class TrainConfig:
         if self.tokenizer_path is not None:
             need((Path(self.tokenizer_path) / "tokenizer.json").is_file(), "tokenizer_path", "no tokenizer.json there")
         return self
-
-    # --- JSON -----------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "TrainConfig":
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"{source}: unknown TrainConfig field(s): {', '.join(unknown)}")
-        return cls(**data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "TrainConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: file not found") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, source=str(path))

@@ -64,6 +64,14 @@ class _OpenAIBase(ProtocolHandler):
     def format_stream_error(self, error: APIError) -> str:
         return sse_event(error_body(error, anthropic=False)) + DONE_FRAME
 
+    def _chunk(self, choices: list[dict], usage: Optional[dict] = None) -> str:
+        """One SSE frame of a stream; ``chunk_object`` names the protocol's object type."""
+        chunk = {"id": self.resp_id, "object": self.chunk_object, "created": self.created,
+                 "model": self.state.model_name, "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return sse_event(chunk)
+
 
 def _token_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
@@ -120,12 +128,7 @@ class OpenAIHandler(_OpenAIBase):
         return [prompt] * self.body.n
 
     # ---- streaming ------------------------------------------------------------
-    def _chunk(self, choices: list[dict], usage: Optional[dict] = None) -> str:
-        chunk = {"id": self.resp_id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.state.model_name, "system_fingerprint": None, "choices": choices}
-        if self.include_usage:
-            chunk["usage"] = usage
-        return sse_event(chunk)
+    chunk_object = "chat.completion.chunk"
 
     def format_stream_start(self, contexts: list[StreamContext]) -> list[str]:
         self._parsers = [ToolCallStreamParser() if self.tools_active else None for _ in contexts]
@@ -235,12 +238,7 @@ class OpenAICompletionHandler(_OpenAIBase):
         return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries], "text_offset": offsets}
 
-    def _chunk(self, choices: list[dict], usage: Optional[dict] = None) -> str:
-        chunk = {"id": self.resp_id, "object": "text_completion", "created": self.created,
-                 "model": self.state.model_name, "system_fingerprint": None, "choices": choices}
-        if self.include_usage:
-            chunk["usage"] = usage
-        return sse_event(chunk)
+    chunk_object = "text_completion"
 
     def format_stream_start(self, contexts: list[StreamContext]) -> list[str]:
         self._sent = [0] * len(contexts)
