@@ -30,6 +30,7 @@ import torch
 from astrai.errors import OverloadedError, RequestError
 from astrai.inference.cache import KVCache
 from astrai.inference.executor import Executor
+from astrai.inference.openmp import release_thread_pool
 from astrai.inference.task import Task, TaskManager, TaskStatus
 from astrai.inference.types import SamplingParams, StreamEvent
 from astrai.inference.validation import check_fits, check_params, check_prompt
@@ -112,6 +113,7 @@ class InferenceScheduler:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator(device=self._device).manual_seed(seed)
         task = Task(task_id or uuid.uuid4().hex, ids, params, stream_callback, self.tokenizer, generator)
+        release_thread_pool()  # the caller's idle OpenMP workers would slow every op of the loop (see openmp.py)
         with self._lock:
             if not self._running:
                 raise RequestError("the engine is not running (it was shut down or never started)")
@@ -185,6 +187,8 @@ class InferenceScheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
+                if self._running and not self._task_mgr.waiting and not self._task_mgr.running:
+                    release_thread_pool()  # idle: let other threads' torch work run unthrottled
                 while self._running and not self._task_mgr.waiting and not self._task_mgr.running:
                     self._wake.wait()
                 if not self._running:
