@@ -6,12 +6,14 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from astrai.config import ModelConfig
 from astrai.model.automodel import AutoModel
 from astrai.model.components import DecoderBlock, DeepSeekMoE, Embedding, Linear, RMSNorm, RotaryEmbedding
 from astrai.model.components.attention import AttnFactory
+from astrai.model.components.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 
 
 def build_attention_mask(input_mask: Optional[torch.Tensor], seq_len: int, device) -> Optional[torch.Tensor]:
@@ -42,7 +44,10 @@ class Transformer(AutoModel):
     ``forward`` returns a dict: ``logits`` [B, T, V] (or [B, 1, V] when
     ``logits_index`` picks one position per row), ``hidden_states`` (the final normed
     hidden states, used by reward heads) and, for MoE models in training mode,
-    ``aux_loss`` (the summed load-balancing loss).
+    ``aux_loss`` (the summed load-balancing loss). Given ``target_ids`` it returns
+    ``loss`` (mean next-token cross-entropy over targets other than -100) instead of
+    ``logits``, computed without ever holding the [B, T, V] logits (see
+    linear_cross_entropy.py).
     """
 
     def __init__(self, config: ModelConfig):
@@ -86,6 +91,8 @@ class Transformer(AutoModel):
         paged_cache=None,
         position_ids: Optional[torch.Tensor] = None,
         logits_index: Optional[torch.Tensor] = None,
+        target_ids: Optional[torch.Tensor] = None,
+        label_smoothing: float = 0.0,
     ) -> dict[str, torch.Tensor]:
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)
@@ -98,7 +105,15 @@ class Transformer(AutoModel):
         x = self.norm(x)
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index].unsqueeze(1)
-        out = {"logits": self.lm_head(x), "hidden_states": x}
+        if target_ids is None:
+            out = {"logits": self.lm_head(x), "hidden_states": x}
+        elif type(self.lm_head) is Linear and self.lm_head.bias is None:
+            out = {"loss": linear_cross_entropy(x, self.lm_head.weight, target_ids, IGNORE_INDEX, label_smoothing),
+                   "hidden_states": x}
+        else:  # a wrapped head (LoRA, tensor parallel): its own forward, then the plain loss
+            logits = self.lm_head(x).flatten(0, 1).float()
+            out = {"loss": F.cross_entropy(logits, target_ids.flatten(), ignore_index=IGNORE_INDEX,
+                                           label_smoothing=label_smoothing), "hidden_states": x}
         aux = [layer.mlp.aux_loss for layer in self.layers
                if isinstance(layer.mlp, DeepSeekMoE) and layer.mlp.aux_loss is not None]
         if aux:

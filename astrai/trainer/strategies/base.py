@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from astrai.factory import BaseFactory
-
-IGNORE_INDEX = -100
+from astrai.model.components.linear_cross_entropy import IGNORE_INDEX
 
 
 class BaseStrategy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from astrai.errors import DataError
+from astrai.parallel.wrap import unwrap_model
 from astrai.trainer.strategies.base import IGNORE_INDEX, BaseStrategy, StrategyFactory
 from astrai.trainer.strategies.masks import model_inputs
 
@@ -26,14 +28,21 @@ class SEQStrategy(BaseStrategy):
     def __init__(self, model: nn.Module, device: str | torch.device = "cpu", label_smoothing: float = 0.0, **kwargs: Any):
         super().__init__(model, device, **kwargs)
         self.label_smoothing = float(label_smoothing)
+        # astrai's Transformer fuses the vocabulary projection with the loss; any other model gives logits
+        self._model_computes_loss = "target_ids" in inspect.signature(unwrap_model(model).forward).parameters
 
     def targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["target_ids"]
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch = self.to_device(batch)
-        outputs = self.model(**model_inputs(batch))
-        loss = token_cross_entropy(outputs["logits"], self.targets(batch), self.label_smoothing)
+        targets = self.targets(batch)
+        if self._model_computes_loss:
+            outputs = self.model(**model_inputs(batch), target_ids=targets, label_smoothing=self.label_smoothing)
+            loss = outputs["loss"]
+        else:
+            outputs = self.model(**model_inputs(batch))
+            loss = token_cross_entropy(outputs["logits"], targets, self.label_smoothing)
         return self.add_aux_loss(loss, outputs)
 
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:

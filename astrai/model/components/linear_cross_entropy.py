@@ -1,0 +1,92 @@
+"""Cross-entropy of the vocabulary projection, fused and computed a few rows at a time.
+
+The usual way - logits = h @ Wᵀ for every token, then ``F.cross_entropy`` - builds the
+[tokens, vocab] logits, their log-softmax and, in backward, a zeroed gradient of the
+same size: for a 32k vocabulary and 1k tokens that is 131 MB each, fresh from the
+allocator every step (page faults included) and streamed through memory several
+times. On a CPU the projection and its loss took about half of the `tiny` preset's
+training step. Here the rows are processed in chunks of 128 tokens: each
+chunk's logits become the loss and, at once, the gradient with respect to them
+(softmax − target distribution), which is pushed straight into the gradients of the
+hidden states and the weight. Backward then only scales those by the incoming
+gradient. The arithmetic is the same; only the memory traffic is gone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+CHUNK_ROWS = 128  # tokens per chunk: measured best for 8k and 32k vocabularies (fewer rows starve the matmuls)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``ignore_index`` skipped)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, compute_dtype):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, vocab = hidden.shape[0], weight.shape[0]
+        valid = targets != ignore_index
+        count = valid.sum()
+        safe_targets = torch.where(valid, targets, 0)
+        row_weight = valid.to(torch.float32) / count.clamp_min(1)
+        w = weight.to(compute_dtype)
+        h_all = hidden.to(compute_dtype)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = CHUNK_ROWS
+        for start in range(0, n, rows):
+            h = h_all[start:start + rows]
+            target = safe_targets[start:start + rows, None]
+            logits = (h @ w.t()).float()
+            lse = logits.logsumexp(dim=-1, keepdim=True)
+            loss = lse - logits.gather(1, target)
+            if label_smoothing:
+                loss = (1 - label_smoothing) * loss + label_smoothing * (lse - logits.mean(dim=-1, keepdim=True))
+            scale = row_weight[start:start + rows, None]
+            total += (loss * scale).sum()
+            if not (need_hidden or need_weight):
+                continue
+            grad = logits.sub_(lse).exp_()  # softmax, in place of the logits
+            grad.scatter_add_(1, target, torch.full_like(target, -(1 - label_smoothing), dtype=grad.dtype))
+            if label_smoothing:
+                grad.sub_(label_smoothing / vocab)
+            grad = grad.mul_(scale).to(compute_dtype)
+            if need_hidden:
+                grad_hidden[start:start + rows] = grad @ w
+            if need_weight:
+                if compute_dtype == torch.float32:
+                    grad_weight.addmm_(grad.t(), h)
+                else:
+                    grad_weight.add_(grad.t() @ h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        # mean over counted tokens; 0/0 = nan when nothing counts, as F.cross_entropy gives
+        return total * count.clamp_min(1) / count
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Same value and gradients as ``F.cross_entropy(hidden @ weight.T, targets)`` (fp32 loss).
+
+    ``hidden`` [..., D] and ``targets`` [...] are flattened. Under autocast the two
+    projections run in the autocast dtype, as ``nn.Linear`` would; softmax and the
+    loss stay in fp32.
+    """
+    compute_dtype = weight.dtype
+    if torch.is_autocast_enabled(hidden.device.type):
+        compute_dtype = torch.get_autocast_dtype(hidden.device.type)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                        ignore_index, float(label_smoothing), compute_dtype)
