@@ -20,6 +20,7 @@ from astrai.errors import RequestError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
+from astrai.runtime import tune_allocator
 
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 Prompt = Union[str, list[int], list[dict]]
@@ -30,6 +31,7 @@ class InferenceEngine:
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
                  prefill_chunk_size: int = 256, max_queue: int = 256, prefix_cache: bool = True,
                  default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None):
+        tune_allocator()  # see astrai/runtime.py: prefill activations are re-allocated every step
         model.eval()
         self.model = model
         self.tokenizer = tokenizer

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 from astrai.config import TrainConfig
 from astrai.parallel import is_distributed, setup_parallel, spawn_parallel_fn, torchrun_env, unwrap_model
 from astrai.parallel.wrap import no_sync
+from astrai.runtime import tune_allocator
 from astrai.serialization import Checkpoint
 from astrai.trainer.builder import TrainContextBuilder
 from astrai.trainer.callbacks import CallbackFactory, TrainCallback
@@ -38,6 +39,7 @@ class Trainer:
     def __init__(self, train_config: TrainConfig, callbacks: Optional[list[TrainCallback]] = None,
                  model: Optional[nn.Module] = None, train_dataset: Optional[Dataset] = None,
                  val_dataset: Optional[Dataset] = None, tokenizer: Any = None, strategy_extra: Optional[dict] = None):
+        tune_allocator()  # see astrai/runtime.py: re-faulting freed activations costs more than the math
         self.train_config = train_config
         self.callbacks = list(callbacks or [])
         self.model, self.train_dataset, self.val_dataset, self.tokenizer = model, train_dataset, val_dataset, tokenizer
