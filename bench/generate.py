@@ -68,23 +68,15 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> tuple[list[lis
 
 
 def engine_generate(engine, prompts: list[list[int]], new_tokens) -> tuple[list, float, list[float]]:
-    """Submit all prompts at once; returns outputs, seconds, and each request's time to first token."""
+    """Submit all prompts at once; returns outputs, seconds, and each request's time to first token
+    (taken by the scheduler when the token is sampled: reading the handles one after another
+    would otherwise add the earlier requests' whole generation to the later ones' wait)."""
     counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
     start = time.perf_counter()
     handles = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                for p, n in zip(prompts, counts)]
-    ttfts = []
-    outputs = []
-    for h in handles:
-        first = None
-        ids = []
-        for ev in h:
-            if first is None and ev.token_ids:
-                first = time.perf_counter() - start
-            ids += ev.token_ids
-        ttfts.append(first)
-        outputs.append(ids)
-    return outputs, time.perf_counter() - start, ttfts
+    outputs = [[t for ev in h for t in ev.token_ids] for h in handles]
+    return outputs, time.perf_counter() - start, [h.time_to_first_token for h in handles]
 
 
 def single_request(name, cfg, n_new, repeats=5) -> dict:

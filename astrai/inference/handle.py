@@ -52,6 +52,19 @@ class RequestHandle:
     def finished(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        """Seconds from submission to the moment the first token was sampled (None until then).
+
+        Taken on the scheduler thread, so it does not depend on when the caller gets
+        around to reading the event (a loop reading requests one after another would
+        otherwise see later requests' first tokens only once the earlier ones end).
+        """
+        task = self._task
+        if task is None or task.first_token_time is None:
+            return None
+        return task.first_token_time - task.arrival_time
+
     def __iter__(self) -> Iterator[StreamEvent]:
         while not self._consumed_final:
             event = self._queue.get()

@@ -156,3 +156,18 @@ def test_generate_and_chat_cli(text_model, tokenizer, tmp_path):
     assert chat_cli.run(args, stdin=io.StringIO("hi\n/reset\nhello again\n/exit\n"), stdout=stdout) == 0
     text = stdout.getvalue()
     assert text.count("assistant> ") == 2 and "(history cleared)" in text
+
+
+def test_time_to_first_token_is_taken_when_the_token_is_sampled(text_model, tokenizer):
+    import time
+
+    with InferenceEngine(text_model, tokenizer, max_batch_size=2) as engine:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        start = time.monotonic()
+        first, second = engine.submit([5, 6, 7], params), engine.submit([8, 9], params)
+        assert first.time_to_first_token is None or first.time_to_first_token >= 0
+        second.result()
+        first.result()
+        elapsed = time.monotonic() - start
+    for handle in (first, second):
+        assert 0 < handle.time_to_first_token <= elapsed
