@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from astrai.inference.cache import KVCache
+from astrai.inference.cache import KVCache, decode_buffers
 
 PAGE, PAGES = 2, 12
 
@@ -116,9 +117,15 @@ def test_eviction_only_when_nothing_is_free_and_forgets_descendants():
     assert cache.stats()["pages_used"] == 4
 
 
-def test_decode_buffers_match_paged_gather_and_avoid_copies():
+@pytest.mark.parametrize("growth", ["default", "every step"])
+def test_decode_buffers_match_paged_gather_and_avoid_copies(monkeypatch, growth):
     """Decode steps read contexts from dense buffers kept across steps; what they return
-    must equal a plain gather from the pages, through joins, leaves and growth."""
+    must equal a plain gather from the pages, through joins, leaves and growth, and only
+    newcomers' contexts are read from the pages ("every step": the buffers grow by one
+    row and one page at a time, and each growth must carry the rows over)."""
+    if growth == "every step":
+        monkeypatch.setattr(decode_buffers, "HEADROOM", 1)
+        monkeypatch.setattr(decode_buffers, "ROW_STEP", 1)
     torch.manual_seed(0)
     cache = KVCache(n_layers=2, cache_shapes=((2, 3), (1, 4)), num_pages=64, page_size=4)
     lens = {"a": 5, "b": 9, "c": 2}
@@ -128,8 +135,17 @@ def test_decode_buffers_match_paged_gather_and_avoid_copies():
         for layer in range(2):
             view.write(layer, torch.randn(1, n, 2, 3), torch.randn(1, n, 1, 4))
     schedule = [("a", "b")] * 3 + [("a", "b", "c")] * 2 + [("b", "c")] * 2
-    pointers = []
+    pointers, gathered = [], []
+    real_gather = cache.storage.gather
+
+    def counting_gather(layer_id, slots, batch):
+        if layer_id == 0 and counting:
+            gathered[-1] += batch
+        return real_gather(layer_id, slots, batch)
+
+    cache.storage.gather = counting_gather
     for step, ids in enumerate(schedule):
+        gathered.append(0)
         for tid in ids:
             assert cache.task_extend(tid, lens[tid] + 1)
         table = cache.make_table_tensor(list(ids))
@@ -139,7 +155,10 @@ def test_decode_buffers_match_paged_gather_and_avoid_copies():
         for layer in range(2):
             k, v = torch.randn(len(ids), 1, 2, 3), torch.randn(len(ids), 1, 1, 4)
             fast.write(layer, k, v)
-            got, want = fast.gather(layer), plain.gather(layer)
+            counting = True
+            got = fast.gather(layer)
+            counting = False
+            want = plain.gather(layer)
             for row, tid in enumerate(ids):
                 n = lens[tid] + 1
                 assert torch.equal(got[0][row, :n], want[0][row, :n]) and torch.equal(got[1][row, :n], want[1][row, :n])
@@ -147,6 +166,10 @@ def test_decode_buffers_match_paged_gather_and_avoid_copies():
                 pointers.append(got[0].data_ptr())
         for tid in ids:
             lens[tid] += 1
-    # a new batch is gathered; from its second step on the same buffer is returned (no copy)
-    assert pointers[1] == pointers[2] != pointers[0]
-    assert pointers[3] != pointers[4] and pointers[5] != pointers[6]
+    # rows read from the pages: both at first, then only the newcomer c; a leaving task
+    # moves the others' rows within the buffers (into the second set), nothing is re-read
+    assert gathered == [2, 0, 0, 1, 0, 0, 0]
+    if growth == "every step":
+        return
+    assert pointers[0] == pointers[1] == pointers[2] == pointers[3] == pointers[4]
+    assert pointers[4] != pointers[5] == pointers[6]

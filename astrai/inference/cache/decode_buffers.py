@@ -1,14 +1,18 @@
-"""DecodeBuffers: dense per-layer copies of a steady decode batch's contexts.
+"""DecodeBuffers: dense per-layer copies of the decode batch's contexts, kept across steps.
 
 Reading K/V through the page table means copying every row's whole context out of
 the page store in every layer at every step - for a batch of long contexts that copy
-costs more than the rest of the decode step. While the decode batch stays the same
-(same tasks, each one token further), nothing in those contexts changes except the
-one new token per row. So after one gather, these buffers keep the batch's contexts
-densely laid out ([B, capacity, heads, width] per layer), each step appends the new
-token to them (besides the page store, which stays the source of truth), and
-``gather`` returns a slice of the buffer without copying. Any change - a task joins,
-leaves, is preempted, or the capacity is exceeded - triggers one fresh gather.
+costs more than the rest of the decode step. Between two decode steps nothing in a
+task's context changes except its one new token. So the buffers keep each decoding
+task's context densely laid out ([rows, heads, capacity, width] per layer: heads
+first, so each head's keys are one contiguous matrix that attention multiplies
+without a copy); each step appends the new token to them (besides the page store,
+which stays the source of truth), and ``gather`` returns a slice of the buffer.
+
+When the batch changes - tasks finish, join after their prefill, or are preempted -
+the rows of the tasks that stay are moved into their new order with one copy into a
+second set of buffers (the two sets swap), and only the newcomers' contexts are
+gathered from the pages. Only growth past the capacity refills everything.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 from astrai.inference.cache.storage import Storage
 
 HEADROOM = 256  # tokens of growth before the buffers must be rebuilt
-BUDGET_BYTES = 256 * 1024**2  # above this the view falls back to gathering every step
+ROW_STEP = 8  # rows are added in groups, so tasks joining one by one do not reallocate each time
+BUDGET_BYTES = 1024**3  # both sets together; above this the view falls back to gathering every step
 
 
 class DecodeBuffers:
@@ -31,37 +36,58 @@ class DecodeBuffers:
         self.lens: list[int] = []
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self._spare: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.rows = self.capacity = 0
         self.valid = False
 
-    def plan(self, task_ids: Sequence[str], start: Sequence[int]) -> Optional[bool]:
-        """For a decode step: None (gather from the pages as usual), True (fill the
-        buffers from the pages this step) or False (append to the buffers).
-
-        A batch that just changed is gathered normally - batches change often while
-        requests join and leave, and filling buffers then would only add a copy; the
-        buffers are filled on the first step the batch is seen unchanged.
-        """
+    def plan(self, task_ids: Sequence[str], start: Sequence[int]) -> Optional[list[int]]:
+        """Prepare the buffers for a decode step where row i is ``task_ids[i]`` with
+        ``start[i]`` tokens cached. Returns the rows whose contexts must be gathered from
+        the pages this step (empty when every row is already in place), or None when the
+        buffers would exceed their memory budget (the step then gathers as usual)."""
         ids = tuple(task_ids)
-        steady = ids == self.task_ids and list(start) == self.lens
-        self.task_ids, self.lens = ids, [s + 1 for s in start]
         needed = max(start) + 1
-        if not steady:
-            self.valid = False
-            return None
-        if self.valid and needed <= self.capacity:
-            return False
         st = self._storage
-        capacity = -(-(needed + HEADROOM) // st.page_size) * st.page_size
-        if len(ids) * capacity * st.bytes_per_token() > self._budget:
-            self.valid = False
-            return None
-        if len(ids) > self.rows or capacity > self.capacity:
-            self.k = self.v = []  # release the old buffers before allocating bigger ones
-            rows, capacity = max(len(ids), self.rows), max(capacity, self.capacity)
+        if len(ids) > self.rows or needed > self.capacity:
+            capacity = -(-(needed + HEADROOM) // st.page_size) * st.page_size
+            rows, capacity = max(-(-len(ids) // ROW_STEP) * ROW_STEP, self.rows), max(capacity, self.capacity)
+            if 2 * rows * capacity * st.bytes_per_token() > self._budget:
+                self.valid, self.task_ids = False, ()
+                return None
+            self._allocate(rows, capacity)
+        old_rows = {tid: row for row, tid in enumerate(self.task_ids)} if self.valid else {}
+        source = [old_rows.get(tid, -1) for tid in ids]
+        kept = {i for i, (row, s) in enumerate(zip(source, start)) if row >= 0 and self.lens[row] == s}
+        refill = [i for i in range(len(ids)) if i not in kept]
+        if any(source[i] != i for i in kept):
+            self._move_rows([source[i] if i in kept else 0 for i in range(len(ids))])
+        self.task_ids, self.lens, self.valid = ids, [s + 1 for s in start], True
+        return refill
+
+    def _allocate(self, rows: int, capacity: int) -> None:
+        """Bigger buffers; the rows already held are copied over, so growing reads nothing from the pages."""
+        st = self._storage
+        old_k, old_v = (self.k, self.v) if self.valid else ([], [])
+        self.k = self.v = []
+        self._spare = ([], [])  # release the spare set before allocating bigger ones
+
+        def make() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             # zeros, not empty: masked positions are still multiplied, so they must be finite
-            self.k = [st.k_cache.new_zeros(rows, capacity, st.k_heads, st.k_width) for _ in range(st.n_layers)]
-            self.v = [st.v_cache.new_zeros(rows, capacity, st.v_heads, st.v_width) for _ in range(st.n_layers)]
-            self.rows, self.capacity = rows, capacity
-        self.valid = True
-        return True
+            return ([st.k_cache.new_zeros(rows, st.k_heads, capacity, st.k_width) for _ in range(st.n_layers)],
+                    [st.v_cache.new_zeros(rows, st.v_heads, capacity, st.v_width) for _ in range(st.n_layers)])
+        self.k, self.v = make()
+        for new, old in zip(self.k + self.v, old_k + old_v):
+            new[:old.shape[0], :, :old.shape[2]].copy_(old)
+        self._spare = make()
+        self.rows, self.capacity = rows, capacity
+
+    def _move_rows(self, source_rows: list[int]) -> None:
+        """New row i takes old row ``source_rows[i]``: one copy per layer into the spare set, then swap."""
+        index = torch.tensor(source_rows, device=self._storage.device)
+        n = len(source_rows)
+        spare_k, spare_v = self._spare
+        for layer in range(self._storage.n_layers):
+            torch.index_select(self.k[layer], 0, index, out=spare_k[layer][:n])
+            torch.index_select(self.v[layer], 0, index, out=spare_v[layer][:n])
+        self._spare = (self.k, self.v)
+        self.k, self.v = spare_k, spare_v

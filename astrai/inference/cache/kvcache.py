@@ -34,9 +34,9 @@ class KvcacheView:
     """
 
     def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
-                 dense: Optional[DecodeBuffers] = None, rebuild: bool = False):
+                 dense: Optional[DecodeBuffers] = None, refill: Sequence[int] = ()):
         self._storage = storage
-        self._dense, self._rebuild = dense, rebuild
+        self._dense = dense
         device = storage.device
         ps = storage.page_size
         B, T = len(n_new), max(n_new)
@@ -69,6 +69,10 @@ class KvcacheView:
         if dense is not None:
             self._rows = torch.arange(B, device=device)
             self._cols = start_t
+            # rows whose contexts come from the pages this step (newcomers to the decode batch)
+            self._refill = torch.tensor(list(refill), dtype=torch.long, device=device) if refill else None
+            if refill:
+                self._refill_slots = self._gather_slots.view(B, S).index_select(0, self._refill).reshape(-1)
 
     @property
     def total_len(self) -> int:
@@ -76,20 +80,22 @@ class KvcacheView:
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._storage.write(layer_idx, self._write_slots, k, v)
-        if self._dense is not None and not self._rebuild:
+        if self._dense is not None:
             k_buf, v_buf = self._dense.k[layer_idx], self._dense.v[layer_idx]
-            k_buf[self._rows, self._cols] = k[:, 0].to(k_buf.dtype)
-            v_buf[self._rows, self._cols] = v[:, 0].to(v_buf.dtype)
+            k_buf[self._rows, :, self._cols] = k[:, 0].to(k_buf.dtype)
+            v_buf[self._rows, :, self._cols] = v[:, 0].to(v_buf.dtype)
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._dense is None:
             return self._storage.gather(layer_idx, self._gather_slots, self._batch)
         B, S = self._batch, self._total_len
-        k_buf, v_buf = self._dense.k[layer_idx][:B, :S], self._dense.v[layer_idx][:B, :S]
-        if self._rebuild:
-            k, v = self._storage.gather(layer_idx, self._gather_slots, B)
-            k_buf.copy_(k)
-            v_buf.copy_(v)
+        # [B, S, heads, width] views of the heads-first buffers
+        k_buf = self._dense.k[layer_idx][:B, :, :S].transpose(1, 2)
+        v_buf = self._dense.v[layer_idx][:B, :, :S].transpose(1, 2)
+        if self._refill is not None:
+            k, v = self._storage.gather(layer_idx, self._refill_slots, len(self._refill))
+            k_buf[self._refill] = k
+            v_buf[self._refill] = v
         return k_buf, v_buf
 
 
@@ -206,9 +212,9 @@ class KVCache:
         row) reads the contexts from dense buffers kept across steps instead of
         re-gathering them from the pages (see DecodeBuffers)."""
         if task_ids is not None and all(n == 1 for n in n_new):
-            rebuild = self._dense.plan(task_ids, start)
-            if rebuild is not None:
-                return KvcacheView(self._storage, page_table, start, n_new, self._dense, rebuild)
+            refill = self._dense.plan(task_ids, start)
+            if refill is not None:
+                return KvcacheView(self._storage, page_table, start, n_new, self._dense, refill)
         return KvcacheView(self._storage, page_table, start, n_new)
 
     def clear_prefix(self) -> None:
