@@ -43,7 +43,14 @@ def test_all_ignored_gives_nan_like_cross_entropy():
     assert torch.isnan(reference(hidden, weight, targets)) and torch.isnan(lce.linear_cross_entropy(hidden, weight, targets))
 
 
-def test_bf16_autocast_stays_close_to_fp32():
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_autocast_stays_close_to_fp32(monkeypatch, amx):
+    """Without AMX the projection stays fp32 under CPU bf16 autocast (then it is exact);
+    with AMX it runs in bf16 like any autocast linear."""
+    monkeypatch.setattr(lce, "cpu_has_amx", lambda: amx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lce.projection_dtype("cpu", torch.float32) == (torch.bfloat16 if amx else torch.float32)
+    assert lce.projection_dtype("cpu", torch.float32) == torch.float32
     torch.manual_seed(1)
     hidden = torch.randn(64, 32, requires_grad=True)
     weight = (torch.randn(40, 32) * 0.3).requires_grad_()
@@ -54,9 +61,10 @@ def test_bf16_autocast_stays_close_to_fp32():
         got = lce.linear_cross_entropy(hidden, weight, targets)
     got_h, got_w = torch.autograd.grad(got, (hidden, weight))
     assert got.dtype == torch.float32 and got_w.dtype == torch.float32
-    assert got.item() == pytest.approx(want.item(), rel=2e-2)
-    torch.testing.assert_close(got_h, want_h, rtol=0.1, atol=2e-3)
-    torch.testing.assert_close(got_w, want_w, rtol=0.1, atol=2e-3)
+    tolerance = dict(rtol=0.1, atol=2e-3) if amx else dict(rtol=1e-5, atol=1e-7)
+    assert got.item() == pytest.approx(want.item(), rel=2e-2 if amx else 1e-6)
+    torch.testing.assert_close(got_h, want_h, **tolerance)
+    torch.testing.assert_close(got_w, want_w, **tolerance)
 
 
 @pytest.mark.parametrize("train_type", ["seq", "sft"])
