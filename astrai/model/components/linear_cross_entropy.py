@@ -41,19 +41,25 @@ class LinearCrossEntropy(torch.autograd.Function):
             h = h_all[start:start + rows]
             target = safe_targets[start:start + rows, None]
             logits = (h @ w.t()).float()
-            lse = logits.logsumexp(dim=-1, keepdim=True)
-            loss = lse - logits.gather(1, target)
+            target_logit = logits.gather(1, target)
+            mean_logit = logits.mean(dim=-1, keepdim=True) if label_smoothing else None
+            row_max = logits.amax(dim=-1, keepdim=True)
+            exp = logits.sub_(row_max).exp_()  # in place: the logits are not needed any more
+            exp_sum = exp.sum(dim=-1, keepdim=True)
+            lse = row_max + exp_sum.log()
+            loss = lse - target_logit
             if label_smoothing:
-                loss = (1 - label_smoothing) * loss + label_smoothing * (lse - logits.mean(dim=-1, keepdim=True))
+                loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean_logit)
             scale = row_weight[start:start + rows, None]
             total += (loss * scale).sum()
             if not (need_hidden or need_weight):
                 continue
-            grad = logits.sub_(lse).exp_()  # softmax, in place of the logits
-            grad.scatter_add_(1, target, torch.full_like(target, -(1 - label_smoothing), dtype=grad.dtype))
+            # (softmax − target distribution) × this row's weight, in place of the exponentials
+            grad = exp.mul_(scale / exp_sum)
+            grad.scatter_add_(1, target, -(1 - label_smoothing) * scale)
             if label_smoothing:
-                grad.sub_(label_smoothing / vocab)
-            grad = grad.mul_(scale).to(compute_dtype)
+                grad.sub_(label_smoothing / vocab * scale)
+            grad = grad.to(compute_dtype)
             if need_hidden:
                 grad_hidden[start:start + rows] = grad @ w
             if need_weight:
