@@ -12,6 +12,7 @@ from torch import nn
 from astrai.config import ModelConfig
 from astrai.model.automodel import AutoModel
 from astrai.model.components import DecoderBlock, DeepSeekMoE, Embedding, Linear, RMSNorm, RotaryEmbedding
+from astrai.model.components.layers import rotary_tables
 from astrai.model.components.attention import AttnFactory
 from astrai.model.components.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 
@@ -98,7 +99,10 @@ class Transformer(AutoModel):
         x = self.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
-        rotary_emb = self.rotary_embedding(x, position_ids)
+        cos, sin = self.rotary_embedding(x, position_ids)
+        device_type = x.device.type
+        rotary_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        rotary_emb = rotary_tables(cos, sin, rotary_dtype)
         attn_mask = None if paged_cache is not None else build_attention_mask(input_mask, T, input_ids.device)
         for layer in self.layers:
             x = layer(x, rotary_emb, attn_mask, paged_cache)

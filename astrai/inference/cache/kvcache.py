@@ -67,12 +67,19 @@ class KvcacheView:
         else:
             self.attn_mask = (s_idx.view(1, 1, S) <= self.position_ids.unsqueeze(2)).unsqueeze(1)
         if dense is not None:
-            self._rows = torch.arange(B, device=device)
-            self._cols = start_t
+            # where each row's new token goes in the buffers viewed as [rows * heads * capacity, width]
+            rows_cols = torch.arange(B, device=device).unsqueeze(1), start_t.unsqueeze(1)
+            self._k_slots = self._buffer_slots(*rows_cols, storage.k_heads, dense.capacity)
+            self._v_slots = self._buffer_slots(*rows_cols, storage.v_heads, dense.capacity)
             # rows whose contexts come from the pages this step (newcomers to the decode batch)
             self._refill = torch.tensor(list(refill), dtype=torch.long, device=device) if refill else None
             if refill:
                 self._refill_slots = self._gather_slots.view(B, S).index_select(0, self._refill).reshape(-1)
+
+    @staticmethod
+    def _buffer_slots(rows: torch.Tensor, cols: torch.Tensor, heads: int, capacity: int) -> torch.Tensor:
+        head = torch.arange(heads, device=rows.device).unsqueeze(0)
+        return ((rows * heads + head) * capacity + cols).reshape(-1)
 
     @property
     def total_len(self) -> int:
@@ -82,8 +89,8 @@ class KvcacheView:
         self._storage.write(layer_idx, self._write_slots, k, v)
         if self._dense is not None:
             k_buf, v_buf = self._dense.k[layer_idx], self._dense.v[layer_idx]
-            k_buf[self._rows, :, self._cols] = k[:, 0].to(k_buf.dtype)
-            v_buf[self._rows, :, self._cols] = v[:, 0].to(v_buf.dtype)
+            k_buf.view(-1, k_buf.shape[-1]).index_copy_(0, self._k_slots, k.reshape(-1, k_buf.shape[-1]).to(k_buf.dtype))
+            v_buf.view(-1, v_buf.shape[-1]).index_copy_(0, self._v_slots, v.reshape(-1, v_buf.shape[-1]).to(v_buf.dtype))
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._dense is None:

@@ -68,20 +68,27 @@ class Embedding(nn.Embedding):
     """Token embedding table (kept as its own name so init and weight tying can find it)."""
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RotaryEmbedding``'s (cos, sin) [B, T, D] in the form ``apply_rotary`` takes, made once
+    per forward: [B, T, 1, D] in the activations' dtype, with the sign of the half
+    rotation [x1, x2] → [−x2, x1] folded into sin's first half, so each application is a
+    flip and two products instead of a negation, a concatenation and casts (it runs
+    twice per layer)."""
+    half = sin.shape[-1] // 2
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, T, H, D] by per-position angles ``cos``/``sin`` [B, T, D].
+    """Rotate ``x`` [B, T, H, D] by the tables of ``rotary_tables``: x·cos + [−x2, x1]·sin.
 
     The half-split layout (first half real, second half imaginary) is the one the
     Llama/Qwen checkpoints use, so imported weights need no permutation.
     """
-    cos = cos.unsqueeze(2).to(x.dtype)
-    sin = sin.unsqueeze(2).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]; the signs live in sin
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
