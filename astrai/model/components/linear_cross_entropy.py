@@ -34,7 +34,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(compute_dtype)
         h_all = hidden.to(compute_dtype)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        allocate = torch.empty if n else torch.zeros  # no rows: no chunk writes the weight gradient
+        grad_weight = allocate(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         rows = CHUNK_ROWS
         for start in range(0, n, rows):
@@ -62,9 +63,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad = grad.to(compute_dtype)
             if need_hidden:
                 grad_hidden[start:start + rows] = grad @ w
-            if need_weight:
+            if need_weight:  # the first chunk writes the (uninitialised) gradient, the rest add to it
                 if compute_dtype == torch.float32:
-                    grad_weight.addmm_(grad.t(), h)
+                    torch.addmm(grad_weight, grad.t(), h, beta=0 if start == 0 else 1, out=grad_weight)
+                elif start == 0:
+                    grad_weight.copy_(grad.t() @ h)
                 else:
                     grad_weight.add_(grad.t() @ h)
         ctx.save_for_backward(grad_hidden, grad_weight)
