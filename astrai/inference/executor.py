@@ -56,8 +56,15 @@ class Executor:
         return tokens
 
     def execute_decode(self, tasks: Sequence[Task]) -> list[Sampled]:
-        logits = self.forward(tasks, [1] * len(tasks))
-        return self.sample(tasks, logits)
+        """One token for each task; rows ordered as the cache's decode buffers hold them, so a
+        changed batch costs a few row copies instead of a re-gather. Results are in ``tasks`` order."""
+        order = self.page_cache.decode_order([t.task_id for t in tasks], [t.num_computed for t in tasks])
+        ordered = [tasks[i] for i in order]
+        sampled = self.sample(ordered, self.forward(ordered, [1] * len(ordered)))
+        results: list[Sampled] = [None] * len(tasks)  # type: ignore[list-item]
+        for i, token in zip(order, sampled):
+            results[i] = token
+        return results
 
     @torch.inference_mode()
     def sample(self, tasks: Sequence[Task], logits: torch.Tensor) -> list[Sampled]:

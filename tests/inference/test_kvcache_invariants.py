@@ -173,3 +173,39 @@ def test_decode_buffers_match_paged_gather_and_avoid_copies(monkeypatch, growth)
         return
     assert pointers[0] == pointers[1] == pointers[2] == pointers[3] == pointers[4]
     assert pointers[4] != pointers[5] == pointers[6]
+
+
+def test_decode_order_keeps_rows_in_place_when_a_task_leaves(monkeypatch):
+    """With the preferred order a finished task's row is taken by the last row's task (one row
+    copied in place): no gather from the pages, no move of the whole batch, same contents."""
+    torch.manual_seed(1)
+    cache = KVCache(n_layers=1, cache_shapes=((2, 3), (2, 3)), num_pages=32, page_size=4)
+    lens = {"a": 3, "b": 6, "c": 2, "d": 5}
+    for tid, n in lens.items():
+        assert cache.task_alloc(tid, list(range(n)))
+        cache.bind(cache.make_table_tensor([tid]), [0], [n]).write(0, torch.randn(1, n, 2, 3), torch.randn(1, n, 2, 3))
+    full_moves = []
+    monkeypatch.setattr(decode_buffers.DecodeBuffers, "_move_rows", lambda self, rows: full_moves.append(rows))
+
+    def step(ids):
+        order = cache.decode_order(ids, [lens[t] for t in ids])
+        ordered = [ids[i] for i in order]
+        for tid in ordered:
+            assert cache.task_extend(tid, lens[tid] + 1)
+        table = cache.make_table_tensor(ordered)
+        starts = [lens[t] for t in ordered]
+        fast = cache.bind(table, starts, [1] * len(ordered), task_ids=ordered)
+        plain = cache.bind(table, starts, [1] * len(ordered))
+        k = torch.randn(len(ordered), 1, 2, 3)
+        fast.write(0, k, k)
+        got, want = fast.gather(0)[0], plain.gather(0)[0]
+        for row, tid in enumerate(ordered):
+            assert torch.equal(got[row, :lens[tid] + 1], want[row, :lens[tid] + 1])
+            lens[tid] += 1
+        return ordered, got.data_ptr()
+
+    step(["a", "b", "c", "d"])
+    _, pointer = step(["a", "b", "c", "d"])
+    ordered, after = step(["a", "c", "d"])  # b finished: d (last row) takes its row
+    assert ordered == ["a", "d", "c"]
+    assert after == pointer and full_moves == []

@@ -10,9 +10,12 @@ without a copy); each step appends the new token to them (besides the page store
 which stays the source of truth), and ``gather`` returns a slice of the buffer.
 
 When the batch changes - tasks finish, join after their prefill, or are preempted -
-the rows of the tasks that stay are moved into their new order with one copy into a
-second set of buffers (the two sets swap), and only the newcomers' contexts are
-gathered from the pages. Only growth past the capacity refills everything.
+the executor puts the step's tasks in ``preferred_order``: tasks keep their rows, a
+hole left by a finished task takes the task from the last row (one row copied), and
+newcomers take the remaining rows, their contexts gathered from the pages. Any other
+order still works: the rows that stay are then moved into it with one copy into a
+second set of buffers (the two sets swap). Growth past the capacity or the row count
+copies the held rows into bigger buffers.
 """
 
 from __future__ import annotations
@@ -59,32 +62,63 @@ class DecodeBuffers:
         source = [old_rows.get(tid, -1) for tid in ids]
         kept = {i for i, (row, s) in enumerate(zip(source, start)) if row >= 0 and self.lens[row] == s}
         refill = [i for i in range(len(ids)) if i not in kept]
-        if any(source[i] != i for i in kept):
+        moves = [(i, source[i]) for i in sorted(kept) if source[i] != i]
+        if moves and all(src >= len(ids) for _, src in moves):
+            self._copy_rows(moves)  # rows from past the batch's end into its holes: no overlap
+        elif moves:
             self._move_rows([source[i] if i in kept else 0 for i in range(len(ids))])
         self.task_ids, self.lens, self.valid = ids, [s + 1 for s in start], True
         return refill
 
+    def preferred_order(self, task_ids: Sequence[str], start: Sequence[int]) -> list[int]:
+        """An order of this step's tasks (indices into ``task_ids``) that leaves the rows already
+        in the buffers where they are: tasks whose row is inside the new batch keep it, and the
+        holes left by tasks that ended are filled first by tasks from rows past the new batch's
+        end (one row copied each), then by newcomers (gathered from the pages)."""
+        n = len(task_ids)
+        old_rows = {tid: row for row, tid in enumerate(self.task_ids)} if self.valid else {}
+        row_of = [old_rows.get(tid, -1) if old_rows.get(tid, -1) >= 0 and self.lens[old_rows[tid]] == s else -1
+                  for tid, s in zip(task_ids, start)]
+        order: list[Optional[int]] = [None] * n
+        for i, row in enumerate(row_of):
+            if 0 <= row < n:
+                order[row] = i
+        movers = [i for i, row in enumerate(row_of) if row >= n] + [i for i, row in enumerate(row_of) if row < 0]
+        holes = [slot for slot in range(n) if order[slot] is None]
+        for slot, i in zip(holes, movers):
+            order[slot] = i
+        return order
+
     def _allocate(self, rows: int, capacity: int) -> None:
         """Bigger buffers; the rows already held are copied over, so growing reads nothing from the pages."""
-        st = self._storage
         old_k, old_v = (self.k, self.v) if self.valid else ([], [])
         self.k = self.v = []
-        self._spare = ([], [])  # release the spare set before allocating bigger ones
-
-        def make() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            # zeros, not empty: masked positions are still multiplied, so they must be finite
-            return ([st.k_cache.new_zeros(rows, st.k_heads, capacity, st.k_width) for _ in range(st.n_layers)],
-                    [st.v_cache.new_zeros(rows, st.v_heads, capacity, st.v_width) for _ in range(st.n_layers)])
-        self.k, self.v = make()
+        self._spare = ([], [])  # released; made again when a reorder first needs it
+        self.rows, self.capacity = rows, capacity
+        self.k, self.v = self._new_set()
         for new, old in zip(self.k + self.v, old_k + old_v):
             new[:old.shape[0], :, :old.shape[2]].copy_(old)
-        self._spare = make()
-        self.rows, self.capacity = rows, capacity
+
+    def _new_set(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        st = self._storage
+        # zeros, not empty: masked positions are still multiplied, so they must be finite
+        return ([st.k_cache.new_zeros(self.rows, st.k_heads, self.capacity, st.k_width) for _ in range(st.n_layers)],
+                [st.v_cache.new_zeros(self.rows, st.v_heads, self.capacity, st.v_width) for _ in range(st.n_layers)])
+
+    def _copy_rows(self, moves: list[tuple[int, int]]) -> None:
+        """Copy row ``src`` to row ``dst`` for each (dst, src), in place."""
+        device = self._storage.device
+        dst = torch.tensor([d for d, _ in moves], device=device)
+        src = torch.tensor([s for _, s in moves], device=device)
+        for buf in self.k + self.v:
+            buf.index_copy_(0, dst, buf.index_select(0, src))
 
     def _move_rows(self, source_rows: list[int]) -> None:
         """New row i takes old row ``source_rows[i]``: one copy per layer into the spare set, then swap."""
         index = torch.tensor(source_rows, device=self._storage.device)
         n = len(source_rows)
+        if not self._spare[0]:
+            self._spare = self._new_set()
         spare_k, spare_v = self._spare
         for layer in range(self._storage.n_layers):
             torch.index_select(self.k[layer], 0, index, out=spare_k[layer][:n])

@@ -224,6 +224,11 @@ class KVCache:
                 return KvcacheView(self._storage, page_table, start, n_new, self._dense, refill)
         return KvcacheView(self._storage, page_table, start, n_new)
 
+    def decode_order(self, task_ids: Sequence[str], start: Sequence[int]) -> list[int]:
+        """The order of a decode step's tasks that keeps the decode buffers' rows in place
+        (indices into ``task_ids``; see DecodeBuffers.preferred_order)."""
+        return self._dense.preferred_order(task_ids, start)
+
     def clear_prefix(self) -> None:
         self._pool.clear_prefix()
 
