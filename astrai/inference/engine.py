@@ -29,7 +29,7 @@ Prompt = Union[str, list[int], list[dict]]
 class InferenceEngine:
     def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
-                 prefill_chunk_size: int = 256, max_queue: int = 256, prefix_cache: bool = True,
+                 prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
                  default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None):
         tune_allocator()  # see astrai/runtime.py: prefill activations are re-allocated every step
         model.eval()

@@ -53,7 +53,7 @@ def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len:
 class InferenceScheduler:
     def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
-                 prefill_chunk_size: int = 256, max_queue: int = 256, prefix_cache: bool = True,
+                 prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
                  stop_ids: Optional[Iterable[int]] = None):
         for name, value in (("max_batch_size", max_batch_size), ("page_size", page_size),
                             ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue)):
