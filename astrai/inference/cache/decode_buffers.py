@@ -58,9 +58,8 @@ class DecodeBuffers:
                 self.valid, self.task_ids = False, ()
                 return None
             self._allocate(rows, capacity)
-        old_rows = {tid: row for row, tid in enumerate(self.task_ids)} if self.valid else {}
-        source = [old_rows.get(tid, -1) for tid in ids]
-        kept = {i for i, (row, s) in enumerate(zip(source, start)) if row >= 0 and self.lens[row] == s}
+        source = self._held_rows(ids, start)
+        kept = {i for i, row in enumerate(source) if row >= 0}
         refill = [i for i in range(len(ids)) if i not in kept]
         moves = [(i, source[i]) for i in sorted(kept) if source[i] != i]
         if moves and all(src >= len(ids) for _, src in moves):
@@ -76,9 +75,7 @@ class DecodeBuffers:
         holes left by tasks that ended are filled first by tasks from rows past the new batch's
         end (one row copied each), then by newcomers (gathered from the pages)."""
         n = len(task_ids)
-        old_rows = {tid: row for row, tid in enumerate(self.task_ids)} if self.valid else {}
-        row_of = [old_rows.get(tid, -1) if old_rows.get(tid, -1) >= 0 and self.lens[old_rows[tid]] == s else -1
-                  for tid, s in zip(task_ids, start)]
+        row_of = self._held_rows(task_ids, start)
         order: list[Optional[int]] = [None] * n
         for i, row in enumerate(row_of):
             if 0 <= row < n:
@@ -88,6 +85,17 @@ class DecodeBuffers:
         for slot, i in zip(holes, movers):
             order[slot] = i
         return order
+
+    def _held_rows(self, task_ids: Sequence[str], start: Sequence[int]) -> list[int]:
+        """The buffer row holding each task's context up to ``start``, or -1 (not held, or stale)."""
+        if not self.valid:
+            return [-1] * len(task_ids)
+        rows = {tid: row for row, tid in enumerate(self.task_ids)}
+        held = []
+        for tid, s in zip(task_ids, start):
+            row = rows.get(tid, -1)
+            held.append(row if row >= 0 and self.lens[row] == s else -1)
+        return held
 
     def _allocate(self, rows: int, capacity: int) -> None:
         """Bigger buffers; the rows already held are copied over, so growing reads nothing from the pages."""
