@@ -68,8 +68,19 @@ def test_prefix_sharing_gives_identical_output(kind):
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_shared_prefix_waits_for_cache(gqa_model):
-    """Requests sharing a prefix that arrive together compute it once and still match."""
+def test_concurrent_shared_prefix_waits_for_cache(gqa_model, monkeypatch):
+    """Requests sharing a prefix that arrive together compute it once and still match; their
+    suffixes are prefilled together, reading the shared pages once (cascade attention)."""
+    from astrai.model.components import attention
+
+    split_rows = []
+    real_split = attention._attend_shared_prefix
+
+    def spy(q, shared, suffix, suffix_mask):
+        split_rows.append((q.shape[0], shared[0].shape[0]))
+        return real_split(q, shared, suffix, suffix_mask)
+
+    monkeypatch.setattr(attention, "_attend_shared_prefix", spy)
     system = _prompts(5, [32])[0]
     prompts = [system + [i, i + 1] for i in range(6)]
     expected = [greedy_reference(gqa_model, p, 5) for p in prompts]
@@ -79,3 +90,4 @@ def test_concurrent_shared_prefix_waits_for_cache(gqa_model):
         hit = engine.get_stats()["prefix_hit_rate"]
     assert got == expected
     assert hit > 0.6
+    assert any(rows > 1 and shared >= 28 for rows, shared in split_rows), split_rows

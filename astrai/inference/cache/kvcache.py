@@ -66,6 +66,22 @@ class KvcacheView:
             self.attn_mask: Optional[torch.Tensor] = None
         else:
             self.attn_mask = (s_idx.view(1, 1, S) <= self.position_ids.unsqueeze(2)).unsqueeze(1)
+        self.shared_len = self._shared_prefix_len(page_table, start) if B > 1 and self.attn_mask is not None else 0
+        if self.shared_len:
+            P = self.shared_len
+            self._shared_slots = slots[0, :P]
+            self._suffix_slots = self._gather_slots.view(B, S)[:, P:].reshape(-1)
+            self.suffix_mask = self.attn_mask[..., P:]
+
+    def _shared_prefix_len(self, page_table: torch.Tensor, start: Sequence[int]) -> int:
+        """Tokens at the start of every row's context held in the very same pages (a prefix
+        shared through the prefix cache) and computed before this step, in whole pages."""
+        ps = self._storage.page_size
+        width = min(start) // ps
+        if width == 0:
+            return 0
+        same = (page_table[:, :width] == page_table[:1, :width]).all(0)
+        return int(same.int().cumprod(0).sum()) * ps
 
     @classmethod
     def for_decode(cls, storage: Storage, page_table: torch.Tensor, pages: Sequence[Sequence[int]],
@@ -82,6 +98,7 @@ class KvcacheView:
         device, ps = storage.device, storage.page_size
         B, S = len(start), max(start) + 1
         view._batch, view._total_len = B, S
+        view.shared_len = 0  # the buffers already hold each row's context; nothing to split
         sink = storage.sink_page
         view._write_slots = torch.tensor(
             [(p[s // ps] if s // ps < len(p) else sink) * ps + s % ps for p, s in zip(pages, start)], device=device)
@@ -105,6 +122,11 @@ class KvcacheView:
             view._refill_slots = torch.where(s_idx < lens.unsqueeze(1), slots, sink * ps).reshape(-1)
         return view
 
+    def gather_shared(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefix's K/V once for all rows, [shared_len, heads, width] each."""
+        k, v = self._storage.gather(layer_idx, self._shared_slots, 1)
+        return k[0], v[0]
+
     @property
     def total_len(self) -> int:
         return self._total_len
@@ -116,7 +138,11 @@ class KvcacheView:
             k_buf.view(-1, k_buf.shape[-1]).index_copy_(0, self._k_slots, k.reshape(-1, k_buf.shape[-1]).to(k_buf.dtype))
             v_buf.view(-1, v_buf.shape[-1]).index_copy_(0, self._v_slots, v.reshape(-1, v_buf.shape[-1]).to(v_buf.dtype))
 
-    def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer_idx: int, split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's context K/V [B, S, heads, width]; with ``split`` (and ``shared_len`` > 0)
+        only the part after the shared prefix, to be masked with ``suffix_mask``."""
+        if split and self.shared_len:
+            return self._storage.gather(layer_idx, self._suffix_slots, self._batch)
         if self._dense is None:
             return self._storage.gather(layer_idx, self._gather_slots, self._batch)
         B, S = self._batch, self._total_len

@@ -1,0 +1,55 @@
+"""The inference-only attention paths equal plain masked attention over the whole context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.model.components.attention import _attend, _attend_one_query, _attend_shared_prefix
+
+
+def _reference(q, k, v, mask):
+    """Masked softmax attention written out, K/V heads repeated for grouped queries."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
+def test_shared_prefix_split_equals_attention_over_the_whole_context(heads, kv_heads):
+    torch.manual_seed(0)
+    B, T, P, S, D = 3, 5, 8, 7, 16
+    q = torch.randn(B, T, heads, D)
+    k_shared, v_shared = torch.randn(P, kv_heads, D), torch.randn(P, kv_heads, D)
+    k, v = torch.randn(B, S, kv_heads, D), torch.randn(B, S, kv_heads, D)
+    # rows with 5, 3 and 1 real new tokens, padding queries repeat the last real position,
+    # keys past each row's end are padding: the mask of a real cache view
+    n_new = [5, 3, 1]
+    start = [P + 2, P + 4, P + 6]
+    positions = torch.tensor([[s + min(t, n - 1) for t in range(T)] for s, n in zip(start, n_new)])
+    key_pos = torch.arange(P, P + S)
+    suffix_mask = (key_pos.view(1, 1, S) <= positions.unsqueeze(2)).unsqueeze(1)  # [B, 1, T, S]
+    full_k = torch.cat((k_shared.expand(B, P, kv_heads, D), k), dim=1)
+    full_v = torch.cat((v_shared.expand(B, P, kv_heads, D), v), dim=1)
+    full_mask = torch.cat((torch.ones(B, 1, T, P, dtype=torch.bool), suffix_mask), dim=-1)
+    got = _attend_shared_prefix(q, (k_shared, v_shared), (k, v), suffix_mask)
+    torch.testing.assert_close(got, _reference(q, full_k, full_v, full_mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _attend(q, full_k, full_v, full_mask), rtol=1e-5, atol=1e-5)
+
+
+def test_one_query_path_reads_heads_first_buffers_like_sdpa():
+    torch.manual_seed(1)
+    B, H, Hkv, S, D, capacity = 3, 4, 2, 9, 8, 16
+    q = torch.randn(B, 1, H, D)
+    k_buf, v_buf = torch.randn(B, Hkv, capacity, D), torch.randn(B, Hkv, capacity, D)
+    k, v = k_buf[:, :, :S].transpose(1, 2), v_buf[:, :, :S].transpose(1, 2)  # [B, S, Hkv, D] views
+    lengths = torch.tensor([9, 4, 6])
+    mask = (torch.arange(S).view(1, 1, 1, S) < lengths.view(B, 1, 1, 1))
+    got = _attend_one_query(q, k, v, mask, None)
+    torch.testing.assert_close(got, _reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
