@@ -1,0 +1,43 @@
+"""Column-major linear weights for decoding on CPU.
+
+A decode step multiplies one row per task by every weight matrix, so its speed is how
+fast the matrix-vector products stream the weights from memory. With the usual
+``nn.Linear`` layout ([out, in], row-major) the CPU BLAS does ``x @ W.T`` through its
+general path and reached only about half the memory bandwidth here: 21 MB of `tiny`
+weights took 1.8-2.2 ms per token against 0.9-1.0 ms when the same matrices are stored
+[in, out] (column-major [out, in]), 15 against 9.8 ms for `small`, 36 against 27 ms for
+a 125M model. Products with many rows (prefill, training) run at the same speed in
+either layout (measured within 1-3% for 512 rows), and an embedding lookup from a
+column-major tied table costs 0.3-2 ms for 512 tokens.
+
+The re-layout happens in place: the parameters keep their identity, shape and values
+(``load_state_dict`` copies into them, keeping the layout), and no memory is added
+beyond one matrix's copy at a time. Saving still works: safetensors are written from
+contiguous copies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def use_column_major_linears(model: nn.Module) -> int:
+    """Store every CPU ``nn.Linear`` weight of ``model`` column-major; returns how many changed.
+
+    A weight shared by several modules (a tied embedding and LM head) is changed once.
+    GPU weights are left alone: the change was only measured on CPU.
+    """
+    changed = 0
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            weight = module.weight
+            if id(weight) in seen or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
+                continue
+            seen.add(id(weight))
+            weight.data = weight.data.t().contiguous().t()
+            changed += 1
+    return changed
