@@ -43,13 +43,13 @@ def test_all_ignored_gives_nan_like_cross_entropy():
     assert torch.isnan(reference(hidden, weight, targets)) and torch.isnan(lce.linear_cross_entropy(hidden, weight, targets))
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_bf16_autocast_stays_close_to_fp32(monkeypatch, amx):
-    """Without AMX the projection stays fp32 under CPU bf16 autocast (then it is exact);
-    with AMX it runs in bf16 like any autocast linear."""
-    monkeypatch.setattr(lce, "cpu_has_amx", lambda: amx)
+@pytest.mark.parametrize("bf16_pays", [False, True])
+def test_bf16_autocast_stays_close_to_fp32(monkeypatch, bf16_pays):
+    """Where bf16 matmuls are no faster the projection stays fp32 under CPU bf16 autocast
+    (then it is exact); where they are, it runs in bf16 like any autocast linear."""
+    monkeypatch.setattr(lce, "cpu_bf16_matmul_pays", lambda: bf16_pays)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert lce.projection_dtype("cpu", torch.float32) == (torch.bfloat16 if amx else torch.float32)
+        assert lce.projection_dtype("cpu", torch.float32) == (torch.bfloat16 if bf16_pays else torch.float32)
     assert lce.projection_dtype("cpu", torch.float32) == torch.float32
     torch.manual_seed(1)
     hidden = torch.randn(64, 32, requires_grad=True)
@@ -61,8 +61,8 @@ def test_bf16_autocast_stays_close_to_fp32(monkeypatch, amx):
         got = lce.linear_cross_entropy(hidden, weight, targets)
     got_h, got_w = torch.autograd.grad(got, (hidden, weight))
     assert got.dtype == torch.float32 and got_w.dtype == torch.float32
-    tolerance = dict(rtol=0.1, atol=2e-3) if amx else dict(rtol=1e-5, atol=1e-7)
-    assert got.item() == pytest.approx(want.item(), rel=2e-2 if amx else 1e-6)
+    tolerance = dict(rtol=0.1, atol=2e-3) if bf16_pays else dict(rtol=1e-5, atol=1e-7)
+    assert got.item() == pytest.approx(want.item(), rel=2e-2 if bf16_pays else 1e-6)
     torch.testing.assert_close(got_h, want_h, **tolerance)
     torch.testing.assert_close(got_w, want_w, **tolerance)
 
@@ -85,3 +85,15 @@ def test_strategy_loss_through_the_model_matches_logits(train_type):
     assert fused.item() == pytest.approx(plain.item(), rel=1e-5)
     for a, b in zip(fused_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("bf16_s, fp32_s, amx, expected", [
+    (1.0, 2.0, False, True),  # bf16 twice as fast (this project's AMD VMs)
+    (2.0, 1.2, False, False),  # bf16 slower (its Xeon VMs without AMX)
+    (1.0, 1.1, False, False),  # within the 1.25x margin: not worth the precision
+    (2.0, 1.0, True, True),  # AMX tiles: bf16 without asking
+])
+def test_bf16_projection_is_chosen_by_measuring_this_cpu(monkeypatch, bf16_s, fp32_s, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(lce, "_best_matmul_seconds", lambda a, b: bf16_s if a.dtype == torch.bfloat16 else fp32_s)
+    assert lce.cpu_bf16_matmul_pays.__wrapped__() is expected
