@@ -47,8 +47,8 @@ def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind,
     expected = greedy_reference(model, prompt, 10)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # decode steps take the split products, as with 2 threads
     splits = []
-    real_split = layers._split_inner_product
-    monkeypatch.setattr(layers, "_split_inner_product", lambda *a: splits.append(1) or real_split(*a))
+    real_split = layers._split_product
+    monkeypatch.setattr(layers, "_split_product", lambda *a: splits.append(1) or real_split(*a))
     fresh = {k: v.clone() for k, v in make_model(kind, seed=1).state_dict().items()}
     with InferenceEngine(model, None, max_batch_size=2, page_size=4, num_pages=32) as engine:
         assert _column_major(model.lm_head.weight) and _column_major(model.layers[0].attention.q_proj.weight)
@@ -63,29 +63,29 @@ def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind,
         assert torch.equal(p, model.state_dict()[name]), name
 
 
-def test_few_row_products_of_column_major_weights_split_the_inner_dimension(monkeypatch):
+def test_few_row_products_of_column_major_weights_are_split_in_two(monkeypatch):
     from astrai.model.components import layers
     from astrai.model.components.layers import Linear
 
     torch.manual_seed(0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the split only pays with a second thread
     calls = []
-    real_split = layers._split_inner_product
-    monkeypatch.setattr(layers, "_split_inner_product", lambda *a: calls.append(a[0].shape) or real_split(*a))
+    real_split = layers._split_product
+    monkeypatch.setattr(layers, "_split_product", lambda *a: calls.append(a[0].shape) or real_split(*a))
     for bias in (False, True):
         linear = Linear(64, 48, bias=bias)
         if bias:
             nn.init.normal_(linear.bias)
         use_column_major_linears(linear)
-        for shape in ((1, 1, 64), (2, 1, 64), (4, 64), (1, 3, 64)):
+        for shape in ((1, 1, 64), (2, 1, 64), (4, 64), (1, 3, 64), (9, 1, 64), (1, 40, 64), (64, 64)):
             x = torch.randn(shape)
             with torch.no_grad():
                 got = linear(x)
             assert got.shape == (*shape[:-1], 48)
             assert torch.allclose(got, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5)
-    assert len(calls) == 8  # every one of them took the split path
+    assert len(calls) == 14  # every one of them took the split path (inner halves up to 8 rows, outputs beyond)
     calls.clear()
-    x = torch.randn(8, 64)  # more rows, gradients, or a row-major weight: the plain product
+    x = torch.randn(65, 64)  # more rows, gradients, or a row-major weight: the plain product
     with torch.no_grad():
         linear(x)
         Linear(64, 48)(torch.randn(1, 64))
