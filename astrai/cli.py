@@ -37,13 +37,45 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def known_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of ``parser`` and of its sub-commands, however deep."""
+    found: set[str] = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= known_options(sub)
+    return found
+
+
+def either_spelling(argv: list[str], known: set[str]) -> list[str]:
+    """Accept ``--max_tokens`` for ``--max-tokens`` and ``--batch-per-device`` for
+    ``--batch_per_device``: the training verbs spell their flags with underscores, as the
+    spec's training CLI does, the serving verbs with dashes, and nobody should have to
+    remember which is which. Only a spelling that is not itself an option is rewritten,
+    and only to an option that exists; anything after ``--`` is left alone."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        name, eq, value = arg.partition("=")
+        if name.startswith("--") and name not in known:
+            body = name[2:]
+            for other in ("--" + body.replace("_", "-"), "--" + body.replace("-", "_")):
+                if other in known:
+                    arg = other + eq + value
+                    break
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb is not None and verb not in VERBS:
         verb = None
     parser = build_parser(verb)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(either_spelling(argv, known_options(parser)))
     if args.verb is None:
         parser.print_help()
         return 0 if not argv else 2
