@@ -40,20 +40,28 @@ def test_relayout_keeps_parameters_values_and_ties():
 
 @pytest.mark.parametrize("kind", ["tiny", "tiny-mla", "tiny-moe"])
 def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind, tmp_path, monkeypatch):
+    import random
+
     from astrai.model.components import layers
 
     model = make_model(kind)
-    prompt = [7, 3, 9, 1, 4]
-    expected = greedy_reference(model, prompt, 10)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # decode steps take the split products, as with 2 threads
-    splits = []
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 20))] for _ in range(12)]
+    expected = [greedy_reference(model, p, 8) for p in prompts]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the engine takes the split products, as with 2 threads
+    split_rows = []
     real_split = layers._split_product
-    monkeypatch.setattr(layers, "_split_product", lambda *a: splits.append(1) or real_split(*a))
+    monkeypatch.setattr(layers, "_split_product",
+                        lambda x, *a: split_rows.append(x.numel() // x.shape[-1]) or real_split(x, *a))
     fresh = {k: v.clone() for k, v in make_model(kind, seed=1).state_dict().items()}
-    with InferenceEngine(model, None, max_batch_size=2, page_size=4, num_pages=32) as engine:
+    with InferenceEngine(model, None, max_batch_size=12, page_size=4, num_pages=128, prefill_chunk_size=48) as engine:
         assert _column_major(model.lm_head.weight) and _column_major(model.layers[0].attention.q_proj.weight)
-        got = engine.submit(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)).result().token_ids
-        assert got == expected and splits
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        handles = [engine.submit(p, params) for p in prompts]
+        assert [h.result(timeout=60).token_ids for h in handles] == expected
+        # both kinds of split ran: inner halves (up to 8 rows) and output halves (more rows)
+        assert any(r <= layers.SPLIT_INNER_MAX_ROWS for r in split_rows)
+        assert any(r > layers.SPLIT_INNER_MAX_ROWS for r in split_rows)
         engine.update_weights(fresh)
         assert _column_major(model.layers[0].mlp.down.weight)
         assert torch.equal(model.layers[0].mlp.down.weight, fresh["layers.0.mlp.down.weight"])
