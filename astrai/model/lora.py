@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from astrai.errors import CheckpointError, ConfigError
+from astrai.model.components.layers import Linear, linear
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -73,7 +74,7 @@ class LoRALinear(nn.Linear):
         self.adapter_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)  # the base product as astrai's Linear runs it
         if self.adapter_enabled:
             out = out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
         return out
@@ -82,11 +83,11 @@ class LoRALinear(nn.Linear):
         return (self.lora_B @ self.lora_A) * self.scaling
 
     def to_linear(self) -> nn.Linear:
-        """A plain linear layer whose weight is W + (α/r)·B A (the base weight is updated in place)."""
+        """astrai's plain ``Linear`` whose weight is W + (α/r)·B A (the base weight is updated in place)."""
         with torch.no_grad():
             self.weight.add_(self.delta_weight().to(self.weight.dtype))
         with torch.device("meta"):
-            merged = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+            merged = Linear(self.in_features, self.out_features, bias=self.bias is not None)
         merged.weight = self.weight
         merged.bias = self.bias
         return merged

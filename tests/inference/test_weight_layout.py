@@ -99,3 +99,32 @@ def test_few_row_products_of_column_major_weights_are_split_in_two(monkeypatch):
         Linear(64, 48)(torch.randn(1, 64))
     linear(torch.randn(1, 64, requires_grad=True)).sum().backward()
     assert calls == []
+
+
+def test_lora_layers_and_their_merge_take_the_split_too(monkeypatch):
+    from astrai.model.components import layers
+    from astrai.model.lora import LoraConfig, inject_lora, merge_lora
+
+    model = make_model("tiny")
+    inject_lora(model, LoraConfig(rank=4, alpha=8, targets=["q_proj", "down"]))
+    for p in model.parameters():  # a trained adapter: B is no longer zero
+        if p.requires_grad:
+            nn.init.normal_(p, std=0.05)
+    ids = torch.tensor([[5, 9, 2]])
+    with torch.no_grad():
+        want = model(ids)["logits"]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    split_rows = []
+    real_split = layers._split_product
+    monkeypatch.setattr(layers, "_split_product", lambda x, *a: split_rows.append(x.shape) or real_split(x, *a))
+    use_column_major_linears(model)
+    q_proj = model.layers[0].attention.q_proj
+    assert _column_major(q_proj.weight) and not _column_major(q_proj.lora_A)
+    with torch.no_grad():
+        assert torch.allclose(model(ids)["logits"], want, atol=1e-5)
+    assert len(split_rows) == 2 * 7 + 1  # 7 base products per layer (LoRA ones included) and the head
+    merge_lora(model)
+    split_rows.clear()
+    with torch.no_grad():
+        assert torch.allclose(model(ids)["logits"], want, atol=1e-4)
+    assert len(split_rows) == 2 * 7 + 1  # merged layers are astrai's Linear again

@@ -79,11 +79,15 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (w.stride(0) == 1 and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
-                and x.device.type == "cpu" and not torch.is_grad_enabled() and torch.get_num_threads() > 1):
-            return _split_product(x, w, self.bias)
-        return F.linear(x, w, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear``, split in two for a few rows and a column-major weight (see ``Linear``)."""
+    if (weight.stride(0) == 1 and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and torch.get_num_threads() > 1):
+        return _split_product(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
