@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from astrai.inference.cache import KVCache
-from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw
+from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw, row_argmax
 from astrai.inference.task import Task
 from astrai.inference.types import TokenLogprob
 
@@ -74,14 +74,14 @@ class Executor:
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if all(p.temperature == 0 for p in params) and not any(_has_penalty(p) for p in params):
-            ids = logits.argmax(dim=-1).tolist()
+            ids = row_argmax(logits).tolist()
         else:
             logits = logits.clone()
             for i, (t, p) in enumerate(zip(tasks, params)):
                 if _has_penalty(p):
                     apply_penalties(logits[i], t.context, t.output_ids, p.repetition_penalty,
                                     p.frequency_penalty, p.presence_penalty)
-            ids = logits.argmax(dim=-1)
+            ids = row_argmax(logits)
             sampled = [i for i, p in enumerate(params) if p.temperature > 0]
             if sampled:
                 rows = logits[sampled]

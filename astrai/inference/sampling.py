@@ -112,20 +112,41 @@ class SamplingPipeline:
         return draw(probs, generators)
 
 
+ARGMAX_BLOCK = 128
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for [B, V], the same first index of each row's maximum, in two passes.
+
+    torch's CPU argmax along a long last dimension runs far below memory speed (49 rows of
+    8,192 logits: 320 µs; of 32,000: 1.3 ms), while ``amax`` is vectorised. So the block
+    maxima come first, then the argmax over them finds each row's first block holding its
+    maximum, and a short argmax inside that block the index (49 x 8,192: 80 µs; 49 x
+    32,000: 140 µs). Small inputs, where the extra ops cost more, take ``argmax``.
+    """
+    rows, width = x.shape
+    if width % ARGMAX_BLOCK or rows * width < 4 * 8192 or not x.is_cpu:
+        return x.argmax(dim=-1)
+    blocks = x.reshape(rows, width // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    best = blocks.amax(dim=-1).argmax(dim=-1)
+    within = blocks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
+    return best * ARGMAX_BLOCK + within
+
+
 def draw(probs: torch.Tensor, generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
     """One categorical draw per row: argmax(p / E) with E ~ Exp(1) from the row's generator."""
     noise = torch.empty_like(probs)
     for i in range(probs.shape[0]):
         gen = generators[i] if generators is not None else None
         noise[i].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+    return row_argmax(probs / noise)
 
 
 def sample(logits: torch.Tensor, temperature: Param = 1.0, top_k: Param = 0, top_p: Param = 1.0,
            min_p: Param = 0.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Sample token ids [B] from logits [B, V]; temperature 0 means greedy (argmax)."""
     if isinstance(temperature, (int, float)) and temperature == 0:
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
     pipeline = SamplingPipeline.from_params(temperature, top_k, top_p, min_p)
     return pipeline.sample(logits, generators=[generator] * logits.shape[0] if generator is not None else None)
 

@@ -96,3 +96,23 @@ def test_logprobs_match_the_model(gqa_model):
         assert lp.token_id == r.token_ids[i]
         assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
         assert [t for t, _, _ in lp.top] == row.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("shape", [(1, 8192), (4, 8192), (49, 8192), (7, 32000), (3, 1000), (64, 256)])
+def test_row_argmax_is_argmax_with_the_first_index_on_ties(shape):
+    from astrai.inference.sampling import row_argmax
+
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    rows, width = shape
+    top = x.max() + 1
+    x[0, width // 3] = x[0, width - 1] = top  # a tie across blocks
+    if rows > 1:
+        x[1, 5] = x[1, 6] = top  # a tie inside a block
+    if rows > 2:
+        x[2] = 0.0  # all equal: index 0
+    if rows > 3:
+        x[3] = float("-inf")
+        x[3, width - 2] = -1e30
+    for values in (x, x.t().contiguous().t()):  # also a non-contiguous input
+        assert torch.equal(row_argmax(values), values.argmax(dim=-1))
