@@ -23,10 +23,12 @@ from torch import nn
 
 
 def use_column_major_linears(model: nn.Module) -> int:
-    """Store every CPU ``nn.Linear`` weight of ``model`` column-major; returns how many changed.
+    """Store every fp32 CPU ``nn.Linear`` weight of ``model`` column-major; returns how many changed.
 
     A weight shared by several modules (a tied embedding and LM head) is changed once.
-    GPU weights are left alone: the change was only measured on CPU.
+    Only fp32 is changed: in bf16 both layouts ran alike here, and in fp16 the column-major
+    products were 14x slower (one row of a 2816 x 768 matrix: 2.2 against 0.16 ms). GPU
+    weights are left alone: the change was only measured on CPU.
     """
     changed = 0
     seen: set[int] = set()
@@ -35,7 +37,8 @@ def use_column_major_linears(model: nn.Module) -> int:
             if not isinstance(module, nn.Linear):
                 continue
             weight = module.weight
-            if id(weight) in seen or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
+            if (id(weight) in seen or weight.device.type != "cpu" or weight.dtype != torch.float32
+                    or weight.dim() != 2 or not weight.is_contiguous()):
                 continue
             seen.add(id(weight))
             weight.data = weight.data.t().contiguous().t()
