@@ -16,6 +16,19 @@ def _column_major(weight: torch.Tensor) -> bool:
     return weight.stride() == (1, weight.shape[0])
 
 
+@pytest.fixture
+def split_rows(monkeypatch):
+    """Row counts of the products that took the two-half split, with a second thread pretended
+    (the suite runs single-threaded, where the split is skipped)."""
+    from astrai.model.components import layers
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    rows = []
+    real_split = layers._split_product
+    monkeypatch.setattr(layers, "_split_product", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real_split(x, *a))
+    return rows
+
+
 def test_relayout_keeps_parameters_values_and_ties():
     model = make_model("tiny")
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
@@ -43,7 +56,7 @@ def test_relayout_keeps_parameters_values_and_ties():
 
 
 @pytest.mark.parametrize("kind", ["tiny", "tiny-mla", "tiny-moe"])
-def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind, tmp_path, monkeypatch):
+def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind, tmp_path, split_rows):
     import random
 
     from astrai.model.components import layers
@@ -52,11 +65,6 @@ def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind,
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 20))] for _ in range(12)]
     expected = [greedy_reference(model, p, 8) for p in prompts]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the engine takes the split products, as with 2 threads
-    split_rows = []
-    real_split = layers._split_product
-    monkeypatch.setattr(layers, "_split_product",
-                        lambda x, *a: split_rows.append(x.numel() // x.shape[-1]) or real_split(x, *a))
     fresh = {k: v.clone() for k, v in make_model(kind, seed=1).state_dict().items()}
     with InferenceEngine(model, None, max_batch_size=12, page_size=4, num_pages=128, prefill_chunk_size=48) as engine:
         assert _column_major(model.lm_head.weight) and _column_major(model.layers[0].attention.q_proj.weight)
@@ -75,15 +83,10 @@ def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind,
         assert torch.equal(p, model.state_dict()[name]), name
 
 
-def test_few_row_products_of_column_major_weights_are_split_in_two(monkeypatch):
-    from astrai.model.components import layers
+def test_few_row_products_of_column_major_weights_are_split_in_two(split_rows):
     from astrai.model.components.layers import Linear
 
     torch.manual_seed(0)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the split only pays with a second thread
-    calls = []
-    real_split = layers._split_product
-    monkeypatch.setattr(layers, "_split_product", lambda *a: calls.append(a[0].shape) or real_split(*a))
     for bias in (False, True):
         linear = Linear(64, 48, bias=bias)
         if bias:
@@ -95,18 +98,17 @@ def test_few_row_products_of_column_major_weights_are_split_in_two(monkeypatch):
                 got = linear(x)
             assert got.shape == (*shape[:-1], 48)
             assert torch.allclose(got, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5)
-    assert len(calls) == 14  # every one of them took the split path (inner halves up to 8 rows, outputs beyond)
-    calls.clear()
+    assert len(split_rows) == 14  # every one of them took the split path (inner halves up to 8 rows, outputs beyond)
+    split_rows.clear()
     x = torch.randn(65, 64)  # more rows, gradients, or a row-major weight: the plain product
     with torch.no_grad():
         linear(x)
         Linear(64, 48)(torch.randn(1, 64))
     linear(torch.randn(1, 64, requires_grad=True)).sum().backward()
-    assert calls == []
+    assert split_rows == []
 
 
-def test_lora_layers_and_their_merge_take_the_split_too(monkeypatch):
-    from astrai.model.components import layers
+def test_lora_layers_and_their_merge_take_the_split_too(split_rows):
     from astrai.model.lora import LoraConfig, inject_lora, merge_lora
 
     model = make_model("tiny")
@@ -117,10 +119,6 @@ def test_lora_layers_and_their_merge_take_the_split_too(monkeypatch):
     ids = torch.tensor([[5, 9, 2]])
     with torch.no_grad():
         want = model(ids)["logits"]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    split_rows = []
-    real_split = layers._split_product
-    monkeypatch.setattr(layers, "_split_product", lambda x, *a: split_rows.append(x.shape) or real_split(x, *a))
     use_column_major_linears(model)
     q_proj = model.layers[0].attention.q_proj
     assert _column_major(q_proj.weight) and not _column_major(q_proj.lora_A)
