@@ -5,11 +5,18 @@ The usual way - logits = h @ Wᵀ for every token, then ``F.cross_entropy`` - bu
 same size: for a 32k vocabulary and 1k tokens that is 131 MB each, fresh from the
 allocator every step (page faults included) and streamed through memory several
 times. On a CPU the projection and its loss took about half of the `tiny` preset's
-training step. Here the rows are processed in chunks of 128 tokens: each
+training step. Here the rows are processed in chunks of 256 tokens: each
 chunk's logits become the loss and, at once, the gradient with respect to them
 (softmax − target distribution), which is pushed straight into the gradients of the
 hidden states and the weight. Backward then only scales those by the incoming
 gradient. The arithmetic is the same; only the memory traffic is gone.
+
+Each chunk's logits are computed transposed, ``weight @ hidden.T`` = [vocab, rows]. With
+the vocabulary as the product's long (M) side the CPU BLAS ran it 15-35% faster than
+``hidden @ weight.T`` (for 128-512 rows of width 256 against 8k words: 115-142 against
+85-108 GFLOP/s on the AMD VM), and the two gradient products then take the transposed
+chunk as it lies. The whole projection + loss + gradients of 1,024 tokens took 89
+against 105 ms (8k words, width 256) and 664 against 759 ms (32k, width 512).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import time
 import torch
 
 IGNORE_INDEX = -100
-CHUNK_ROWS = 128  # tokens per chunk: measured best for 8k and 32k vocabularies (fewer rows starve the matmuls)
+CHUNK_ROWS = 256  # tokens per chunk: fewer rows starve the matmuls, more buy little (measured, 8k and 32k vocabularies)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -43,36 +50,38 @@ class LinearCrossEntropy(torch.autograd.Function):
         rows = CHUNK_ROWS
         for start in range(0, n, rows):
             h = h_all[start:start + rows]
-            target = safe_targets[start:start + rows, None]
-            logits = (h @ w.t()).float()
-            target_logit = logits.gather(1, target)
-            mean_logit = logits.mean(dim=-1, keepdim=True) if label_smoothing else None
-            row_max = logits.amax(dim=-1, keepdim=True)
+            target = safe_targets[None, start:start + rows]
+            # logits transposed, [vocab, rows]: the product runs faster with the vocabulary as
+            # its long side (see the module's docstring); softmax is taken down the columns
+            logits = (w @ h.t()).float()
+            target_logit = logits.gather(0, target)
+            mean_logit = logits.mean(dim=0, keepdim=True) if label_smoothing else None
+            row_max = logits.amax(dim=0, keepdim=True)
             exp = logits.sub_(row_max).exp_()  # in place: the logits are not needed any more
-            exp_sum = exp.sum(dim=-1, keepdim=True)
+            exp_sum = exp.sum(dim=0, keepdim=True)
             lse = row_max + exp_sum.log()
             loss = lse - target_logit
             if label_smoothing:
                 loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean_logit)
-            scale = row_weight[start:start + rows, None]
+            scale = row_weight[None, start:start + rows]
             total += (loss * scale).sum()
             if not (need_hidden or need_weight):
                 continue
             # (softmax − target distribution) × this row's weight, in place of the exponentials
             grad = exp.mul_(scale / exp_sum)
-            grad.scatter_add_(1, target, -(1 - label_smoothing) * scale)
+            grad.scatter_add_(0, target, -(1 - label_smoothing) * scale)
             if label_smoothing:
                 grad.sub_(label_smoothing / vocab * scale)
             grad = grad.to(compute_dtype)
             if need_hidden:
-                grad_hidden[start:start + rows] = grad @ w
+                grad_hidden[start:start + rows] = grad.t() @ w
             if need_weight:  # the first chunk writes the (uninitialised) gradient, the rest add to it
                 if compute_dtype == torch.float32:
-                    torch.addmm(grad_weight, grad.t(), h, beta=0 if start == 0 else 1, out=grad_weight)
+                    torch.addmm(grad_weight, grad, h, beta=0 if start == 0 else 1, out=grad_weight)
                 elif start == 0:
-                    grad_weight.copy_(grad.t() @ h)
+                    grad_weight.copy_(grad @ h)
                 else:
-                    grad_weight.add_(grad.t() @ h)
+                    grad_weight.add_(grad @ h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         # mean over counted tokens; 0/0 = nan when nothing counts, as F.cross_entropy gives
