@@ -53,3 +53,23 @@ def test_one_query_path_reads_heads_first_buffers_like_sdpa():
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_additive_mask_masks_like_the_boolean_one_on_every_path():
+    """Decode views carry their mask as 0 / -inf to add (cheaper than masked_fill_); the
+    one-query path and SDPA (bf16 queries with the fp32 mask included) must read it as the
+    boolean mask."""
+    torch.manual_seed(2)
+    B, H, Hkv, S, D, capacity = 3, 4, 2, 9, 8, 16
+    q = torch.randn(B, 1, H, D)
+    k_buf, v_buf = torch.randn(B, Hkv, capacity, D), torch.randn(B, Hkv, capacity, D)
+    k, v = k_buf[:, :, :S].transpose(1, 2), v_buf[:, :, :S].transpose(1, 2)
+    mask = torch.arange(S).view(1, 1, 1, S) < torch.tensor([9, 4, 6]).view(B, 1, 1, 1)
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    want = _reference(q, k, v, mask)
+    torch.testing.assert_close(_attend_one_query(q, k, v, additive, None), want, rtol=1e-5, atol=1e-5)
+    dense_k, dense_v = k.contiguous(), v.contiguous()  # not heads-first: the SDPA path
+    torch.testing.assert_close(_attend(q, dense_k, dense_v, additive), want, rtol=1e-5, atol=1e-5)
+    low = _attend(q.bfloat16(), dense_k.bfloat16(), dense_v.bfloat16(), additive)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), want, rtol=3e-2, atol=3e-2)

@@ -70,8 +70,10 @@ def _attend_one_query(q, k, v, attn_mask, scale):
     values = v.transpose(1, 2).flatten(0, 1)
     queries = q.reshape(B * Hkv, H // Hkv, D)
     scores = torch.bmm(queries, keys.transpose(1, 2)).mul_(scale if scale is not None else D ** -0.5)
-    if attn_mask is not None:  # [B, 1, 1, S], True = may attend
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # [B, 1, 1, S], True = may attend
         scores.view(B, Hkv, H // Hkv, S).masked_fill_(~attn_mask, float("-inf"))
+    elif attn_mask is not None:  # [B, 1, 1, S], added: 0 = may attend, -inf = may not
+        scores.view(B, Hkv, H // Hkv, S).add_(attn_mask)
     out = torch.bmm(scores.softmax(dim=-1), values)  # [B*Hkv, H/Hkv, Dv]
     return out.view(B, 1, H, values.shape[-1])
 
