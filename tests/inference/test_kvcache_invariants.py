@@ -126,6 +126,9 @@ def test_decode_buffers_match_paged_gather_and_avoid_copies(monkeypatch, growth)
     if growth == "every step":
         monkeypatch.setattr(decode_buffers, "HEADROOM", 1)
         monkeypatch.setattr(decode_buffers, "ROW_STEP", 1)
+    # fresh memory is NaN here: every position the buffers do not fill must still be zeroed,
+    # since masked positions are multiplied too (NaN * 0 is NaN)
+    monkeypatch.setattr(decode_buffers.torch, "empty", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
     torch.manual_seed(0)
     cache = KVCache(n_layers=2, cache_shapes=((2, 3), (1, 4)), num_pages=64, page_size=4)
     lens = {"a": 5, "b": 9, "c": 2}
@@ -166,6 +169,8 @@ def test_decode_buffers_match_paged_gather_and_avoid_copies(monkeypatch, growth)
                 pointers.append(got[0].data_ptr())
         for tid in ids:
             lens[tid] += 1
+        dense = cache._dense
+        assert all(torch.isfinite(buf).all() for buf in dense.k + dense.v + dense._spare[0] + dense._spare[1])
     # rows read from the pages: both at first, then only the newcomer c; a leaving task
     # moves the others' rows within the buffers (into the second set), nothing is re-read
     assert gathered == [2, 0, 0, 1, 0, 0, 0]
@@ -209,3 +214,18 @@ def test_decode_order_keeps_rows_in_place_when_a_task_leaves(monkeypatch):
     ordered, after = step(["a", "c", "d"])  # b finished: d (last row) takes its row
     assert ordered == ["a", "d", "c"]
     assert after == pointer and full_moves == []
+
+
+def test_decode_buffers_grow_by_doubling_within_their_budget():
+    """A batch that fills up one task at a time reallocates its buffers a logarithmic number
+    of times (each growth copies every held row), and never past the memory budget."""
+    cache = KVCache(n_layers=1, cache_shapes=((1, 2), (1, 2)), num_pages=8, page_size=4)
+    bytes_per_row = 2 * 260 * cache.storage.bytes_per_token()  # both sets, capacity of 3 tokens + headroom, in pages
+    for budget, expected in ((10**9, [8, 16, 32, 64]), (40 * bytes_per_row, [8, 16, 32, 40])):
+        buffers = decode_buffers.DecodeBuffers(cache.storage, budget_bytes=budget)
+        sizes = []
+        for n in range(1, 34):
+            assert buffers.plan([f"t{i}" for i in range(n)], [3] * n) is not None
+            if buffers.rows not in sizes:
+                sizes.append(buffers.rows)
+        assert sizes == expected
