@@ -20,7 +20,7 @@ from astrai.errors import RequestError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
-from astrai.inference.weight_layout import join_input_products, use_column_major_linears
+from astrai.inference.weight_layout import use_column_major_linears
 from astrai.runtime import tune_allocator
 
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -34,7 +34,6 @@ class InferenceEngine:
                  default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None):
         tune_allocator()  # see astrai/runtime.py: prefill activations are re-allocated every step
         model.eval()
-        join_input_products(model)  # one product for q/k/v and one for gate/up (see weight_layout.py)
         use_column_major_linears(model)  # decode streams the weights faster this way (see weight_layout.py)
         self.model = model
         self.tokenizer = tokenizer

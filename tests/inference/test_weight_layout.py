@@ -16,11 +16,6 @@ def _column_major(weight: torch.Tensor) -> bool:
     return weight.stride() == (1, weight.shape[0])
 
 
-def _column_block(weight: torch.Tensor) -> bool:
-    """Column-major, possibly as a block of a wider joint matrix."""
-    return weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
-
-
 @pytest.fixture
 def split_rows(monkeypatch):
     """Row counts of the products that took the two-half split, with a second thread pretended
@@ -72,9 +67,7 @@ def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind,
     expected = [greedy_reference(model, p, 8) for p in prompts]
     fresh = {k: v.clone() for k, v in make_model(kind, seed=1).state_dict().items()}
     with InferenceEngine(model, None, max_batch_size=12, page_size=4, num_pages=128, prefill_chunk_size=48) as engine:
-        assert _column_major(model.lm_head.weight) and _column_major(model.layers[0].attention.o_proj.weight)
-        assert _column_block(model.layers[0].attention.q_proj.weight)
-        assert model.layers[0].attention.joint.holds(model.layers[0].attention.joint_inputs())
+        assert _column_major(model.lm_head.weight) and _column_major(model.layers[0].attention.q_proj.weight)
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(p, params) for p in prompts]
         assert [h.result(timeout=60).token_ids for h in handles] == expected
@@ -84,13 +77,6 @@ def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind,
         engine.update_weights(fresh)
         assert _column_major(model.layers[0].mlp.down.weight)
         assert torch.equal(model.layers[0].mlp.down.weight, fresh["layers.0.mlp.down.weight"])
-        attention = model.layers[0].attention
-        assert attention.joint.holds(attention.joint_inputs())  # loaded into the joint matrix's views
-        assert torch.equal(attention.q_proj.weight, fresh["layers.0.attention.q_proj.weight"])
-        fresh_model = make_model(kind, seed=1)
-        more = [[rng.randrange(256) for _ in range(rng.randint(2, 20))] for _ in range(3)]
-        handles = [engine.submit(p, params) for p in more]
-        assert [h.result(timeout=60).token_ids for h in handles] == [greedy_reference(fresh_model, p, 8) for p in more]
     model.save_pretrained(tmp_path)  # safetensors are written from contiguous copies
     reloaded = AutoModel.from_pretrained(tmp_path)
     for name, p in reloaded.state_dict().items():
@@ -144,109 +130,3 @@ def test_lora_layers_and_their_merge_take_the_split_too(split_rows):
     with torch.no_grad():
         assert torch.allclose(model(ids)["logits"], want, atol=1e-4)
     assert len(split_rows) == 2 * 7 + 1  # merged layers are astrai's Linear again
-
-
-@pytest.fixture
-def products(monkeypatch):
-    """Row counts of every linear product the model runs (through astrai's ``linear``)."""
-    from astrai.model.components import layers
-
-    rows = []
-    real_linear = layers.linear
-    monkeypatch.setattr(layers, "linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real_linear(x, *a))
-    return rows
-
-
-JOINT_KINDS = [("tiny", {}), ("tiny-mla", {}), ("tiny-moe", {}),
-               ("tiny", dict(attn_bias=True, use_gated_attention=True, use_qk_norm=True)),
-               ("tiny-mla", dict(use_gated_attention=True))]
-
-
-@pytest.mark.parametrize("kind,extra", JOINT_KINDS)
-def test_joined_inputs_give_the_same_logits_with_fewer_products(kind, extra, products):
-    from astrai.inference.weight_layout import join_input_products
-
-    model = make_model(kind, **extra)
-    for name, p in model.named_parameters():  # biases too, so a misplaced one shows
-        if name.endswith(".bias"):
-            torch.nn.init.normal_(p, std=0.2)
-    params = dict(model.named_parameters())
-    before = {name: p.detach().clone() for name, p in params.items()}
-    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
-    with torch.no_grad():
-        want = model(ids)["logits"]
-    separate = len(products)
-    layers_with_inputs = [m for m in model.modules() if hasattr(m, "joint_inputs")]
-    assert join_input_products(model) == len(layers_with_inputs)
-    assert dict(model.named_parameters()) == params  # the same Parameter objects, same values
-    for name, p in model.named_parameters():
-        assert torch.equal(p, before[name]), name
-    for module in layers_with_inputs:
-        joint = module.joint
-        assert joint.holds(module.joint_inputs())
-        for lin in module.joint_inputs():  # views of the joint matrix: no second copy
-            assert lin.weight.untyped_storage().data_ptr() == joint.weight.untyped_storage().data_ptr()
-    products.clear()
-    with torch.no_grad():
-        got = model(ids)["logits"]
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
-    if kind == "tiny-moe":  # routed experts run only when tokens reach them
-        assert len(products) < separate
-    else:
-        assert len(products) == separate - sum(len(m.joint_inputs()) - 1 for m in layers_with_inputs)
-    assert join_input_products(model) == 0  # already joined: nothing to do
-
-
-def test_a_joint_weight_steps_aside_when_the_model_changes_under_it():
-    """Casting, replacing a Parameter, adding LoRA or training: the joint product must never
-    serve stale weights, and gradients must reach every Parameter."""
-    from astrai.inference.weight_layout import join_input_products
-    from astrai.model.lora import LoraConfig, inject_lora
-
-    ids = torch.tensor([[5, 9, 2, 7]])
-
-    def logits(model):
-        with torch.no_grad():
-            return model(ids)["logits"]
-
-    model = make_model("tiny")
-    join_input_products(model)
-    attention = model.layers[0].attention
-    attention.k_proj.weight = nn.Parameter(torch.randn_like(attention.k_proj.weight))  # replaced, not copied into
-    assert not attention.joint.holds(attention.joint_inputs())
-    reference = make_model("tiny")
-    reference.layers[0].attention.k_proj.weight = nn.Parameter(attention.k_proj.weight.detach().clone())
-    assert torch.allclose(logits(model), logits(reference), atol=1e-5)
-
-    model = make_model("tiny").double()
-    join_input_products(model)  # fp64 is left alone
-    assert model.layers[0].mlp.joint is None
-    model = make_model("tiny")
-    join_input_products(model)
-    cast = model.to(torch.float64)  # new storage: the fp32 joint no longer holds
-    assert not cast.layers[0].mlp.joint.holds(cast.layers[0].mlp.joint_inputs())
-    assert torch.allclose(logits(cast), logits(make_model("tiny").double()), atol=1e-10)
-
-    model = make_model("tiny")
-    join_input_products(model)
-    inject_lora(model, LoraConfig(rank=4, alpha=8, targets=["q_proj", "up"]))
-    for p in model.parameters():
-        if p.requires_grad:
-            nn.init.normal_(p, std=0.05)
-    plain = make_model("tiny")
-    plain.load_state_dict(model.state_dict(), strict=False)
-    inject_lora(plain, LoraConfig(rank=4, alpha=8, targets=["q_proj", "up"]))
-    plain.load_state_dict(model.state_dict())
-    assert torch.allclose(logits(model), logits(plain), atol=1e-5)  # the adapters count
-
-    model = make_model("tiny")
-    join_input_products(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    torch.nn.functional.cross_entropy(model(ids)["logits"][0, :-1], ids[0, 1:]).backward()
-    for lin in model.layers[0].attention.joint_inputs() + model.layers[0].mlp.joint_inputs():
-        assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
-    optimizer.step()  # updates the views, and with them the joint matrix
-    assert model.layers[0].mlp.joint.holds(model.layers[0].mlp.joint_inputs())
-    separate = make_model("tiny")
-    separate.load_state_dict({k: v.contiguous() for k, v in model.state_dict().items()})
-    assert torch.allclose(logits(model), logits(separate), atol=1e-5)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.factory import BaseFactory
-from astrai.model.components.layers import JointWeight, Linear, RMSNorm, apply_rotary, joint_products
+from astrai.model.components.layers import Linear, RMSNorm, apply_rotary
 
 
 class AttnFactory(BaseFactory[nn.Module]):
@@ -124,11 +124,6 @@ class GQA(nn.Module):
         if self.use_qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
-        self.joint: Optional[JointWeight] = None  # set by the inference engine (see joint_products)
-
-    def joint_inputs(self) -> tuple[nn.Linear, ...]:
-        """The linears that read the layer's input, in the order of one joint product."""
-        return (self.q_proj, self.k_proj, self.v_proj) + ((self.gate,) if self.use_gated_attention else ())
 
     @staticmethod
     def cache_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -137,10 +132,9 @@ class GQA(nn.Module):
 
     def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v, *gate = joint_products(x, self.joint, self.joint_inputs())
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary_emb
@@ -156,8 +150,8 @@ class GQA(nn.Module):
         else:
             out = _attend(q, k, v, attn_mask)
         out = out.reshape(B, T, self.n_heads * self.head_dim)
-        if gate:
-            out = out * torch.sigmoid(gate[0])
+        if self.use_gated_attention:
+            out = out * torch.sigmoid(self.gate(x))
         return self.o_proj(out)
 
 
@@ -187,11 +181,6 @@ class MLA(nn.Module):
         self.o_proj = Linear(self.n_heads * self.v_head_dim, d)
         if self.use_gated_attention:
             self.gate = Linear(d, self.n_heads * self.v_head_dim)
-        self.joint: Optional[JointWeight] = None  # set by the inference engine (see joint_products)
-
-    def joint_inputs(self) -> tuple[nn.Linear, ...]:
-        """The linears that read the layer's input, in the order of one joint product."""
-        return (self.q_proj, self.kv_a_proj) + ((self.gate,) if self.use_gated_attention else ())
 
     @staticmethod
     def cache_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -201,10 +190,9 @@ class MLA(nn.Module):
     def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
-        q, kv_a, *gate = joint_products(x, self.joint, self.joint_inputs())
-        q = q.view(B, T, H, self.head_dim)
+        q = self.q_proj(x).view(B, T, H, self.head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_norm(c_kv).unsqueeze(2)
         k_pe = k_pe.unsqueeze(2)
         cos, sin = rotary_emb
@@ -219,6 +207,6 @@ class MLA(nn.Module):
         k = torch.cat((k_nope, k_pe.expand(B, S, H, self.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = _attend(q, k, v, attn_mask).reshape(B, T, H * self.v_head_dim)
-        if gate:
-            out = out * torch.sigmoid(gate[0])
+        if self.use_gated_attention:
+            out = out * torch.sigmoid(self.gate(x))
         return self.o_proj(out)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.factory import BaseFactory
-from astrai.model.components.layers import JointWeight, Linear, joint_products
+from astrai.model.components.layers import Linear
 
 
 class FFNFactory(BaseFactory[nn.Module]):
@@ -28,15 +26,9 @@ class MLP(nn.Module):
         self.gate = Linear(dim, dim_ffn)
         self.up = Linear(dim, dim_ffn)
         self.down = Linear(dim_ffn, dim)
-        self.joint: Optional[JointWeight] = None  # set by the inference engine (see joint_products)
-
-    def joint_inputs(self) -> tuple[nn.Linear, ...]:
-        """The linears that read the input, in the order of one joint product."""
-        return self.gate, self.up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = joint_products(x, self.joint, self.joint_inputs())
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 @FFNFactory.register("moe")

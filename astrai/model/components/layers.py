@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -85,7 +84,7 @@ class Linear(nn.Linear):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear``, split in two for a few rows and a column-major weight (see ``Linear``)."""
-    if (weight.stride(0) == 1 and weight.stride(1) == weight.shape[0] and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
+    if (weight.stride(0) == 1 and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
             and x.device.type == "cpu" and not torch.is_grad_enabled() and torch.get_num_threads() > 1):
         return _split_product(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -107,43 +106,6 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n_out)
-
-
-@dataclass(eq=False)
-class JointWeight:
-    """Several linears that read the same input, stored as one column-major matrix.
-
-    ``weight`` is [sum of outputs, in] with the linears' weights (and biases) as views
-    into it, so one product serves them all with no extra memory. Built by the
-    inference engine (astrai/inference/weight_layout.py). It stays in use only while
-    the modules and their storage are the ones it was built from: a cast, a replaced
-    Parameter or an injected LoRA layer makes ``holds`` false and the linears run
-    one by one again.
-    """
-
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    linears: tuple[nn.Linear, ...]
-    sizes: list[int]
-    pointers: list[int]
-
-    def holds(self, linears: tuple[nn.Linear, ...]) -> bool:
-        return all(a is b for a, b in zip(linears, self.linears)) and self.pointers == [
-            t.data_ptr() for lin in linears for t in (lin.weight, lin.bias) if t is not None]
-
-
-def joint_products(x: torch.Tensor, joint: Optional[JointWeight], linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
-    """Each linear applied to ``x``: as one product when ``joint`` holds their weights.
-
-    Decoding reads each weight once per step either way, but one product over the joint
-    matrix spares the calls' fixed costs: the q/k/v inputs of a `tiny` layer took
-    52-78 µs against 140 µs at one row, 485 against 625 µs at 50 rows; 701 against
-    979 µs for 125M shapes at one row. With gradients the linears always run one by one,
-    so that each Parameter gets its own gradient.
-    """
-    if joint is not None and not torch.is_grad_enabled() and joint.holds(linears):
-        return list(linear(x, joint.weight, joint.bias).split(joint.sizes, dim=-1))
-    return [lin(x) for lin in linears]
 
 
 class Embedding(nn.Embedding):
