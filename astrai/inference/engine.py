@@ -21,6 +21,7 @@ from astrai.inference.handle import RequestHandle
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
 from astrai.inference.weight_layout import use_column_major_linears
+from astrai.model.components.packed_weights import pack_linears
 from astrai.runtime import tune_allocator
 
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -31,10 +32,13 @@ class InferenceEngine:
     def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
                  prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
-                 default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None):
+                 default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None,
+                 pack_weights: bool = True):
         tune_allocator()  # see astrai/runtime.py: prefill activations are re-allocated every step
         model.eval()
         use_column_major_linears(model)  # decode streams the weights faster this way (see weight_layout.py)
+        if pack_weights:  # products of several rows run faster from oneDNN-packed copies (see packed_weights.py)
+            pack_linears(model)
         self.model = model
         self.tokenizer = tokenizer
         self.default_params = default_params or SamplingParams()

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from astrai.model.components.packed_weights import packed_linear, packed_weight
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale, computed in fp32 for stability."""
@@ -73,6 +75,10 @@ class Linear(nn.Linear):
     Measured per weight set (tiny / small / 125M shapes): one row 1.6 / 1.7 / 1.6x
     faster, 16 rows 1.3 / 1.4 / 1.3x, 64 rows 1.1 / 1.05 / 1.2x. Training (with
     gradients) and prefill (more rows) take the plain product.
+
+    The engine also packs the weights for oneDNN by default (packed_weights.py); then
+    every product of two or more rows without autograd reads the packed copy, which
+    was faster still at every such size, and only one-row products take the split.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kwargs):
@@ -83,10 +89,17 @@ class Linear(nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``, split in two for a few rows and a column-major weight (see ``Linear``)."""
-    if (weight.stride(0) == 1 and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
-            and x.device.type == "cpu" and not torch.is_grad_enabled() and torch.get_num_threads() > 1):
-        return _split_product(x, weight, bias)
+    """``F.linear``; without autograd, from the weight's oneDNN-packed copy when the
+    inference engine made one (see packed_weights.py) and there are several rows, else
+    split in two for a few rows and a column-major weight (see ``Linear``)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
+        if x.numel() != x.shape[-1]:  # one row streams a column-major weight faster through the split
+            packed = packed_weight(weight)
+            if packed is not None:
+                return packed_linear(x, packed, bias)
+        if (weight.stride(0) == 1 and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1]
+                and torch.get_num_threads() > 1):
+            return _split_product(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,105 @@
+"""fp32 linear weights packed once for oneDNN's products on CPU, for inference.
+
+PyTorch sends an fp32 ``F.linear`` on CPU to the MKL BLAS. On the AMD EPYC machine
+this project is measured on, MKL ran the products of a few to a few hundred rows -
+decode steps of a batch, prefill chunks - at 90-160 GFLOP/s, while oneDNN's linear
+over a weight packed in advance into its own blocked layout ran them at 150-210
+(2 threads; sums over a layer's weights plus the vocabulary projection):
+
+=====================  ==========  ==========  ===========
+weight set, rows        today       packed      speed-up
+=====================  ==========  ==========  ===========
+``tiny``, 8 rows        0.75 ms     0.29 ms     2.6x
+``tiny``, 32 rows       1.47 ms     0.94 ms     1.6x
+``tiny``, 512 rows      20.7 ms     13.5 ms     1.5x
+``small``, 512 rows     126 ms      104 ms      1.2x
+125M, 8 rows            9.8 ms      4.4 ms      2.2x
+125M, 1 row             3.5 ms      5.1 ms      0.7x
+=====================  ==========  ==========  ===========
+
+("today" is the product the model ran before: the two-half split below 64 rows, the
+plain ``F.linear`` above.) One row stays on the split product, which streams a
+column-major weight faster than oneDNN's one-row path.
+
+The packed copy is extra memory (as much as the fp32 weights), made by the inference
+engine only, and only read when autograd is off. A weight changed after packing (an
+optimizer step, ``load_state_dict``, a new tensor assigned to ``.data``) is noticed by
+its version counter and storage address and packed again before its next product, so
+training the model between generations stays correct.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (version, data_ptr, packed copy)
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch build has oneDNN's packed fp32 linear (x86 builds do)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every fp32 CPU ``nn.Linear`` weight of ``model`` for oneDNN; returns how many.
+
+    A weight shared by several modules (a tied embedding and head) is packed once.
+    Returns 0 without oneDNN, or when packing fails on this build."""
+    if not onednn_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, nn.Linear) and _packable(weight) and weight not in _packed
+                and _pack(weight) is not None):
+            count += 1
+    return count
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Drop ``model``'s packed copies (their memory is freed once no product holds them)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            _packed.pop(weight, None)
+
+
+def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The packed copy of ``weight``, packed again first if the weight changed; None if
+    it was never packed (or no longer can be: a cast to another dtype or device)."""
+    entry = _packed.get(weight)
+    if entry is None:
+        return None
+    version, address, packed = entry
+    if weight._version == version and weight.data_ptr() == address:
+        return packed
+    if not _packable(weight):
+        del _packed[weight]
+        return None
+    return _pack(weight)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed from ``weight``'s packed copy."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packable(weight) -> bool:
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32
+            and weight.device.type == "cpu")
+
+
+def _pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:  # a build whose oneDNN refuses this shape or layout: keep the plain product
+        _packed.pop(weight, None)
+        return None
+    _packed[weight] = (weight._version, weight.data_ptr(), packed)
+    return packed
