@@ -133,3 +133,25 @@ def test_lora_layers_and_their_merge_take_the_split_too(split_rows):
     with torch.no_grad():
         assert torch.allclose(model(ids)["logits"], want, atol=1e-4)
     assert len(split_rows) == 2 * 7 + 1  # merged layers are astrai's Linear again
+
+
+def test_lookups_in_a_column_major_table_match_the_row_major_ones(monkeypatch):
+    from astrai.model.components.layers import Embedding
+
+    torch.manual_seed(0)
+    table = Embedding(50, 8)
+    want = {shape: torch.randint(0, 50, shape) for shape in ((1,), (3, 1), (2, 5), (4, 1, 2))}
+    rows = {shape: torch.nn.functional.embedding(ids, table.weight).detach() for shape, ids in want.items()}
+    with torch.no_grad():
+        table.weight.data = table.weight.data.t().contiguous().t()
+    transposed = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: transposed.append(self.shape) or real(self, *a))
+    for shape, ids in want.items():
+        with torch.no_grad():
+            got = table(ids)
+        assert got.shape == (*shape, 8) and torch.equal(got, rows[shape])
+    assert transposed == [(8, 50)] * len(want)  # read through the [dim, vocab] transpose
+    got = table(want[(2, 5)])  # with autograd: the usual lookup, and its gradient
+    got.sum().backward()
+    assert torch.equal(got.detach(), rows[(2, 5)]) and table.weight.grad is not None

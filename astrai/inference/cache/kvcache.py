@@ -37,6 +37,7 @@ class KvcacheView:
         self._storage = storage
         self._dense: Optional[DecodeBuffers] = None
         self._refill: Optional[torch.Tensor] = None
+        self.context_lens: Optional[torch.Tensor] = None  # decode steps over the buffers only (see for_decode)
         device = storage.device
         ps = storage.page_size
         B, T = len(n_new), max(n_new)
@@ -103,6 +104,9 @@ class KvcacheView:
         view._write_slots = torch.tensor(
             [(p[s // ps] if s // ps < len(p) else sink) * ps + s % ps for p, s in zip(pages, start)], device=device)
         view.position_ids = torch.tensor(start, device=device).unsqueeze(1)
+        # row b's context is its first start[b] + 1 positions: a kernel reading only those
+        # needs no mask (the mask below serves the batched products)
+        view.context_lens = view.position_ids.view(B) + 1
         view.attn_mask = None
         if any(s != start[0] for s in start):
             # additive (0 / -inf) rather than boolean: adding it to the scores took 25 against

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from astrai.config import ModelConfig
 from astrai.factory import BaseFactory
 from astrai.model.components.layers import Linear, RMSNorm, apply_rotary
+from astrai.model.components.native_kernels import decode_attention, decode_attention_available
 
 
 class AttnFactory(BaseFactory[nn.Module]):
@@ -26,8 +27,13 @@ class AttnFactory(BaseFactory[nn.Module]):
     kind = "attention type"
 
 
-def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] = None) -> torch.Tensor:
+def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] = None,
+            context_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B,T,H,D], k/v [B,S,Hkv,*] → [B,T,H,Dv]; Hkv divides H (grouped-query attention).
+
+    ``context_lens`` [B] (a decode step over the engine's decode buffers: row b attends
+    to its first ``context_lens[b]`` positions, as ``attn_mask`` also says) lets the CPU
+    use astrai's decode attention kernel, which reads no padding (native_kernels.py).
 
     Without a mask the fused kernels take the K/V groups directly (``enable_gqa``),
     sparing the copy that ``repeat_interleave`` makes. With a mask on CUDA, K/V are
@@ -38,6 +44,9 @@ def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] =
     """
     n_rep = q.shape[2] // k.shape[2]
     if q.shape[1] == 1 and q.device.type == "cpu" and _heads_first(k) and _heads_first(v):
+        if context_lens is not None and q.dtype == torch.float32 and decode_attention_available():
+            return decode_attention(q.contiguous(), k, v, context_lens,
+                                    scale if scale is not None else q.shape[-1] ** -0.5)
         return _attend_one_query(q, k, v, attn_mask, scale)
     if n_rep > 1 and attn_mask is not None and q.device.type == "cuda":
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
@@ -146,7 +155,7 @@ class GQA(nn.Module):
                                             paged_cache.gather(self.layer_idx, split=True), paged_cache.suffix_mask)
             else:
                 k, v = paged_cache.gather(self.layer_idx)
-                out = _attend(q, k, v, paged_cache.attn_mask)
+                out = _attend(q, k, v, paged_cache.attn_mask, context_lens=paged_cache.context_lens)
         else:
             out = _attend(q, k, v, attn_mask)
         out = out.reshape(B, T, self.n_heads * self.head_dim)
