@@ -1,6 +1,8 @@
 """Small C kernels for the CPU decode step, compiled on first use with the system's C compiler.
 
-PyTorch has no CPU kernel for attention of one query over rows of different lengths:
+Two kernels live in ``native/``, built into one library.
+
+Decode attention. PyTorch has no CPU kernel for attention of one query over rows of different lengths:
 the engine's decode attention used two batched products (``bmm``) over every row
 padded to the batch's longest context. On the AMD VM those read K/V at 17-30 GB/s, and
 in the 64-request benchmark a third of what they read was padding. The kernel in
@@ -8,11 +10,18 @@ in the 64-request benchmark a third of what they read was padding. The kernel in
 vectorised loops (about 34 GB/s of useful K/V on 40 rows of 100-700 tokens: 0.49
 against 0.95-1.5 ms for the products).
 
+One-row products. A single request's decode step is bound by streaming the weights;
+with the engine's column-major weights, ``native/row_product.c`` gives each thread one
+contiguous stretch of the weight to read front to back (about 29 GB/s over the ~125M
+model's weights on the AMD VM, where the two-half ``bmm`` split of layers.py reached
+27 and a plain sum of 1 GiB 35).
+
 The library is built with ``cc`` (``$CC``) into a per-user cache directory, keyed by
 the source, the flags and this CPU's feature flags (it is compiled for this CPU), and
 loaded with ctypes; its OpenMP calls resolve to the libgomp that torch already loaded,
 so its threads are torch's. Without a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``,
-nothing is built and attention keeps the batched products (a warning says so once).
+nothing is built: attention keeps the batched products and one-row products the split
+(a warning says so once).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "decode_attention.c"
+SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -53,9 +62,9 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    target = _cache_dir() / f"astrai-kernels-{key}.so"
     if target.exists():
         return target
     try:
@@ -67,10 +76,11 @@ def _build(compiler: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: parallel builds never clash
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr.strip()}")
+            names = ", ".join(path.name for path in SOURCES)
+            raise RuntimeError(f"{compiler} failed to build {names}:\n{result.stderr.strip()}")
         os.replace(built, target)
     return target
 
@@ -81,23 +91,27 @@ def _library() -> Optional[ctypes.CDLL]:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
-        logger.warning("no C compiler found: decode attention keeps PyTorch's batched products (slower)")
+        logger.warning("no C compiler found: decode attention and one-row products keep PyTorch's ops (slower)")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("could not build the decode attention kernel (%s); keeping PyTorch's products", exc)
+        logger.warning("could not build astrai's decode kernels (%s); keeping PyTorch's ops", exc)
         return None
-    function = library.astrai_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [ptr] * 5 + [i64] * 11 + [ctypes.c_float, i64, ctypes.c_int]
-    function.restype = None
+    library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64, ctypes.c_int]
+    library.astrai_row_product_f32.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.c_int]
+    for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32):
+        function.restype = None
     return library
 
 
-def decode_attention_available() -> bool:
-    """Whether the decode attention kernel is built and loaded (building it on first call)."""
+def kernels_available() -> bool:
+    """Whether the kernels are built and loaded (building them on first call)."""
     return _library() is not None
+
+
+decode_attention_available = kernels_available  # the name attention.py asks by
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
@@ -118,8 +132,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
         raise ValueError(f"decode_attention: lengths must be in 1..{S}, got {lens.tolist()}")
     out = torch.empty(B, 1, H, Dv, dtype=q.dtype, device=q.device)
     lens = lens.contiguous()
+    threads = torch.get_num_threads()
+    workspace = torch.empty(threads, H // Hkv, longest, dtype=torch.float32)  # each thread's scores
     _library().astrai_decode_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(), workspace.data_ptr(),
         B, Hkv, H // Hkv, D, Dv, k.stride(0), k.stride(2), k.stride(1), v.stride(0), v.stride(2), v.stride(1),
-        scale, longest, torch.get_num_threads())
+        scale, longest, threads)
+    return out
+
+
+def row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one row ``x`` [..., in] (fp32, contiguous) and a
+    column-major fp32 ``weight`` [out, in] (``weight.t()`` has contiguous rows).
+    Call only when ``kernels_available()``."""
+    n_out, n_in = weight.shape
+    if not (x.numel() == n_in and x.is_contiguous() and weight.stride(0) == 1 and weight.stride(1) >= n_out
+            and x.dtype == weight.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
+                                                                                and bias.is_contiguous()))):
+        raise ValueError("row_product: unsupported layout or dtype")
+    threads = torch.get_num_threads()
+    out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype)
+    scratch = torch.empty(max(threads - 1, 0), n_out, dtype=x.dtype)  # the other threads' partial sums
+    _library().astrai_row_product_f32(
+        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+        n_in, n_out, weight.stride(1), threads)
     return out

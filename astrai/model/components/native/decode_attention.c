@@ -6,14 +6,15 @@
  * heads-first buffers [rows, heads, capacity, width] through their strides.
  * Pairs are shared among the OpenMP threads of PyTorch's own runtime (the library is
  * linked against the libgomp that torch loaded), dynamically, since rows differ in
- * length.
+ * length. Each thread's scores live in its slice of `workspace` [threads][group * max_len],
+ * allocated by the caller, so nothing here can fail to allocate.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 void astrai_decode_attention_f32(
-    const float *q, const float *k, const float *v, float *out, const int64_t *lens,
+    const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
     int64_t k_row_stride, int64_t k_head_stride, int64_t k_pos_stride,
     int64_t v_row_stride, int64_t v_head_stride, int64_t v_pos_stride,
@@ -21,7 +22,7 @@ void astrai_decode_attention_f32(
 {
     #pragma omp parallel num_threads(threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len));
+        float *scores = workspace + (int64_t)omp_get_thread_num() * group * max_len;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t pair = 0; pair < rows * heads; ++pair) {
             const int64_t row = pair / heads, head = pair % heads, len = lens[row];
@@ -60,6 +61,5 @@ void astrai_decode_attention_f32(
                 }
             }
         }
-        free(scores);
     }
 }

@@ -1,0 +1,94 @@
+"""The C one-row product: equal to F.linear for column-major weights (with a row stride
+wider than the outputs, any thread count, with and without bias), used by ``linear`` for
+exactly the single-row products it serves, and by a single request's decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.inference import InferenceEngine, SamplingParams
+from astrai.model.components import layers
+from astrai.model.components.native_kernels import kernels_available, row_product
+from inference_helpers import greedy_reference, make_model
+
+
+def _column_major(n_out: int, n_in: int, spare: int = 0) -> torch.Tensor:
+    """[out, in] weight stored as rows of a wider [in, out + spare] matrix; the spare
+    columns hold NaN, so a product that reads past the outputs shows it."""
+    storage = torch.randn(n_in, n_out + spare)
+    storage[:, n_out:] = float("nan")
+    return storage[:, :n_out].t()
+
+
+def test_the_kernels_build_on_this_machine():
+    assert kernels_available()  # CI has a compiler; the fallback is tested separately
+
+
+@pytest.mark.parametrize("n_out,n_in", [(64, 64), (96, 256), (1000, 48), (7, 5), (1, 1), (33, 3), (16, 130)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_row_product_equals_the_float64_product(n_out, n_in, threads, with_bias):
+    torch.manual_seed(n_out * 7 + n_in)
+    weight = _column_major(n_out, n_in, spare=5)
+    bias = torch.randn(n_out) if with_bias else None
+    x = torch.randn(1, 1, n_in)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = row_product(x, weight, bias)
+    finally:
+        torch.set_num_threads(before)
+    want = x.double() @ weight.t().double() + (0 if bias is None else bias.double())
+    assert got.shape == (1, 1, n_out)
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_row_product_refuses_layouts_it_cannot_read():
+    x = torch.randn(1, 8)
+    with pytest.raises(ValueError, match="layout or dtype"):
+        row_product(x, torch.randn(4, 8), None)  # row-major
+    with pytest.raises(ValueError, match="layout or dtype"):
+        row_product(torch.randn(2, 8), torch.randn(8, 4).t(), None)  # two rows
+    with pytest.raises(ValueError, match="layout or dtype"):
+        row_product(x.double(), torch.randn(8, 4).t().double(), None)
+
+
+def test_linear_sends_only_single_rows_with_column_major_weights_to_the_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(layers, "row_product", lambda x, w, b: calls.append(x.shape) or x @ w.t())
+    weight = torch.randn(24, 16).t()  # [16 out, 24 in], stored column-major
+    assert weight.stride(0) == 1
+    with torch.no_grad():
+        layers.linear(torch.randn(1, 1, 24), weight)
+        assert len(calls) == 1
+        layers.linear(torch.randn(1, 3, 24), weight)  # several rows: not the kernel
+        layers.linear(torch.randn(1, 1, 24), weight.contiguous())  # row-major: not the kernel
+    layers.linear(torch.randn(1, 1, 24), weight)  # autograd on: not the kernel
+    assert len(calls) == 1
+
+
+def _single_request_outputs():
+    model = make_model("tiny")
+    prompts = [[5, 9, 200, 3], [17] * 11, [1]]
+    expected = [greedy_reference(model, p, 12) for p in prompts]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=64, pack_weights=False) as engine:
+        got = [engine.submit(p, params).result(timeout=60).token_ids for p in prompts]
+    return got, expected
+
+
+def test_single_request_decode_runs_the_kernel_and_matches_recomputation(monkeypatch):
+    calls = []
+    real = layers.row_product
+    monkeypatch.setattr(layers, "row_product", lambda x, w, b: calls.append(w.shape) or real(x, w, b))
+    got, expected = _single_request_outputs()
+    assert got == expected
+    assert len(calls) > 3 * 11 * 5  # every decode step's products (5 per layer + head at least)
+
+
+def test_without_the_kernels_single_rows_take_the_split(monkeypatch):
+    monkeypatch.setattr(layers, "kernels_available", lambda: False)
+    monkeypatch.setattr(layers, "row_product", lambda *a: pytest.fail("kernel called"))
+    got, expected = _single_request_outputs()
+    assert got == expected
