@@ -35,7 +35,11 @@ def test_the_kernel_builds_on_this_machine():
     assert decode_attention_available()
 
 
-@pytest.mark.parametrize("heads,kv_heads,width,v_width", [(4, 2, 16, 16), (4, 4, 8, 8), (8, 2, 32, 16), (2, 1, 5, 3)])
+# the general loop's shapes, then each copy compiled for a fixed shape (width 64: 1, 2, 4 heads per
+# group; width 128: 1, 2), then one beside them (3 heads per group) that takes the general loop
+@pytest.mark.parametrize("heads,kv_heads,width,v_width", [
+    (4, 2, 16, 16), (4, 4, 8, 8), (8, 2, 32, 16), (2, 1, 5, 3),
+    (2, 2, 64, 64), (4, 2, 64, 64), (8, 2, 64, 64), (2, 2, 128, 128), (4, 2, 128, 128), (6, 2, 64, 64)])
 def test_kernel_equals_attention_over_each_rows_own_context(heads, kv_heads, width, v_width):
     torch.manual_seed(heads * 100 + width)
     rows, capacity = 6, 40
