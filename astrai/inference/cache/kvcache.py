@@ -68,6 +68,11 @@ class KvcacheView:
         else:
             self.attn_mask = (s_idx.view(1, 1, S) <= self.position_ids.unsqueeze(2)).unsqueeze(1)
         self.shared_len = self._shared_prefix_len(page_table, start) if B > 1 and self.attn_mask is not None else 0
+        # several padded prefill rows on CPU: attention runs row by row without the padding
+        # (GQA's _attend_rows); with a shared prefix the cascade path below reads it once instead
+        self.row_spans: Optional[list[tuple[int, int]]] = None
+        if B > 1 and T > 1 and self.attn_mask is not None and not self.shared_len and device.type == "cpu":
+            self.row_spans = list(zip(start, n_new))
         if self.shared_len:
             P = self.shared_len
             self._shared_slots = slots[0, :P]
@@ -100,6 +105,7 @@ class KvcacheView:
         B, S = len(start), max(start) + 1
         view._batch, view._total_len = B, S
         view.shared_len = 0  # the buffers already hold each row's context; nothing to split
+        view.row_spans = None
         sink = storage.sink_page
         view._write_slots = torch.tensor(
             [(p[s // ps] if s // ps < len(p) else sink) * ps + s % ps for p, s in zip(pages, start)], device=device)
