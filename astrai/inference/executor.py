@@ -4,7 +4,9 @@ Each row is one task feeding its uncomputed tokens (a prefill chunk, or the last
 sampled token when decoding), padded to the longest row. Positions come from the
 cache view (absolute positions, so cached prefixes and preempted tasks line up), and
 ``logits_index`` asks the model for each row's last real position only, so the
-vocabulary projection costs one row per task.
+vocabulary projection costs one row per task. A GQA model on CPU whose prefill step
+has rows of different lengths gets them packed instead: one row of every task's
+chunk after the other, no padding, with attention run per task (see KvcacheView).
 """
 
 from __future__ import annotations
@@ -27,22 +29,33 @@ class Executor:
         self.tokenizer = tokenizer
         self.page_cache = page_cache
         self.device = next(model.parameters()).device
+        config = getattr(model, "config", None)
+        # the attention that reads the view's row_spans; on CPU, where SDPA's causal kernel
+        # per row beat the masked kernel over padded rows
+        self.packs_prefill = getattr(config, "attn_type", None) == "gqa" and self.device.type == "cpu"
 
     @torch.inference_mode()
     def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> torch.Tensor:
         """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]."""
         starts = [t.num_computed for t in tasks]
         T = max(n_new)
-        rows = [t.context[s:s + n] + [0] * (T - n) for t, s, n in zip(tasks, starts, n_new)]
-        input_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         ids = [t.task_id for t in tasks]
         table = self.page_cache.make_table_tensor(ids, self.device, n_tokens=max(s + n for s, n in zip(starts, n_new)))
-        view = self.page_cache.bind(table, starts, n_new, task_ids=ids)
-        logits_index = None if T == 1 else torch.tensor([n - 1 for n in n_new], device=self.device)
-        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
+        view = self.page_cache.bind(table, starts, n_new, task_ids=ids, packed=self.packs_prefill)
+        chunks = [t.context[s:s + n] for t, s, n in zip(tasks, starts, n_new)]
+        if view.packed:
+            input_ids = torch.tensor([[token for chunk in chunks for token in chunk]], device=self.device)
+            ends = torch.tensor(n_new, device=self.device).cumsum(0) - 1
+            out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=ends.view(1, -1))
+            logits = out["logits"][0]
+        else:
+            input_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], device=self.device)
+            logits_index = None if T == 1 else torch.tensor([n - 1 for n in n_new], device=self.device)
+            out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
+            logits = out["logits"][:, -1]
         for t, n in zip(tasks, n_new):
             t.num_computed += n
-        return out["logits"][:, -1]
+        return logits
 
     def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[Sampled]]:
         """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""

@@ -283,9 +283,18 @@ class InferenceScheduler:
 
     def _plan_prefill(self, prefill: list[Task]) -> tuple[list[Task], list[int]]:
         """Rows of prompt chunks, FIFO, whose padded size (rows x longest chunk) stays
-        within ``prefill_chunk_size`` tokens; a task alone may use the whole budget."""
+        within ``prefill_chunk_size`` tokens; a task alone may use the whole budget. When
+        the executor packs prefill rows (no padding), the budget counts real tokens."""
         batch, n_new, width = [], [], 0
         budget = self.prefill_chunk_size
+        if self._executor.packs_prefill:
+            for task in prefill:
+                n = min(task.remaining, budget - sum(n_new))
+                if n < 1:
+                    break
+                batch.append(task)
+                n_new.append(n)
+            return batch, n_new
         for task in prefill:
             rows = len(batch) + 1
             n = min(task.remaining, budget // rows)

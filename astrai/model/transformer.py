@@ -43,7 +43,8 @@ class Transformer(AutoModel):
     """Embedding → DecoderBlocks → RMSNorm → lm_head.
 
     ``forward`` returns a dict: ``logits`` [B, T, V] (or [B, 1, V] when
-    ``logits_index`` picks one position per row), ``hidden_states`` (the final normed
+    ``logits_index`` [B] picks one position per row, [B, R, V] when [B, R] picks R of
+    each), ``hidden_states`` (the final normed
     hidden states, used by reward heads) and, for MoE models in training mode,
     ``aux_loss`` (the summed load-balancing loss). Given ``target_ids`` it returns
     ``loss`` (mean next-token cross-entropy over targets other than -100) instead of
@@ -107,7 +108,9 @@ class Transformer(AutoModel):
         for layer in self.layers:
             x = layer(x, rotary_emb, attn_mask, paged_cache)
         x = self.norm(x)
-        if logits_index is not None:
+        if logits_index is not None and logits_index.dim() == 2:  # [B, R]: R positions of each row
+            x = x[torch.arange(B, device=x.device).unsqueeze(1), logits_index]
+        elif logits_index is not None:  # [B]: one position of each row
             x = x[torch.arange(B, device=x.device), logits_index].unsqueeze(1)
         if target_ids is None:
             out = {"logits": self.lm_head(x), "hidden_states": x}

@@ -1,11 +1,13 @@
-"""Prefill steps of several padded rows attend row by row, without the padding: equal to
-the masked attention over the padded block on every real query, chosen only where it
-applies, and used by the engine with outputs equal to full recomputation."""
+"""Prefill steps of several rows of different lengths attend row by row, without the
+padding, and (GQA on CPU) run packed: every row's tokens in one unpadded row. Equal to the
+masked attention over the padded block on every real query, chosen only where it applies,
+and used by the engine with outputs equal to full recomputation."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
@@ -26,12 +28,16 @@ def test_row_by_row_equals_the_masked_padded_block_on_real_queries():
     for b, (_, n) in enumerate(spans):
         assert torch.allclose(got[b, :n], want[b, :n], atol=1e-5), b
         assert not got[b, n:].any()  # padding queries: zero
+    packed_q = torch.cat([q[b:b + 1, :n] for b, (_, n) in enumerate(spans)], dim=1)  # [1, N, H, D]
+    packed = attention._attend_rows(packed_q, k, v, mask, spans, packed=True)
+    assert packed.shape == (1, sum(n for _, n in spans), H, D)
+    assert torch.allclose(packed, torch.cat([want[b:b + 1, :n] for b, (_, n) in enumerate(spans)], dim=1), atol=1e-5)
 
 
-def _bind(n_new, start):
+def _bind(n_new, start, packed=False):
     cache = KVCache(n_layers=1, cache_shapes=((2, 8), (2, 8)), num_pages=32, page_size=4)
     table = torch.arange(len(n_new) * 4).view(len(n_new), 4)  # four distinct pages per row
-    return cache.bind(table, start, n_new)
+    return cache.bind(table, start, n_new, packed=packed)
 
 
 def test_views_ask_for_rows_only_for_several_padded_prefill_rows():
@@ -40,12 +46,27 @@ def test_views_ask_for_rows_only_for_several_padded_prefill_rows():
     assert _bind([6], [0]).row_spans is None  # one row: the causal fast path already
     assert _bind([3, 3], [0, 0]).row_spans is None  # uniform rows from 0: no mask, causal already
     assert _bind([1, 1], [4, 9]).row_spans is None  # decode: one query per row
+    assert not _bind([5, 3], [0, 0]).packed  # only when the caller asks
+
+
+def test_a_packed_view_lays_the_rows_tokens_out_one_after_the_other():
+    padded, packed = _bind([3, 2], [4, 0]), _bind([3, 2], [4, 0], packed=True)
+    assert packed.packed and not _bind([3, 3], [0, 0], packed=True).packed  # nothing to pack
+    assert packed.position_ids.tolist() == [[4, 5, 6, 0, 1]]
+    assert padded.position_ids.tolist() == [[4, 5, 6], [0, 1, 1]]
+    # pages 0-3 are row 0's, 4-7 row 1's (4 slots each): positions 4-6 of row 0 are slots 4-6,
+    # positions 0-1 of row 1 slots 16-17; the padded view's third write of row 1 goes to the sink
+    assert packed._write_slots.tolist() == [4, 5, 6, 16, 17]
+    assert padded._write_slots.tolist()[:5] == [4, 5, 6, 16, 17]
+    assert torch.equal(packed.attn_mask, padded.attn_mask)  # per row, for the attention
 
 
 def test_engine_prefill_of_mixed_rows_runs_row_by_row_and_matches_recomputation(monkeypatch):
     calls = []
     real = attention._attend_rows
-    monkeypatch.setattr(attention, "_attend_rows", lambda q, k, v, m, spans: calls.append(spans) or real(q, k, v, m, spans))
+    monkeypatch.setattr(attention, "_attend_rows",
+                        lambda q, k, v, m, spans, packed: calls.append((spans, packed, q.shape[0]))
+                        or real(q, k, v, m, spans, packed))
     model = make_model("tiny")
     rng = random.Random(11)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 40))] for _ in range(8)]
@@ -55,5 +76,37 @@ def test_engine_prefill_of_mixed_rows_runs_row_by_row_and_matches_recomputation(
                          prefix_cache=False) as engine:
         got = [h.result(timeout=60).token_ids for h in [engine.submit(p, params) for p in prompts]]
     assert got == expected
-    assert calls and any(len(spans) > 1 for spans in calls)
-    assert any(start > 0 for spans in calls for start, _ in spans)  # a chunked prompt's later chunk
+    assert calls and any(len(spans) > 1 for spans, _, _ in calls)
+    assert any(start > 0 for spans, _, _ in calls for start, _ in spans)  # a chunked prompt's later chunk
+    assert all(packed and rows == 1 for _, packed, rows in calls)  # GQA on CPU: one unpadded row
+
+
+def test_models_without_row_attention_keep_padded_rows(monkeypatch):
+    monkeypatch.setattr(attention, "_attend_rows", lambda *a: pytest.fail("MLA reads no row_spans"))
+    model = make_model("tiny-mla")
+    rng = random.Random(12)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(5)]
+    expected = [greedy_reference(model, p, 4) for p in prompts]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with InferenceEngine(model, None, max_batch_size=5, page_size=4, num_pages=128, prefill_chunk_size=48) as engine:
+        assert not engine.scheduler._executor.packs_prefill
+        got = [h.result(timeout=60).token_ids for h in [engine.submit(p, params) for p in prompts]]
+    assert got == expected
+
+
+def test_packed_prefill_steps_fill_the_budget_with_real_tokens():
+    from types import SimpleNamespace
+
+    waiting = [SimpleNamespace(remaining=n) for n in (300, 300, 100)]
+    for kind, packs, plan in (("tiny", True, [300, 212]), ("tiny-mla", False, [300])):
+        with InferenceEngine(make_model(kind), None, max_batch_size=8, num_pages=64,
+                             prefill_chunk_size=512) as engine:
+            scheduler = engine.scheduler
+            assert scheduler._executor.packs_prefill is packs
+            batch, n_new = scheduler._plan_prefill(waiting)
+        # packed: 512 real tokens (the second prompt's rest comes in a later chunk); padded:
+        # two rows would cost 2 x 300 padded tokens, so the first prompt goes alone
+        assert n_new == plan and batch == waiting[:len(plan)]
+    waiting = [SimpleNamespace(remaining=n) for n in (100, 120, 90, 400)]
+    with InferenceEngine(make_model("tiny"), None, max_batch_size=8, num_pages=64, prefill_chunk_size=512) as engine:
+        assert engine.scheduler._plan_prefill(waiting)[1] == [100, 120, 90, 202]

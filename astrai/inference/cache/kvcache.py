@@ -33,7 +33,8 @@ class KvcacheView:
     a True. ``position_ids`` [B, T] is what the caller passes to the model.
     """
 
-    def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int]):
+    def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
+                 packed: bool = False):
         self._storage = storage
         self._dense: Optional[DecodeBuffers] = None
         self._refill: Optional[torch.Tensor] = None
@@ -73,6 +74,14 @@ class KvcacheView:
         self.row_spans: Optional[list[tuple[int, int]]] = None
         if B > 1 and T > 1 and self.attn_mask is not None and not self.shared_len and device.type == "cpu":
             self.row_spans = list(zip(start, n_new))
+        # packed (asked for by a caller whose model attends by row_spans): the rows' new tokens
+        # follow each other in one row [1, N] with no padding, so no product computes padding;
+        # the mask and the context slots stay per row, for the attention
+        self.packed = packed and self.row_spans is not None
+        if self.packed:
+            real = t_idx.unsqueeze(0) < n_new_t.unsqueeze(1)
+            self._write_slots = slots.gather(1, self.position_ids)[real]
+            self.position_ids = self.position_ids[real].unsqueeze(0)
         if self.shared_len:
             P = self.shared_len
             self._shared_slots = slots[0, :P]
@@ -105,7 +114,7 @@ class KvcacheView:
         B, S = len(start), max(start) + 1
         view._batch, view._total_len = B, S
         view.shared_len = 0  # the buffers already hold each row's context; nothing to split
-        view.row_spans = None
+        view.row_spans, view.packed = None, False
         sink = storage.sink_page
         view._write_slots = torch.tensor(
             [(p[s // ps] if s // ps < len(p) else sink) * ps + s % ps for p, s in zip(pages, start)], device=device)
@@ -279,16 +288,17 @@ class KVCache:
         return self._table.table_tensor(task_ids, device or self._storage.device, min_width=self.pages_for(n_tokens))
 
     def bind(self, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
-             task_ids: Optional[Sequence[str]] = None) -> KvcacheView:
+             task_ids: Optional[Sequence[str]] = None, packed: bool = False) -> KvcacheView:
         """The view for one forward. Given ``task_ids``, a decode step (one new token per
         row) reads the contexts from dense buffers kept across steps instead of
-        re-gathering them from the pages (see DecodeBuffers)."""
+        re-gathering them from the pages (see DecodeBuffers). ``packed`` lets a prefill step
+        of several rows lay its tokens out in one unpadded row (the view says whether it did)."""
         if task_ids is not None and all(n == 1 for n in n_new):
             refill = self._dense.plan(task_ids, start)
             if refill is not None:
                 pages = [self._table.get(t) if t in self._table else () for t in task_ids]
                 return KvcacheView.for_decode(self._storage, page_table, pages, start, self._dense, refill)
-        return KvcacheView(self._storage, page_table, start, n_new)
+        return KvcacheView(self._storage, page_table, start, n_new, packed=packed)
 
     def decode_order(self, task_ids: Sequence[str], start: Sequence[int]) -> list[int]:
         """The order of a decode step's tasks that keeps the decode buffers' rows in place

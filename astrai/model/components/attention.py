@@ -87,17 +87,27 @@ def _attend_one_query(q, k, v, attn_mask, scale):
     return out.view(B, 1, H, values.shape[-1])
 
 
-def _attend_rows(q, k, v, attn_mask, spans):
-    """Prefill attention of several padded rows, one row at a time, without its padding.
+def _attend_rows(q, k, v, attn_mask, spans, packed: bool = False):
+    """Prefill attention of several rows, one row at a time, without padding.
 
     ``spans[b]`` = (start, n): row b's n new queries at positions start... over its
-    start + n context tokens. A row starting at 0 takes SDPA's causal kernel (which skips
-    the masked half) instead of the masked kernel over the whole padded [T, S] block; a
-    row continuing a chunked prompt gets its own slice of ``attn_mask``. On CPU, for the
-    padded rows of the 64-request benchmark's prefill steps, this took 1.41 against
-    2.57 ms (rows of 300 and 200 tokens) and 2.23 against 5.93 ms (500 and 12).
-    Queries past a row's n are padding: their output is zero.
+    start + n context tokens (``k``/``v`` [B, S, Hkv, *], padded). A row starting at 0
+    takes SDPA's causal kernel (which skips the masked half) instead of the masked
+    kernel over the whole padded [T, S] block; a row continuing a chunked prompt gets its
+    own slice of ``attn_mask``. On CPU, for the padded rows of the 64-request benchmark's
+    prefill steps, this took 1.41 against 2.57 ms (rows of 300 and 200 tokens) and 2.23
+    against 5.93 ms (500 and 12). With ``packed`` the queries are one unpadded row
+    [1, N, H, D], row b's n following row b-1's, and so is the result; otherwise
+    q is [B, T, H, D] and the padding queries' output is zero.
     """
+    if packed:
+        parts, offset = [], 0
+        for b, (start, n) in enumerate(spans):
+            end = start + n
+            mask = None if start == 0 else attn_mask[b:b + 1, :, :n, :end]
+            parts.append(_attend(q[:, offset:offset + n], k[b:b + 1, :end], v[b:b + 1, :end], mask))
+            offset += n
+        return torch.cat(parts, dim=1)
     out = q.new_zeros(*q.shape[:3], v.shape[-1])
     for b, (start, n) in enumerate(spans):
         end = start + n
@@ -175,7 +185,7 @@ class GQA(nn.Module):
             else:
                 k, v = paged_cache.gather(self.layer_idx)
                 if paged_cache.row_spans is not None:
-                    out = _attend_rows(q, k, v, paged_cache.attn_mask, paged_cache.row_spans)
+                    out = _attend_rows(q, k, v, paged_cache.attn_mask, paged_cache.row_spans, paged_cache.packed)
                 else:
                     out = _attend(q, k, v, paged_cache.attn_mask, context_lens=paged_cache.context_lens)
         else:
