@@ -30,7 +30,8 @@ class KvcacheView:
     Row b holds ``n_new[b]`` new tokens at absolute positions ``start[b]...``; rows
     are padded to T new tokens and S context tokens. Padding writes go to the sink
     page; padding queries repeat the row's last real position so every mask row has
-    a True. ``position_ids`` [B, T] is what the caller passes to the model.
+    a True. ``position_ids`` [B, T] is what the caller passes to the model ([1, N], the
+    rows' real tokens one after the other, when the view is ``packed``).
     """
 
     def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
@@ -80,7 +81,7 @@ class KvcacheView:
         self.packed = packed and self.row_spans is not None
         if self.packed:
             real = t_idx.unsqueeze(0) < n_new_t.unsqueeze(1)
-            self._write_slots = slots.gather(1, self.position_ids)[real]
+            self._write_slots = self._write_slots.view(B, T)[real]  # the padding's sink writes dropped
             self.position_ids = self.position_ids[real].unsqueeze(0)
         if self.shared_len:
             P = self.shared_len

@@ -100,19 +100,18 @@ def _attend_rows(q, k, v, attn_mask, spans, packed: bool = False):
     [1, N, H, D], row b's n following row b-1's, and so is the result; otherwise
     q is [B, T, H, D] and the padding queries' output is zero.
     """
-    if packed:
-        parts, offset = [], 0
-        for b, (start, n) in enumerate(spans):
-            end = start + n
-            mask = None if start == 0 else attn_mask[b:b + 1, :, :n, :end]
-            parts.append(_attend(q[:, offset:offset + n], k[b:b + 1, :end], v[b:b + 1, :end], mask))
-            offset += n
-        return torch.cat(parts, dim=1)
-    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    parts, offset = [], 0
     for b, (start, n) in enumerate(spans):
         end = start + n
+        queries = q[:, offset:offset + n] if packed else q[b:b + 1, :n]
         mask = None if start == 0 else attn_mask[b:b + 1, :, :n, :end]
-        out[b:b + 1, :n] = _attend(q[b:b + 1, :n], k[b:b + 1, :end], v[b:b + 1, :end], mask)
+        parts.append(_attend(queries, k[b:b + 1, :end], v[b:b + 1, :end], mask))
+        offset += n
+    if packed:
+        return torch.cat(parts, dim=1)
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    for b, (part, (_, n)) in enumerate(zip(parts, spans)):
+        out[b:b + 1, :n] = part
     return out
 
 
