@@ -81,7 +81,7 @@ def _single_request_outputs():
 def test_single_request_decode_runs_the_kernel_and_matches_recomputation(monkeypatch):
     calls = []
     real = layers.row_product
-    monkeypatch.setattr(layers, "row_product", lambda x, w, b: calls.append(w.shape) or real(x, w, b))
+    monkeypatch.setattr(layers, "row_product", lambda x, w, b=None: calls.append(w.shape) or real(x, w, b))
     got, expected = _single_request_outputs()
     assert got == expected
     assert len(calls) > 3 * 11 * 5  # every decode step's products (5 per layer + head at least)

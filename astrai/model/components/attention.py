@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.factory import BaseFactory
-from astrai.model.components.layers import Linear, RMSNorm, apply_rotary
+from astrai.model.components.layers import Linear, RMSNorm, apply_rotary, linear_group
 from astrai.model.components.native_kernels import decode_attention, decode_attention_available
 
 
@@ -167,11 +167,17 @@ class GQA(nn.Module):
         """Per-token shapes of what the KV cache stores: K and V, each [n_kv_heads, head_dim]."""
         return (config.n_kv_heads, config.resolved_head_dim), (config.n_kv_heads, config.resolved_head_dim)
 
+    def joint_linears(self) -> list[tuple[nn.Module, ...]]:
+        """The projections of the layer's input, read together by ``linear_group``."""
+        gate = (self.gate,) if self.use_gated_attention else ()
+        return [(self.q_proj, self.k_proj, self.v_proj, *gate)]
+
     def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v, *gate = linear_group(x, self.joint_linears()[0])
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary_emb
@@ -190,8 +196,8 @@ class GQA(nn.Module):
         else:
             out = _attend(q, k, v, attn_mask)
         out = out.reshape(B, T, self.n_heads * self.head_dim)
-        if self.use_gated_attention:
-            out = out * torch.sigmoid(self.gate(x))
+        if gate:
+            out = out * torch.sigmoid(gate[0])
         return self.o_proj(out)
 
 
@@ -227,12 +233,18 @@ class MLA(nn.Module):
         """The cache holds the latent [1, kv_lora_rank] as 'K' and the rotary key [1, rope_dim] as 'V'."""
         return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
 
+    def joint_linears(self) -> list[tuple[nn.Module, ...]]:
+        """The projections of the layer's input, read together by ``linear_group``."""
+        gate = (self.gate,) if self.use_gated_attention else ()
+        return [(self.q_proj, self.kv_a_proj, *gate)]
+
     def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
-        q = self.q_proj(x).view(B, T, H, self.head_dim)
+        q, latent, *gate = linear_group(x, self.joint_linears()[0])
+        q = q.view(B, T, H, self.head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_norm(c_kv).unsqueeze(2)
         k_pe = k_pe.unsqueeze(2)
         cos, sin = rotary_emb
@@ -247,6 +259,6 @@ class MLA(nn.Module):
         k = torch.cat((k_nope, k_pe.expand(B, S, H, self.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = _attend(q, k, v, attn_mask).reshape(B, T, H * self.v_head_dim)
-        if self.use_gated_attention:
-            out = out * torch.sigmoid(self.gate(x))
+        if gate:
+            out = out * torch.sigmoid(gate[0])
         return self.o_proj(out)

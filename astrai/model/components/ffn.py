@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.factory import BaseFactory
-from astrai.model.components.layers import Linear
+from astrai.model.components.layers import Linear, linear_group
 
 
 class FFNFactory(BaseFactory[nn.Module]):
@@ -27,8 +27,13 @@ class MLP(nn.Module):
         self.up = Linear(dim, dim_ffn)
         self.down = Linear(dim_ffn, dim)
 
+    def joint_linears(self) -> list[tuple[nn.Module, ...]]:
+        """gate and up read the same input: ``linear_group`` reads them together."""
+        return [(self.gate, self.up)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = linear_group(x, (self.gate, self.up))
+        return self.down(F.silu(gate) * up)
 
 
 @FFNFactory.register("moe")

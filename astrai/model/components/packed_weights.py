@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from astrai.model.components.joint_weights import joint_groups, joint_weight
+
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (version, data_ptr, packed copy)
 
 
@@ -48,21 +50,35 @@ def onednn_available() -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Pack every fp32 CPU ``nn.Linear`` weight of ``model`` for oneDNN; returns how many.
 
-    A weight shared by several modules (a tied embedding and head) is packed once.
+    A weight shared by several modules (a tied embedding and head) is packed once. A
+    group of linears laid side by side (joint_weights.py) is packed as its joint weight,
+    which ``linear_group`` reads, instead of weight by weight.
     Returns 0 without oneDNN, or when packing fails on this build."""
     if not onednn_available():
         return 0
     count = 0
+    in_groups: set[int] = set()
+    for group in joint_groups(model):
+        weights = [m.weight for m in group]
+        joint = joint_weight(weights)
+        if joint is not None:
+            in_groups.update(id(w) for w in weights)
+            if joint not in _packed and _pack(joint, _versions(weights)) is not None:
+                count += 1
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, nn.Linear) and _packable(weight) and weight not in _packed
-                and _pack(weight) is not None):
+        if (isinstance(module, nn.Linear) and _packable(weight) and id(weight) not in in_groups
+                and weight not in _packed and _pack(weight) is not None):
             count += 1
     return count
 
 
 def unpack_linears(model: nn.Module) -> None:
     """Drop ``model``'s packed copies (their memory is freed once no product holds them)."""
+    for group in joint_groups(model):
+        joint = joint_weight([m.weight for m in group])
+        if joint is not None:
+            _packed.pop(joint, None)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor):
@@ -84,6 +100,20 @@ def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return _pack(weight)
 
 
+def packed_joint_weight(joint: torch.Tensor, weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The packed copy of the joint weight of ``weights`` (joint_weights.py), packed again
+    first if any of them changed: each weight has its own version counter, which the
+    joint view does not share."""
+    entry = _packed.get(joint)
+    if entry is None:
+        return None
+    version, address, packed = entry
+    versions = _versions(weights)
+    if version == versions and joint.data_ptr() == address:
+        return packed
+    return _pack(joint, versions)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed from ``weight``'s packed copy."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -94,12 +124,16 @@ def _packable(weight) -> bool:
             and weight.device.type == "cpu")
 
 
-def _pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def _versions(weights: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(w._version for w in weights)
+
+
+def _pack(weight: torch.Tensor, version=None) -> Optional[torch.Tensor]:
     try:
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     except RuntimeError:  # a build whose oneDNN refuses this shape or layout: keep the plain product
         _packed.pop(weight, None)
         return None
-    _packed[weight] = (weight._version, weight.data_ptr(), packed)
+    _packed[weight] = (weight._version if version is None else version, weight.data_ptr(), packed)
     return packed
