@@ -99,7 +99,7 @@ def _engine_outputs(kind):
 def test_engine_decode_steps_run_the_kernel(monkeypatch):
     calls = []
     real = attention.decode_attention
-    monkeypatch.setattr(attention, "decode_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(attention, "decode_attention", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
     got, expected = _engine_outputs("tiny")
     assert got == expected
     assert calls and max(calls) > 1  # batched decode steps of several rows

@@ -45,8 +45,8 @@ def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] =
     n_rep = q.shape[2] // k.shape[2]
     if q.shape[1] == 1 and q.device.type == "cpu" and _heads_first(k) and _heads_first(v):
         if context_lens is not None and q.dtype == torch.float32 and decode_attention_available():
-            return decode_attention(q.contiguous(), k, v, context_lens,
-                                    scale if scale is not None else q.shape[-1] ** -0.5)
+            return decode_attention(q.contiguous(), k, v, context_lens,  # the decode view's lengths: in 1..S
+                                    scale if scale is not None else q.shape[-1] ** -0.5, lengths_checked=True)
         return _attend_one_query(q, k, v, attn_mask, scale)
     if n_rep > 1 and attn_mask is not None and q.device.type == "cuda":
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
@@ -141,6 +141,19 @@ def _attend_shared_prefix(q, shared, suffix, suffix_mask):
     return out.view(Hkv, B, T, rep, -1).permute(1, 2, 0, 3, 4).reshape(B, T, H, -1)
 
 
+def _rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``apply_rotary`` to q [B,T,H,D] and k [B,T,Hkv,D]; in one application when k's heads
+    directly follow q's in memory, as in the output of a joint q/k/v product (layers.py's
+    ``linear_group``): a decode step of a small model is mostly such per-op costs."""
+    if (q.dtype == k.dtype and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
+            and q.stride() == k.stride() and q.stride(3) == 1 and q.stride(2) == q.shape[3]
+            and k.storage_offset() == q.storage_offset() + q.shape[2] * q.shape[3]
+            and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()):
+        both = q.as_strided((*q.shape[:2], q.shape[2] + k.shape[2], q.shape[3]), q.stride())
+        return apply_rotary(both, cos, sin).split([q.shape[2], k.shape[2]], dim=2)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 @AttnFactory.register("gqa")
 class GQA(nn.Module):
     """Grouped-query attention with optional per-head QK-norm and sigmoid output gate."""
@@ -180,8 +193,7 @@ class GQA(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotary_emb
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = _rotate_pair(q, k, *rotary_emb)
         if paged_cache is not None:
             paged_cache.write(self.layer_idx, k, v)
             if paged_cache.shared_len:

@@ -115,21 +115,25 @@ decode_attention_available = kernels_available  # the name attention.py asks by
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, lengths_checked: bool = False) -> torch.Tensor:
     """Attention of one query per row over that row's first ``lens[row]`` keys.
 
     q [B, 1, H, D] contiguous fp32; k [B, S, Hkv, D] and v [B, S, Hkv, Dv], fp32 CPU views
     whose last dimension is contiguous (the decode buffers); ``lens`` [B] int64 with
     1 <= lens <= S. Returns [B, 1, H, Dv]. Call only when ``decode_attention_available()``.
+    ``lengths_checked`` skips the check of ``lens`` (two reductions per layer) for a
+    caller that built them itself within those limits: the engine's decode view.
     """
     B, _, H, D = q.shape
     S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     if not (q.is_contiguous() and k.stride(3) == 1 and v.stride(3) == 1 and lens.dtype == torch.int64
             and q.dtype == k.dtype == v.dtype == torch.float32 and H % Hkv == 0 and lens.shape == (B,)):
         raise ValueError("decode_attention: unsupported layout or dtype")
-    longest = int(lens.max())
-    if longest > S or int(lens.min()) < 1:
-        raise ValueError(f"decode_attention: lengths must be in 1..{S}, got {lens.tolist()}")
+    longest = S
+    if not lengths_checked:
+        longest = int(lens.max())
+        if longest > S or int(lens.min()) < 1:
+            raise ValueError(f"decode_attention: lengths must be in 1..{S}, got {lens.tolist()}")
     out = torch.empty(B, 1, H, Dv, dtype=q.dtype, device=q.device)
     lens = lens.contiguous()
     threads = torch.get_num_threads()
@@ -151,9 +155,8 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                                                                                 and bias.is_contiguous()))):
         raise ValueError("row_product: unsupported layout or dtype")
     threads = torch.get_num_threads()
-    out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype)
-    scratch = torch.empty(max(threads - 1, 0), n_out, dtype=x.dtype)  # the other threads' partial sums
+    rows = torch.empty(max(threads, 1), n_out, dtype=x.dtype)  # the result, then the other threads' partial sums
     _library().astrai_row_product_f32(
-        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-        n_in, n_out, weight.stride(1), threads)
-    return out
+        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), rows.data_ptr(),
+        rows.data_ptr() + 4 * n_out, n_in, n_out, weight.stride(1), threads)
+    return rows[0].view(*x.shape[:-1], n_out)
