@@ -12,7 +12,7 @@ column-major tied table costs 0.3-2 ms for 512 tokens.
 
 The re-layout happens in place: the parameters keep their identity, shape and values
 (``load_state_dict`` copies into them, keeping the layout), and no memory is added
-beyond one matrix's copy at a time. Saving still works: safetensors are written from
+beyond one matrix's (or one q/k/v or gate/up group's) copy at a time. Saving still works: safetensors are written from
 contiguous copies.
 """
 
