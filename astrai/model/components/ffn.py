@@ -32,7 +32,7 @@ class MLP(nn.Module):
         return [(self.gate, self.up)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear_group(x, (self.gate, self.up))
+        gate, up = linear_group(x, self.joint_linears()[0])
         return self.down(F.silu(gate) * up)
 
 

@@ -133,20 +133,20 @@ def linear_group(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> list[torch.
             and len(modules) > 1 and all(type(m).forward is Linear.forward for m in modules)):
         weights = [m.weight for m in modules]
         joint = joint_weight(weights)
-        out = None
-        if joint is None:
-            pass
-        elif x.numel() == x.shape[-1]:
-            if x.is_contiguous() and kernels_available():
-                out = row_product(x, joint)
-        else:
-            packed = packed_joint_weight(joint, weights)
-            if packed is not None:
-                out = packed_linear(x, packed, None)
+        out = None if joint is None else _joint_product(x, joint, weights)
         if out is not None:
             parts = out.split([m.out_features for m in modules], dim=-1)
             return [part if m.bias is None else part + m.bias for part, m in zip(parts, modules)]
     return [m(x) for m in modules]
+
+
+def _joint_product(x: torch.Tensor, joint: torch.Tensor, weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``x`` times the joint weight: one row by the C kernel, more from the packed copy;
+    None when neither is at hand."""
+    if x.numel() == x.shape[-1]:
+        return row_product(x, joint) if x.is_contiguous() and kernels_available() else None
+    packed = packed_joint_weight(joint, weights)
+    return None if packed is None else packed_linear(x, packed, None)
 
 
 def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
