@@ -3,6 +3,7 @@
 Usage: python parallel_worker.py <out_dir>. Rank 0 writes ddp.pt, fsdp.pt and tp.pt into out_dir.
 """
 
+import faulthandler
 import sys
 from pathlib import Path
 
@@ -17,6 +18,10 @@ from astrai.parallel.wrap import full_model_state  # noqa: E402
 from astrai.trainer import Trainer  # noqa: E402
 
 STEPS = 3
+
+# Runs in the spawned ranks too (they import this module): a rank that aborts in native code
+# (seen now and then as 'terminate called without an active exception') prints where it was.
+faulthandler.enable()
 
 
 def train(out: Path, mode: str) -> None:

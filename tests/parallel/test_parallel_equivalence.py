@@ -25,7 +25,7 @@ def distributed_results(tmp_path_factory):
         port = str(probe.getsockname()[1])
     proc = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), str(out), port], env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"written: {sorted(p.name for p in out.iterdir())}\n{proc.stderr[-3000:]}"
     return out
 
 
