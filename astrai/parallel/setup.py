@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -63,10 +64,26 @@ def setup_parallel(rank: int, world_size: int, backend: str = "auto", master_add
         dist.init_process_group(backend, rank=rank, world_size=world_size, init_method="env://")
 
 
+# How long ``cleanup_parallel`` leaves the interpreter idle after tearing the group down.
+BACKEND_SETTLE_SECONDS = 0.2
+
+
 def cleanup_parallel() -> None:
+    """Leave the process group: a last barrier, destroy it, then let its threads settle.
+
+    The settling is what makes exiting safe. gloo's worker threads outlive
+    ``destroy_process_group`` (something in DDP keeps the group alive in torch 2.13), and
+    each finished collective is released by the worker that ran it, a moment after the
+    caller has already been woken. Releasing it drops tensors that still have Python
+    objects, which needs the GIL; if the interpreter has begun finalising by then, CPython
+    ends that thread with a forced unwind through a ``noexcept`` destructor and the
+    process aborts ("terminate called without an active exception") after all its work
+    is done. Sleeping releases the GIL so the workers finish that release first.
+    """
     if is_distributed():
         dist.barrier()
         dist.destroy_process_group()
+        time.sleep(BACKEND_SETTLE_SECONDS)
 
 
 def _spawned(rank: int, fn: Callable, world_size: int, backend: str, master_addr: str, master_port: int,

@@ -129,10 +129,12 @@ def run(args: argparse.Namespace) -> int:
     config, resume = build_config(args)
     if args.dry_run:
         return dry_run(config)
+    from astrai.parallel import cleanup_parallel
     from astrai.trainer.alignment_cli import train
 
     Path(config.ckpt_dir).mkdir(parents=True, exist_ok=True)
     context = train(config, resume)
+    cleanup_parallel()  # under torchrun the Trainer joined the group: leave it before the interpreter exits
     if context is not None and context.stop_requested:
         print(f"astrai train: interrupted at step {context.step}; resume with --resume --ckpt_dir {config.ckpt_dir}")
         return 130
