@@ -49,12 +49,22 @@ def torchrun_env() -> Optional[dict[str, Any]]:
             "master_port": int(os.environ.get("MASTER_PORT", "29500"))}
 
 
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``auto``: gloo on CPU; on GPUs NCCL for CUDA tensors *and* gloo for CPU ones.
+
+    The trainer all-reduces a few small CPU tensors (loss, token counts, the stop flag);
+    a pure NCCL group has no backend for them and would fail on the first step.
+    """
+    if backend != "auto":
+        return backend
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def setup_parallel(rank: int, world_size: int, backend: str = "auto", master_addr: str = "127.0.0.1",
                    master_port: int | str = 29500, device_type: str = "auto", local_rank: Optional[int] = None) -> None:
     """Join (or create) the default process group; pin this process to its GPU."""
     device_type = default_device_type() if device_type == "auto" else device_type
-    if backend == "auto":
-        backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = resolve_backend(backend, device_type)
     if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count() if local_rank is None else local_rank)
     os.environ.setdefault("MASTER_ADDR", str(master_addr))

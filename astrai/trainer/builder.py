@@ -32,14 +32,17 @@ from astrai.trainer.strategies import StrategyFactory
 def resolve_device(config: TrainConfig) -> torch.device:
     if config.device == "auto":
         return get_current_device()
-    return torch.device(config.device)
+    try:
+        return torch.device(config.device)
+    except RuntimeError:
+        raise ConfigError(f"TrainConfig.device: {config.device!r} is not a device (auto, cpu, cuda, cuda:1, ...)") from None
 
 
 def resolve_autocast(config: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
     """bf16 autocast when asked, or by default on GPUs that support it; fp32 master weights either way."""
     if config.precision == "bf16":
         return torch.bfloat16
-    if config.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if config.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     return None
 

@@ -19,8 +19,8 @@ def capture_rng() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                        "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's device only: a resume may see fewer or other GPUs
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -31,7 +31,8 @@ def restore_rng(state: dict) -> None:
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]  # older checkpoints hold a list, one state per visible GPU
+        torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, (list, tuple)) else cuda)
 
 
 def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:

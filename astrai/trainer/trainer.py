@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,11 +12,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from astrai.config import TrainConfig
+from astrai.errors import ConfigError
 from astrai.parallel import is_distributed, setup_parallel, spawn_parallel_fn, torchrun_env, unwrap_model
 from astrai.parallel.wrap import no_sync
 from astrai.runtime import tune_allocator
 from astrai.serialization import Checkpoint
-from astrai.trainer.builder import TrainContextBuilder
+from astrai.trainer.builder import TrainContextBuilder, resolve_device
 from astrai.trainer.callbacks import CallbackFactory, TrainCallback
 from astrai.trainer.context import TrainContext
 
@@ -50,18 +52,24 @@ class Trainer:
         """Train to the end; returns the final context (None in the parent of spawned workers)."""
         config = self.train_config
         env = torchrun_env()
+        device_type = resolve_device(config).type
         if not is_distributed() and env is not None and env["world_size"] > 1:
             setup_parallel(env["rank"], env["world_size"], config.backend, env["master_addr"], env["master_port"],
-                           local_rank=env["local_rank"])
+                           device_type=device_type, local_rank=env["local_rank"])
         elif not is_distributed() and config.nprocs > 1:
-            self._build_context(checkpoint)  # fail fast on bad configs before spawning
+            if device_type == "cuda" and config.nprocs > torch.cuda.device_count():
+                raise ConfigError(f"TrainConfig.nprocs: {config.nprocs} processes but {torch.cuda.device_count()} "
+                                  f"visible GPUs; one process per GPU (or --device cpu)")
+            # Fail fast on bad configs before spawning. On the CPU: a build here on a GPU would put
+            # the model on GPU 0 and hand every rank a CUDA-shared copy of it.
+            self._build_context(checkpoint, replace(config, device="cpu"))
             spawn_parallel_fn(_train_in_worker, config.nprocs, self, checkpoint, backend=config.backend,
-                              master_addr=config.master_addr, master_port=config.master_port)
+                              master_addr=config.master_addr, master_port=config.master_port, device_type=device_type)
             return None
         return self._run(self._build_context(checkpoint))
 
-    def _build_context(self, checkpoint) -> TrainContext:
-        builder = TrainContextBuilder(self.train_config, self.model, self.train_dataset, self.val_dataset,
+    def _build_context(self, checkpoint, config: Optional[TrainConfig] = None) -> TrainContext:
+        builder = TrainContextBuilder(config or self.train_config, self.model, self.train_dataset, self.val_dataset,
                                       self.tokenizer, self.strategy_extra)
         return builder.with_checkpoint(checkpoint).build()
 

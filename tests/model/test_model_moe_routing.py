@@ -48,5 +48,19 @@ def test_gradient_reaches_every_chosen_expert_and_only_those():
     for i, expert in enumerate(moe.routed_experts):
         has_grad = expert.gate.weight.grad is not None and expert.gate.weight.grad.abs().sum() > 0
         assert has_grad == (i in chosen), f"expert {i}: chosen={i in chosen}, grad={has_grad}"
+        # idle experts get a zero gradient, not none: DDP and FSDP need every rank to reduce every parameter
+        assert all(p.grad is not None for p in expert.parameters()), f"expert {i} has no gradient"
     assert moe.router.weight.grad.abs().sum() > 0
     assert moe.shared_experts[0].up.weight.grad.abs().sum() > 0
+
+
+def test_idle_experts_do_not_run_at_inference():
+    torch.manual_seed(0)
+    model = AutoModel.from_config(preset("tiny", **MOE)).eval()
+    moe = model.layers[1].mlp
+    calls = []
+    for i, expert in enumerate(moe.routed_experts):
+        expert.register_forward_hook(lambda m, inp, out, i=i: calls.append((i, inp[0].shape[0])))
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 2)))
+    assert 0 < len(calls) <= 4 and all(rows > 0 for _, rows in calls)

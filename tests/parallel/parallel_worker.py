@@ -1,6 +1,6 @@
 """Subprocess for the distributed tests: 2 gloo CPU processes run DDP, FSDP2 and tensor-parallel checks.
 
-Usage: python parallel_worker.py <out_dir>. Rank 0 writes ddp.pt, fsdp.pt and tp.pt into out_dir.
+Usage: python parallel_worker.py <out_dir>. Rank 0 writes ddp.pt, fsdp.pt, ddp_moe.pt, fsdp_moe.pt and tp.pt into out_dir.
 """
 
 import faulthandler
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "trainer"))
-from trainer_helpers import TokenWindows, config, tiny_model  # noqa: E402
+from trainer_helpers import MOE, TokenWindows, config, tiny_model  # noqa: E402
 
 from astrai.parallel import ColumnParallelLinear, RowParallelLinear, get_rank, spawn_parallel_fn  # noqa: E402
 from astrai.parallel.wrap import full_model_state  # noqa: E402
@@ -25,13 +25,15 @@ STEPS = 3
 faulthandler.enable()
 
 
-def train(out: Path, mode: str) -> None:
-    cfg = config(out / mode, batch_per_device=2, max_steps=STEPS, parallel_mode=mode, save_final_model=False,
+def train(out: Path, mode: str, moe: bool = False) -> None:
+    name = f"{mode}_moe" if moe else mode
+    cfg = config(out / name, batch_per_device=2, max_steps=STEPS, parallel_mode=mode, save_final_model=False,
                  ckpt_interval=STEPS)
-    context = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows(n=32)).train()
+    model = tiny_model(**MOE) if moe else tiny_model()
+    context = Trainer(cfg, model=model, train_dataset=TokenWindows(n=32)).train()
     state = full_model_state(context.model)
     if get_rank() == 0:
-        torch.save({"weights": state, "loss": context.loss}, out / f"{mode}.pt")
+        torch.save({"weights": state, "loss": context.loss}, out / f"{name}.pt")
 
 
 def tensor_parallel(out: Path) -> None:
@@ -54,8 +56,9 @@ def tensor_parallel(out: Path) -> None:
 
 def worker(out: str) -> None:
     out = Path(out)
-    train(out, "ddp")
-    train(out, "fsdp")
+    for moe in (False, True):
+        train(out, "ddp", moe)
+        train(out, "fsdp", moe)
     tensor_parallel(out)
 
 

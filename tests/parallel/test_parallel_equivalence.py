@@ -11,7 +11,7 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "trainer"))
-from trainer_helpers import TokenWindows, config, tiny_model  # noqa: E402
+from trainer_helpers import MOE, TokenWindows, config, tiny_model  # noqa: E402
 
 from astrai.trainer import Trainer  # noqa: E402
 
@@ -31,20 +31,27 @@ def distributed_results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single")
-    cfg = config(tmp, batch_per_device=4, max_steps=3, save_final_model=False)
-    context = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows(n=32)).train()
-    return {k: v.detach().clone() for k, v in context.model.state_dict().items()}, context.loss
+    """One process with the doubled batch, dense and MoE: {moe: (weights, loss)}."""
+    results = {}
+    for moe in (False, True):
+        tmp = tmp_path_factory.mktemp("single")
+        cfg = config(tmp, batch_per_device=4, max_steps=3, save_final_model=False)
+        model = tiny_model(**MOE) if moe else tiny_model()
+        context = Trainer(cfg, model=model, train_dataset=TokenWindows(n=32)).train()
+        results[moe] = {k: v.detach().clone() for k, v in context.model.state_dict().items()}, context.loss
+    return results
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_data_parallel_matches_doubled_batch(distributed_results, single_process, mode):
-    result = torch.load(distributed_results / f"{mode}.pt", weights_only=True)
-    weights, loss = single_process
+def test_data_parallel_matches_doubled_batch(distributed_results, single_process, mode, moe):
+    name = f"{mode}_moe" if moe else mode
+    result = torch.load(distributed_results / f"{name}.pt", weights_only=True)
+    weights, loss = single_process[moe]
     assert result["loss"] == pytest.approx(loss, rel=1e-5)
-    for name, tensor in weights.items():
-        torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
-    assert (distributed_results / mode / "ckpt" / "step_00000003" / "meta.json").is_file()
+    for key, tensor in weights.items():
+        torch.testing.assert_close(result["weights"][key], tensor, rtol=1e-4, atol=1e-5, msg=key)
+    assert (distributed_results / name / "ckpt" / "step_00000003" / "meta.json").is_file()
 
 
 def test_tensor_parallel_linears_match_dense(distributed_results):

@@ -10,6 +10,13 @@ from astrai.model import AutoModel
 
 VOCAB = 64
 
+# tiny_model(**MOE): many small experts, two active per token. With few tokens per rank most
+# steps leave some expert idle on one rank and busy on another. No auxiliary loss: it is a
+# product of two batch means, so the mean of per-rank losses differs from the doubled
+# batch's by design.
+MOE = dict(ffn_type="moe", n_routed_experts=32, n_shared_experts=1, n_activated_experts=2, moe_dim_ffn=8,
+           n_dense_layers=0, aux_loss_coef=0.0)
+
 
 def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)

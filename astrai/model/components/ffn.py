@@ -91,9 +91,14 @@ class DeepSeekMoE(nn.Module):
         token_of_slot = order // self.n_activated_experts
         slot_weights = weights.flatten()[order].to(x.dtype)
         offsets = counts.cumsum(0).tolist()
+        # In training every expert runs, an idle one on zero rows: its gradient is then zero
+        # rather than missing, which DDP and FSDP need (each rank must reduce the same
+        # parameters; which experts a rank's tokens reach differs) and which keeps one process
+        # and several identical.
+        run_idle = self.training and torch.is_grad_enabled()
         start = 0
         for expert_id, end in enumerate(offsets):
-            if end > start:
+            if end > start or run_idle:
                 tokens = token_of_slot[start:end]
                 y = self.routed_experts[expert_id](x_flat[tokens]) * slot_weights[start:end, None]
                 out.index_add_(0, tokens, y)
