@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.parallel import is_distributed, setup_parallel, spawn_parallel_fn, torchrun_env, unwrap_model
+from astrai.parallel.setup import default_device_type
 from astrai.parallel.wrap import no_sync
 from astrai.runtime import tune_allocator
 from astrai.serialization import Checkpoint
@@ -52,7 +53,8 @@ class Trainer:
         """Train to the end; returns the final context (None in the parent of spawned workers)."""
         config = self.train_config
         env = torchrun_env()
-        device_type = resolve_device(config).type
+        # the type only: resolving 'auto' to a device index would start CUDA in a parent that only spawns
+        device_type = default_device_type() if config.device == "auto" else resolve_device(config).type
         if not is_distributed() and env is not None and env["world_size"] > 1:
             setup_parallel(env["rank"], env["world_size"], config.backend, env["master_addr"], env["master_port"],
                            device_type=device_type, local_rank=env["local_rank"])
