@@ -29,7 +29,7 @@ def test_cleanup_destroys_the_group_then_settles(tmp_path, monkeypatch):
     monkeypatch.setattr(parallel_setup.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        dist.all_reduce(parallel_setup.torch.ones(4))  # a finished collective for the workers to release
+        dist.all_reduce(torch.ones(4))  # a finished collective for the workers to release
         cleanup_parallel()
     finally:
         if is_distributed():
