@@ -34,6 +34,7 @@ STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 # conversation set and wreck held-out perplexity (seen: 6.6 passes took English perplexity
 # from 31 after pre-training to ~1400).
 SFT_MAX_PASSES = 1.5
+STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
 TRAIN_STAGES = tuple(STAGE_SHARES)
 
@@ -247,13 +248,23 @@ class Quickstart:
         return tokens_per_s
 
     # --- training stages ------------------------------------------------------------------
-    def stage_seconds(self, name: str) -> float:
-        """This stage's share of the time left, after reserving the remaining evaluations."""
+    def training_seconds_left(self, name: str) -> float:
+        """Time left for this and the later training stages, after reserving their evaluations."""
         remaining = TRAIN_STAGES[TRAIN_STAGES.index(name):]
         per_eval = self.eval_seconds if self.eval_seconds is not None else self.estimate_eval_seconds()
         eval_reserve = min(len(remaining) * per_eval, 0.3 * self.deadline.left) + 5.0
+        return self.deadline.left - eval_reserve
+
+    def stage_seconds(self, name: str) -> float:
+        """This stage's share of the time left, after reserving the remaining evaluations."""
+        remaining = TRAIN_STAGES[TRAIN_STAGES.index(name):]
         share = STAGE_SHARES[name] / sum(STAGE_SHARES[n] for n in remaining)
-        return max(5.0, (self.deadline.left - eval_reserve) * share)
+        return max(5.0, self.training_seconds_left(name) * share)
+
+    def stage_time_limit(self, name: str, seconds: float) -> float:
+        """When the deadline guard ends a stage: 15% past its plan, but never past the run's
+        end (the last stage has no later one to take the overrun from)."""
+        return max(seconds, min(STAGE_OVERRUN * seconds, self.training_seconds_left(name)))
 
     def estimate_eval_seconds(self) -> float:
         """Before the first evaluation has been timed: forward passes cost about a third of
@@ -342,7 +353,7 @@ class Quickstart:
                 f"({self.deadline.left / 60:.1f} min left in the run)")
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
-        callbacks = [] if self.s.steps else [make_stage_deadline_callback(seconds * 1.15)]
+        callbacks = [] if self.s.steps else [make_stage_deadline_callback(self.stage_time_limit(name, seconds))]
         context = Trainer(config, callbacks=callbacks, strategy_extra=extra).train(checkpoint=checkpoint)
         if context is None or context.stop_requested:
             log(f"{name} interrupted after step {context.step if context else '?'}; its checkpoint is saved: "

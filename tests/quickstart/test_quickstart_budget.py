@@ -30,6 +30,17 @@ def test_stage_shares_split_the_time_left(tmp_path):
     assert sum(STAGE_SHARES.values()) == pytest.approx(1.0)
 
 
+def test_only_stages_with_a_successor_may_overrun_their_plan(tmp_path):
+    qs = planner(tmp_path, minutes=15.0, spent=60.0)
+    qs.eval_seconds = 10.0
+    pretrain = qs.stage_seconds("pretrain")
+    assert qs.stage_time_limit("pretrain", pretrain) == pytest.approx(1.15 * pretrain, rel=1e-3)
+    grpo = qs.stage_seconds("grpo")  # the last one: its overrun would come out of the whole run's budget
+    assert qs.stage_time_limit("grpo", grpo) == pytest.approx(grpo, rel=1e-3)
+    too_long = qs.deadline.left + 100
+    assert qs.stage_time_limit("grpo", too_long) == too_long  # never below the stage's own plan
+
+
 def test_step_counts_follow_the_measured_throughput(tmp_path):
     qs = planner(tmp_path, tokens_per_s=4000.0)
     qs.s.steps = None
