@@ -11,7 +11,9 @@ the eval package), so it doubles as a worked example.
 Time: a short measured training run gives the machine's tokens/s; each stage then
 gets a share of the time that is left (recomputed at every stage, so a slow stage
 does not sink the rest), turned into a step count, with a deadline callback as a
-guard. Resume: every finished stage leaves ``done.json``; an unfinished training
+guard. Pre-training checks the probe against its own first steps and starts over with
+the rate it measured when the two disagree (the probe lasts seconds; a busy moment
+would otherwise size the longest stage). Resume: every finished stage leaves ``done.json``; an unfinished training
 stage continues from its last checkpoint, with the settings it started with.
 """
 
@@ -36,6 +38,11 @@ STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 SFT_MAX_PASSES = 1.5
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
+# Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
+# by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured. A probe
+# taken while something else had a core read half the real rate, and pre-training got half its time.
+PACE_CHECK_STEPS = (5, 25)
+PACE_TOLERANCE = 0.2
 TRAIN_STAGES = tuple(STAGE_SHARES)
 
 
@@ -112,6 +119,29 @@ def make_stage_deadline_callback(seconds: float):
                 context.total_steps = context.step
 
     return StageDeadline()
+
+
+def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int, clock=time.perf_counter):
+    """A TrainCallback timing steps PACE_CHECK_STEPS; when their rate is off ``expected`` by
+    more than PACE_TOLERANCE it records the rate in ``measured`` and ends the stage there."""
+    from astrai.trainer import TrainCallback
+
+    first, last = PACE_CHECK_STEPS
+
+    class PaceCheck(TrainCallback):
+        measured: Optional[float] = None
+        started: Optional[float] = None
+
+        def on_step_end(self, context) -> None:
+            if context.step == first:
+                self.started = clock()
+            elif context.step == last and self.started is not None:
+                rate = (last - first) * tokens_per_step / max(clock() - self.started, 1e-9)
+                if abs(rate / expected_tokens_per_s - 1) > PACE_TOLERANCE:
+                    self.measured = rate
+                    context.total_steps = context.step
+
+    return PaceCheck()
 
 
 # --- the run ------------------------------------------------------------------------
@@ -321,7 +351,7 @@ class Quickstart:
         steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
 
-    def train_stage(self, index: int, name: str) -> dict:
+    def train_stage(self, index: int, name: str, check_pace: bool = True) -> dict:
         from astrai.config import TrainConfig
         from astrai.serialization import latest_checkpoint
         from astrai.trainer import Trainer
@@ -354,11 +384,24 @@ class Quickstart:
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
         callbacks = [] if self.s.steps else [make_stage_deadline_callback(self.stage_time_limit(name, seconds))]
+        pace = None
+        # only a fresh, time-sized pre-training whose checkpoints all come after the timed steps
+        if check_pace and name == "pretrain" and callbacks and checkpoint is None and config.ckpt_interval > PACE_CHECK_STEPS[1]:
+            pace = make_pace_check_callback(self.tps, config.batch_per_device * config.window_size)
+            callbacks.append(pace)
         context = Trainer(config, callbacks=callbacks, strategy_extra=extra).train(checkpoint=checkpoint)
         if context is None or context.stop_requested:
             log(f"{name} interrupted after step {context.step if context else '?'}; its checkpoint is saved: "
                 f"run the same command again to resume")
             raise KeyboardInterrupt
+        if pace is not None and pace.measured is not None:
+            first, last = PACE_CHECK_STEPS
+            log(f"{name}: steps {first}-{last} ran at {pace.measured:.0f} tokens/s, not the probed {self.tps:.0f} "
+                f"(the machine's load changed): planning the stage again")
+            shutil.rmtree(self.stage_dir(name))
+            write_json(self.out / "throughput.json", {"tokens_per_s": pace.measured, "probed_tokens_per_s": self.tps})
+            self.tps = pace.measured
+            return self.train_stage(index, name, check_pace=False)
         train_seconds = time.perf_counter() - start
         metrics = _metrics(self.stage_dir(name) / "ckpt")
         record = {

@@ -1,12 +1,18 @@
 """Sizing the stages from the time budget, the deadline guard, and the command line."""
 
+import json
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import astrai.quickstart as quickstart
+import astrai.trainer
 from astrai.cli import main
-from astrai.quickstart import PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, STAGE_SHARES, Deadline, Quickstart, Settings, make_stage_deadline_callback, write_json
+from astrai.quickstart import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, STAGE_SHARES,
+                               Deadline, Quickstart, Settings, make_pace_check_callback, make_stage_deadline_callback,
+                               write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -75,3 +81,86 @@ def test_deadline_guard_ends_the_stage_like_a_reached_budget():
 def test_cli_refuses_a_non_positive_budget(capsys):
     assert main(["quickstart", "--minutes", "0", "--out", "unused"]) == 2
     assert "--minutes must be positive" in capsys.readouterr().err
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pace_check_ends_the_stage_only_when_the_rate_is_off():
+    first, last = PACE_CHECK_STEPS
+    for seconds_per_step, stops in ((1.0, False), (1.0 / (1 + PACE_TOLERANCE + 0.05), True),
+                                    (1.0 / (1 - PACE_TOLERANCE - 0.05), True)):
+        clock = FakeClock()
+        check = make_pace_check_callback(1000.0, 1000, clock=clock)  # expects one step a second
+        context = SimpleNamespace(step=0, total_steps=500)
+        while context.step < context.total_steps:
+            context.step += 1
+            clock.now += seconds_per_step
+            check.on_step_end(context)
+        assert (context.total_steps == last) == stops
+        assert (check.measured == pytest.approx(1000.0 / seconds_per_step)) if stops else check.measured is None
+
+
+class StandInTrainer:
+    """Runs the callbacks over steps that cost nothing but fake-clock time, at ``rate`` tokens/s."""
+
+    rate = 0.0
+    clock = FakeClock()
+    runs: list = []
+
+    def __init__(self, config, callbacks=(), strategy_extra=None):
+        self.config, self.callbacks = config, list(callbacks)
+
+    def train(self, checkpoint=None):
+        context = SimpleNamespace(step=0, total_steps=self.config.max_steps, done=False, stop_requested=False,
+                                  tokens_seen=0)
+        for callback in self.callbacks:
+            callback.on_train_begin(context)
+        tokens_per_step = self.config.batch_per_device * self.config.window_size
+        while context.step < context.total_steps:
+            context.step += 1
+            context.tokens_seen += tokens_per_step
+            self.clock.now += tokens_per_step / self.rate
+            for callback in self.callbacks:
+                callback.on_step_end(context)
+        Path(self.config.ckpt_dir).mkdir(parents=True, exist_ok=True)
+        StandInTrainer.runs.append({"planned": self.config.max_steps, "ran": context.step,
+                                    "callbacks": [type(c).__name__ for c in self.callbacks]})
+        return context
+
+
+@pytest.mark.parametrize("real_rate,restarts", [(8000.0, True), (4400.0, False)])
+def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, monkeypatch, real_rate, restarts):
+    qs = planner(tmp_path, tokens_per_s=4000.0)
+    qs.s.steps = None
+    qs.evaluate = lambda name: {}
+    write_json(qs.out / "throughput.json", {"tokens_per_s": 4000.0})
+    StandInTrainer.rate, StandInTrainer.runs = real_rate, []
+    monkeypatch.setattr(astrai.trainer, "Trainer", StandInTrainer)
+    real_check = quickstart.make_pace_check_callback
+    monkeypatch.setattr(quickstart, "make_pace_check_callback",
+                        lambda tps, tokens: real_check(tps, tokens, clock=StandInTrainer.clock))
+    record = qs.train_stage(0, "pretrain")
+    runs = StandInTrainer.runs
+    if not restarts:  # within the tolerance: the plan stands
+        assert len(runs) == 1 and runs[0]["ran"] == runs[0]["planned"] and "PaceCheck" in runs[0]["callbacks"]
+        assert qs.tps == 4000.0
+        return
+    assert len(runs) == 2
+    assert runs[0]["ran"] == PACE_CHECK_STEPS[1] and "PaceCheck" in runs[0]["callbacks"]
+    assert "PaceCheck" not in runs[1]["callbacks"]  # checked once: a second plan is never thrown away
+    # planned again at the measured rate: about twice the steps (the faster rate also shrinks
+    # the reserve for evaluations a little)
+    seconds = json.loads((qs.stage_dir("pretrain") / "budget.json").read_text())["seconds"]
+    assert runs[1]["planned"] == int(PRETRAIN_STEP_SHARE * seconds * real_rate / (qs.s.batch_size * qs.s.window_size))
+    assert runs[1]["planned"] == pytest.approx(2 * runs[0]["planned"], rel=0.05)
+    assert record["steps"] == runs[1]["planned"] and qs.tps == pytest.approx(real_rate)
+    saved = json.loads((qs.out / "throughput.json").read_text())
+    assert saved == {"tokens_per_s": pytest.approx(real_rate), "probed_tokens_per_s": 4000.0}
+    saved_plan = json.loads((qs.stage_dir("pretrain") / "train_config.json").read_text())
+    assert saved_plan["max_steps"] == runs[1]["planned"]  # a resumed run continues the second plan
