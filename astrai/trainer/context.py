@@ -51,13 +51,18 @@ class TrainContext:
     start_step: int = 0
     batch: Optional[dict] = None
     loss: Optional[float] = None
-    micro_loss: Optional[float] = None
+    micro_loss_tensor: Optional[torch.Tensor] = None  # the last micro-batch's loss, left on its device
     grad_norm: Optional[float] = None
     val_loss: Optional[float] = None
     router_stats: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     stop_requested: bool = False
     error: Optional[BaseException] = None
+
+    @property
+    def micro_loss(self) -> Optional[float]:
+        """The last micro-batch's loss (reading it waits for that micro-batch's kernels)."""
+        return None if self.micro_loss_tensor is None else float(self.micro_loss_tensor)
 
     @property
     def is_main(self) -> bool:

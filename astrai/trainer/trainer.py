@@ -152,7 +152,9 @@ class Trainer:
     def _train_step(self, context: TrainContext, window: list[dict], fire) -> None:
         model, strategy = context.model, context.strategy
         weights = self._micro_batch_weights(context, window)
-        step_loss = torch.zeros((), dtype=torch.float64)
+        # kept on the device and read once per optimizer step: a host read per micro-batch
+        # would make the CPU wait for each one's kernels before queueing the next
+        step_loss = torch.zeros((), dtype=torch.float64, device=context.device)
         use_autocast = context.autocast_dtype is not None
         for i, (batch, weight) in enumerate(zip(window, weights)):
             context.batch = batch
@@ -162,15 +164,15 @@ class Trainer:
                                     enabled=use_autocast):
                     loss = strategy.compute_loss(batch)
                 (loss * weight).backward()
-            step_loss += loss.detach().to("cpu", torch.float64) * weight
-            context.micro_loss = float(loss.detach())
+            step_loss += loss.detach().to(torch.float64) * weight
+            context.micro_loss_tensor = loss.detach()
             context.iteration += 1
             context.tokens_seen += batch_tokens(batch) * context.world_size
             fire("on_batch_end")
         if context.world_size > 1:
             dist.all_reduce(step_loss)
         context.loss = float(step_loss) / context.world_size
-        context.metrics = dict(strategy.metrics)
+        context.metrics = host_values(strategy.metrics)
         router_stats = getattr(unwrap_model(model), "router_stats", None)
         context.router_stats = router_stats() if callable(router_stats) else {}
         fire("on_optimizer_step")
@@ -178,6 +180,20 @@ class Trainer:
         context.scheduler.step()
         context.optimizer.zero_grad(set_to_none=True)
         context.batch = None
+
+
+def host_values(metrics: dict) -> dict:
+    """Strategies may leave their metrics as 0-d tensors where they were computed; read
+    them to Python floats with one transfer per device instead of one each."""
+    out = dict(metrics)
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(name)
+    for names in by_device.values():
+        values = torch.stack([metrics[n].detach().reshape(()).to(torch.float64) for n in names]).tolist()
+        out.update(zip(names, values))
+    return out
 
 
 def _train_in_worker(trainer: Trainer, checkpoint) -> None:

@@ -120,3 +120,41 @@ def test_reward_model_held_out_accuracy_rises(tokenizer, preference_records):
     end = held_out_accuracy()
     print(f"reward model held-out pairwise accuracy: start {start:.3f}, end {end:.3f}")
     assert end > 0.57 and end > start + 0.05, (start, end)
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value into Python (``item()``, ``float()``): on a GPU each
+    one makes the CPU wait for every kernel queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("train_type,kwargs", [("dpo", {"beta": 0.1}), ("kl", {"beta": 0.5})])
+def test_compute_loss_leaves_metrics_on_the_device(tokenizer, preference_records, train_type, kwargs):
+    """The loss and metrics of a micro-batch are not read to the host: the trainer reads
+    them once per optimizer step (``host_values``), so micro-batches queue back to back."""
+    from astrai.trainer.strategies.kl import snapshot_reference
+    from astrai.trainer.trainer import host_values
+
+    torch.manual_seed(0)
+    model = tiny_lm(tokenizer.vocab_size)
+    strategy = StrategyFactory.create(model, train_type, **kwargs)
+    if train_type == "kl":
+        strategy.reference = snapshot_reference(model)
+        ids = torch.randint(0, tokenizer.vocab_size, (2, 17))
+        batch = {"input_ids": ids[:, :-1], "target_ids": ids[:, 1:]}
+    else:
+        batch = encode_pairs(tokenizer, preference_records[:4])
+    with HostReads() as reads:
+        loss = strategy.compute_loss(batch)
+        loss.backward()
+    assert reads.count == 0
+    metrics = host_values(strategy.metrics)
+    assert metrics and all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())

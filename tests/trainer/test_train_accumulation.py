@@ -11,6 +11,10 @@ class GradCapture(TrainCallback):
     def __init__(self):
         self.grads = None
         self.losses = []
+        self.micro_losses = []
+
+    def on_batch_end(self, context):
+        self.micro_losses.append(context.micro_loss)
 
     def on_optimizer_step(self, context):
         if self.grads is None:
@@ -33,3 +37,11 @@ def test_accumulated_gradients_equal_big_batch(tmp_path, train_type):
     assert small.losses == pytest.approx(big.losses, rel=1e-5)
     for name, grad in big.grads.items():
         torch.testing.assert_close(small.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_step_loss_is_the_mean_of_its_micro_batch_losses(tmp_path):
+    """seq: every micro-batch has the same number of loss tokens, so their plain mean is the step's."""
+    capture = first_step_grads(tmp_path, "seq", batch=2, accum=4)
+    assert len(capture.micro_losses) == 8 and all(isinstance(v, float) for v in capture.micro_losses)
+    for step, loss in enumerate(capture.losses):
+        assert loss == pytest.approx(sum(capture.micro_losses[4 * step:4 * step + 4]) / 4, rel=1e-6)

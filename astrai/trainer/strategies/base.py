@@ -22,7 +22,9 @@ class BaseStrategy:
     ``model`` is the (possibly DDP-wrapped) model the optimizer updates; ``device``
     is where batches go. Subclasses implement ``compute_loss`` and may:
 
-    - fill ``self.metrics`` (name → float) on each call; the metric logger records it;
+    - fill ``self.metrics`` (name → float, or a 0-d tensor left on its device: the
+      trainer reads those to the host once per optimizer step) on each call; the metric
+      logger records it;
     - override ``count_loss_units(batch)`` to return how many units (tokens, pairs)
       the returned *mean* loss averages over, so the trainer can weight micro-batches
       and ranks and make gradient accumulation exactly equal to one big batch;
@@ -32,7 +34,7 @@ class BaseStrategy:
     def __init__(self, model: nn.Module, device: str | torch.device = "cpu", **kwargs: Any):
         self.model = model
         self.device = torch.device(device)
-        self.metrics: dict[str, float] = {}
+        self.metrics: dict[str, float | torch.Tensor] = {}
         self.options = kwargs
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

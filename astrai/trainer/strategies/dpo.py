@@ -48,7 +48,7 @@ class DPOStrategy(BaseStrategy):
         with self.reference.active() as ref:
             reference = sequence_logprobs(ref, ids, mask)
         loss, metrics = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.beta, self.reduction)
-        self.metrics = {"dpo_loss": loss.item(), **metrics}
+        self.metrics = {"dpo_loss": loss.detach(), **metrics}
         return loss
 
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:

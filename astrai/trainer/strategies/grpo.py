@@ -118,10 +118,10 @@ class GRPOStrategy(BaseStrategy):
         loss, metrics = grpo_loss(logp, old_logp, ref_logp, advantages, mask, self.clip_eps, self.kl_coef,
                                   self.reduction)
         self.metrics = {
-            "grpo_loss": loss.item(),
+            "grpo_loss": loss.detach(),
             "reward_mean": rewards.float().mean().item(),
             "reward_std": rewards.float().std(unbiased=False).item(),
-            "response_length": mask.sum(dim=1).float().mean().item(),
+            "response_length": mask.sum(dim=1).float().mean(),
             **metrics,
         }
         return loss

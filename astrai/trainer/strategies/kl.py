@@ -68,8 +68,8 @@ class KLStrategy(SEQStrategy):
             with self.reference.active() as ref:
                 ref_nll = token_cross_entropy(ref(**inputs)["logits"], targets, self.label_smoothing)
             loss, penalty = kl_stage_loss(nll, ref_nll, self.beta)
-        self.metrics = {"stage": float(self.stage), "beta": self.effective_beta, "nll": nll.item(),
-                        "kl_penalty": penalty.item()}
+        self.metrics = {"stage": float(self.stage), "beta": self.effective_beta, "nll": nll.detach(),
+                        "kl_penalty": penalty.detach()}
         return self.add_aux_loss(loss, outputs)
 
 

@@ -60,10 +60,10 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     margin = chosen_reward - rejected_reward
     loss = reduce(-F.logsigmoid(margin), reduction)
     metrics = {
-        "reward_chosen": chosen_reward.detach().mean().item(),
-        "reward_rejected": rejected_reward.detach().mean().item(),
-        "reward_margin": margin.detach().mean().item(),
-        "reward_accuracy": (margin.detach() > 0).float().mean().item(),
+        "reward_chosen": chosen_reward.detach().mean(),
+        "reward_rejected": rejected_reward.detach().mean(),
+        "reward_margin": margin.detach().mean(),
+        "reward_accuracy": (margin.detach() > 0).float().mean(),
     }
     return loss, metrics
 
@@ -73,9 +73,9 @@ def pairwise_reward_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, reduc
     diff = r_chosen - r_rejected
     loss = reduce(-F.logsigmoid(diff), reduction)
     metrics = {
-        "reward_chosen": r_chosen.detach().mean().item(),
-        "reward_rejected": r_rejected.detach().mean().item(),
-        "reward_accuracy": (diff.detach() > 0).float().mean().item(),
+        "reward_chosen": r_chosen.detach().mean(),
+        "reward_rejected": r_rejected.detach().mean(),
+        "reward_accuracy": (diff.detach() > 0).float().mean(),
     }
     return loss, metrics
 
@@ -144,9 +144,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     with torch.no_grad():
         clipped_tokens = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).float()
         metrics = {
-            "policy_loss": masked_mean(policy_term, mask).item(),
-            "kl": masked_mean(kl_term, mask).item(),
-            "clip_fraction": masked_mean(clipped_tokens, mask).item(),
+            "policy_loss": masked_mean(policy_term, mask),
+            "kl": masked_mean(kl_term, mask),
+            "clip_fraction": masked_mean(clipped_tokens, mask),
         }
     return loss, metrics
 

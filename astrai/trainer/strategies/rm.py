@@ -42,7 +42,7 @@ class RMStrategy(BaseStrategy):
         batch = self.to_device(batch)
         chosen, rejected = pair_scores(self.model, batch)
         loss, metrics = pairwise_reward_loss(chosen, rejected, self.reduction)
-        self.metrics = {"rm_loss": loss.item(), **metrics}
+        self.metrics = {"rm_loss": loss.detach(), **metrics}
         return loss
 
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
