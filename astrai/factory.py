@@ -49,6 +49,16 @@ class Registry:
         return [n for n, _ in sorted(entries, key=lambda item: (-item[1].priority, item[0]))]
 
 
+_REGISTRIES: dict[str, Registry] = {}  # kind → its factory's registry
+
+
+def registered_names(kind: str) -> list[str]:
+    """Names registered so far under ``kind`` (e.g. "train_type"), for a layer below the
+    factory's own module that must not import it (TrainConfig.validate)."""
+    registry = _REGISTRIES.get(kind)
+    return registry.list_names() if registry is not None else []
+
+
 class BaseFactory(Generic[T]):
     """A class-level registry with a ``register`` decorator and ``create``.
 
@@ -63,6 +73,7 @@ class BaseFactory(Generic[T]):
         super().__init_subclass__(**kwargs)
         if "_registry" not in cls.__dict__:
             cls._registry = Registry(cls.__dict__.get("kind", cls.kind))
+            _REGISTRIES.setdefault(cls._registry.kind, cls._registry)
 
     @classmethod
     def register(cls, name: str, category: str = "default", priority: int = 0) -> Callable[[type], type]:

@@ -14,6 +14,7 @@ from typing import Optional
 
 from astrai.config.json_file import JsonConfig
 from astrai.errors import ConfigError
+from astrai.factory import registered_names
 
 TRAIN_TYPES = ("seq", "sft", "dpo", "rm", "grpo", "kl")
 SCHEDULES = ("cosine", "sgdr", "wsd", "constant")
@@ -98,7 +99,9 @@ class TrainConfig(JsonConfig):
             if not cond:
                 raise ConfigError(f"TrainConfig.{name}: {msg} (got {getattr(self, name)!r})")
 
-        need(self.train_type in TRAIN_TYPES, "train_type", f"choose one of {', '.join(TRAIN_TYPES)}")
+        # a strategy the user registered (StrategyFactory.register) is valid too
+        need(self.train_type in TRAIN_TYPES or self.train_type in registered_names("train_type"), "train_type",
+             f"choose one of {', '.join(TRAIN_TYPES)} or a registered strategy's name")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"choose one of {', '.join(OPTIMIZERS)}")
         need(self.schedule in SCHEDULES, "schedule", f"choose one of {', '.join(SCHEDULES)}")
         need(self.precision in PRECISIONS, "precision", f"choose one of {', '.join(PRECISIONS)}")

@@ -103,3 +103,26 @@ def test_moe_aux_loss_is_added_in_training():
 def test_unknown_train_type_is_a_config_error():
     with pytest.raises(ConfigError, match="train_type"):
         StrategyFactory.create(tiny_model(), "nope", "cpu")
+
+
+def test_a_user_registered_strategy_trains_and_an_unknown_name_is_refused(tmp_path):
+    """training.md's "Writing a strategy": a registered name is a valid train_type; an
+    unregistered one is refused before training with the registry's names."""
+    from trainer_helpers import TokenWindows, config
+
+    from astrai.trainer import Trainer
+    from astrai.trainer.strategies import BaseStrategy
+
+    calls = []
+
+    @StrategyFactory.register("test_mean_logit")
+    class MeanLogit(BaseStrategy):
+        def compute_loss(self, batch):
+            calls.append(1)
+            return self.model(batch["input_ids"].to(self.device))["logits"].float().pow(2).mean()
+
+    context = Trainer(config(tmp_path / "custom", train_type="test_mean_logit", max_steps=2, save_final_model=False),
+                      model=tiny_model(), train_dataset=TokenWindows(n=16)).train()
+    assert context.step == 2 and len(calls) == 2
+    with pytest.raises(ConfigError, match="TrainConfig.train_type: choose one of .* or a registered strategy"):
+        config(tmp_path / "bad", train_type="not_registered", max_steps=2).validate()

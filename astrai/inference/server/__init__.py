@@ -7,7 +7,7 @@ so ``uvicorn astrai.inference.server:app`` also works.
 """
 
 from .anthropic_handler import AnthropicHandler
-from .app import create_app
+from .application import create_app
 from .generation import StreamContext
 from .openai_handler import OpenAICompletionHandler, OpenAIHandler
 from .protocol import ProtocolHandler

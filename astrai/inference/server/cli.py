@@ -6,7 +6,7 @@ import argparse
 
 from astrai.errors import ConfigError
 
-from .app import DEFAULT_MAX_BODY_BYTES
+from .application import DEFAULT_MAX_BODY_BYTES
 from .runner import API_KEY_ENV
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 from astrai.errors import ConfigError
 
-from .app import DEFAULT_MAX_BODY_BYTES, create_app
+from .application import DEFAULT_MAX_BODY_BYTES, create_app
 
 API_KEY_ENV = "ASTRAI_API_KEY"
 
