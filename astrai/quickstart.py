@@ -13,8 +13,9 @@ gets a share of the time that is left (recomputed at every stage, so a slow stag
 does not sink the rest), turned into a step count, with a deadline callback as a
 guard. Pre-training checks the probe against its own first steps and starts over with
 the rate it measured when the two disagree (the probe lasts seconds; a busy moment
-would otherwise size the longest stage). Resume: every finished stage leaves ``done.json``; an unfinished training
-stage continues from its last checkpoint, with the settings it started with.
+would otherwise size the longest stage). Resume: every finished stage leaves
+``done.json``; an unfinished training stage continues from its last checkpoint, with
+the settings it started with.
 """
 
 from __future__ import annotations
