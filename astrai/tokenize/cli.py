@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 
 from astrai.tokenize.training import SPECIAL_TOKENS
@@ -24,6 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     info.add_argument("path", help="tokenizer directory or tokenizer.json")
 
 
+def _hex_bytes(error: UnicodeDecodeError) -> tuple[str, int]:
+    return "".join(f"<0x{b:02X}>" for b in error.object[error.start:error.end]), error.end
+
+
+codecs.register_error("astrai_hex_bytes", _hex_bytes)
+
+
+def readable_piece(data: bytes) -> str:
+    """A token's text, with the bytes of an incomplete character written ``<0xE5><0xBA>``."""
+    return data.decode("utf-8", errors="astrai_hex_bytes")
+
+
 def run(args: argparse.Namespace) -> int:
     from astrai.tokenize import AutoTokenizer
 
@@ -35,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.action == "encode":
         tokenizer = AutoTokenizer.from_pretrained(args.path)
         ids = tokenizer.encode(args.text)
-        print(json.dumps({"ids": ids, "pieces": [tokenizer.decode([i], skip_special_tokens=False) for i in ids]},
+        print(json.dumps({"ids": ids, "pieces": [readable_piece(tokenizer.token_bytes(i)) for i in ids]},
                          ensure_ascii=False))
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.path)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from astrai.errors import CheckpointError, DataError
 from astrai.tokenize.chat_template import ChatTemplate, default_template
@@ -23,6 +23,17 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 END_OF_TURN = "<|im_end|>"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character → byte of the byte-level BPE alphabet (GPT-2's): printable Latin-1 bytes stand for
+    themselves, the other bytes (controls, space, a few more) for the code points from 256 upwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _token_text(value: Any) -> str | None:
@@ -119,6 +130,17 @@ class AutoTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for. A byte-level token may hold part of a UTF-8 character
+        (a CJK character is often two tokens), which ``decode([id])`` can only show as U+FFFD."""
+        token = self._tokenizer.id_to_token(int(token_id))
+        if token is None:
+            raise DataError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        if byte_level and int(token_id) not in self.special_ids and all(c in _BYTE_OF_CHAR for c in token):
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)

@@ -89,12 +89,17 @@ def test_cli_rejects_bad_alignment_flags(prepared, tokenizer_dir, capsys):
     assert "needs stages" in capsys.readouterr().err
 
 
-def test_cli_kl_stages(prepared, bundled_data, tokenizer_dir):
+@pytest.fixture(scope="module")
+def seq_data(prepared, bundled_data, tokenizer_dir):
     docs = prepared / "docs.jsonl"
     docs.write_text("".join((bundled_data / "pretrain" / "train.jsonl").read_text(encoding="utf-8")
                             .splitlines(True)[:40]), encoding="utf-8")
     assert main(["preprocess", str(docs), "-o", str(prepared / "seq"), "--tokenizer", str(tokenizer_dir),
                  "--train_type", "seq", "--quiet"]) == 0
+    return prepared / "seq"
+
+
+def test_cli_kl_stages(prepared, seq_data, tokenizer_dir):
     args = common(prepared, tokenizer_dir, "kl", "kl", "seq")
     args[args.index("--window_size") + 1] = "32"
     args[args.index("--max_steps"):args.index("--max_steps") + 2] = []
@@ -105,6 +110,19 @@ def test_cli_kl_stages(prepared, bundled_data, tokenizer_dir):
     stage0, stage1 = metrics(run / "stage_0"), metrics(run / "stage_1")
     assert {r["beta"] for r in stage0} == {0.0} and {r["beta"] for r in stage1} == {0.2}
     assert {r["stage"] for r in stage1} == {1.0}
+
+
+def test_cli_kl_checks_every_stage_before_training(prepared, seq_data, tokenizer_dir, capsys):
+    """Bad data in a later stage is reported before stage 0 spends any time training."""
+    args = common(prepared, tokenizer_dir, "kl_bad", "kl", "seq")
+    args[args.index("--window_size") + 1] = "32"
+    args[args.index("--max_steps"):args.index("--max_steps") + 2] = []
+    for late, expected in [(prepared / "no_such_data", "does not exist"), (prepared / "grpo", "seq data needs keys")]:
+        mixtures = [[{"path": str(seq_data)}], [{"path": str(late), "rate": 1.0}]]
+        assert main(args + ["--stage_tokens", "256,256", "--stage_datasets", json.dumps(mixtures)]) == 2
+        err = capsys.readouterr().err
+        assert "KL stage 1" in err and late.name in err and expected in err, err
+        assert not (prepared / "kl_bad" / "stage_0").exists()  # nothing trained
 
 
 def test_preference_record_without_rejected_is_named(tmp_path, tokenizer_dir, capsys):

@@ -2,6 +2,7 @@
 and survives save/load; a plain Hugging Face tokenizer.json loads too."""
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -69,6 +70,33 @@ def test_save_and_load_preserve_everything(tokenizer, tokenizer_dir):
     assert AutoTokenizer.from_pretrained(tokenizer_dir / "tokenizer.json").encode(MIXED) == tokenizer.encode(MIXED)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60))
+def test_token_bytes_concatenate_to_the_utf8_text(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == tokenizer.decode(ids, skip_special_tokens=False).encode()
+
+
+def test_cli_encode_shows_partial_characters_as_bytes(tokenizer, tokenizer_dir, capsys):
+    """A character split across tokens is shown as its bytes, not as replacement characters."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text = "饕餮 and 🙂"  # rare in the corpus: byte pieces in a 1000-entry vocabulary
+    assert run(parser.parse_args(["encode", str(tokenizer_dir), text])) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["ids"] == tokenizer.encode(text)
+    assert not any("\ufffd" in piece for piece in shown["pieces"])
+    assert any(piece.startswith("<0x") for piece in shown["pieces"])
+    assert " and" in shown["pieces"] or "and" in "".join(shown["pieces"])
+    hex_or_text = re.compile(r"<0x([0-9A-F]{2})>|(.)", re.S)
+    rebuilt = b"".join(bytes([int(m[1], 16)]) if m[1] else m[2].encode()
+                       for piece in shown["pieces"] for m in hex_or_text.finditer(piece))
+    assert rebuilt == text.encode()
+    with pytest.raises(DataError, match="outside the vocabulary"):
+        tokenizer.token_bytes(tokenizer.vocab_size + 5)
+
+
 def test_plain_hugging_face_tokenizer_json_loads(tmp_path):
     """A tokenizer.json from elsewhere, with HF-style {"content": ...} special tokens."""
     vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4}
@@ -79,6 +107,7 @@ def test_plain_hugging_face_tokenizer_json_loads(tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.encode("ab a") == [4, 2]
     assert loaded.eos_id is None and loaded.stop_ids == []
+    assert loaded.token_bytes(4) == b"ab"  # not byte-level: the token's decoded text
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}, "bos_token": "<s>"}))
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert (loaded.bos_id, loaded.eos_id, loaded.stop_ids) == (0, 1, [1])

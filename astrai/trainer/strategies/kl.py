@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from astrai.errors import ConfigError
+from astrai.errors import ConfigError, DataError
 from astrai.trainer.strategies.base import StrategyFactory
 from astrai.trainer.strategies.losses import kl_stage_loss
 from astrai.trainer.strategies.masks import model_inputs
@@ -109,7 +109,6 @@ def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Opt
     Stage i writes its checkpoints under ``<ckpt_dir>/stage_<i>``; the boundary checkpoints and
     ``boundaries.jsonl`` (stage, tokens, validation loss) go to ``<ckpt_dir>`` itself. Returns the model.
     """
-    from astrai.config import TrainConfig
     from astrai.serialization import Checkpoint
     from astrai.trainer.builder import load_model
     from astrai.trainer.callbacks.validation import evaluate
@@ -117,21 +116,15 @@ def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Opt
 
     plan = Stage.parse(stages)
     root = Path(config.ckpt_dir)
+    stage_configs = [stage_config_for(config, plan, i, beta) for i in range(len(plan))]
+    check_stage_data(stage_configs, plan)
     root.mkdir(parents=True, exist_ok=True)
     model = model if model is not None else load_model(config)
     reference: Optional[ReferenceModel] = None
     for i, stage in enumerate(plan):
         last = i == len(plan) - 1
-        fields = {**config.to_dict(), "train_type": "kl", "total_tokens": stage.tokens, "max_steps": None,
-                  "ckpt_dir": str(root / f"stage_{i}"), "log_dir": str(Path(config.log_dir or root) / f"stage_{i}"),
-                  "save_final_model": last and config.save_final_model,
-                  "strategy_kwargs": {**config.strategy_kwargs, "beta": beta}}
-        stage_dataset = None
-        if isinstance(stage.datasets, list):
-            fields.update(datasets=stage.datasets, data_root_path=None)
-        elif stage.datasets is not None:
-            stage_dataset = stage.datasets
-        stage_config = TrainConfig.from_dict(fields, source=f"KL stage {i}")
+        stage_config = stage_configs[i]
+        stage_dataset = stage.datasets if stage.datasets is not None and not isinstance(stage.datasets, list) else None
         trainer = Trainer(stage_config, callbacks=callbacks, model=model, tokenizer=tokenizer,
                           train_dataset=stage_dataset, val_dataset=val_dataset,
                           strategy_extra={"reference": reference, "stage": i})
@@ -149,3 +142,34 @@ def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Opt
         with open(root / "boundaries.jsonl", "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"boundary": name, **{k: v for k, v in meta.items() if k != "train_config"}}) + "\n")
     return model
+
+
+def stage_config_for(config, plan: Sequence[Stage], i: int, beta: float):
+    """Stage i's TrainConfig: its own budget, directories and (when given as paths) data mixture."""
+    from astrai.config import TrainConfig
+
+    fields = {**config.to_dict(), "train_type": "kl", "total_tokens": plan[i].tokens, "max_steps": None,
+              "ckpt_dir": str(Path(config.ckpt_dir) / f"stage_{i}"),
+              "log_dir": str(Path(config.log_dir or config.ckpt_dir) / f"stage_{i}"),
+              "save_final_model": i == len(plan) - 1 and config.save_final_model,
+              "strategy_kwargs": {**config.strategy_kwargs, "beta": beta}}
+    if isinstance(plan[i].datasets, list):
+        fields.update(datasets=plan[i].datasets, data_root_path=None)
+    return TrainConfig.from_dict(fields, source=f"KL stage {i}")
+
+
+def check_stage_data(stage_configs: Sequence[Any], plan: Sequence[Stage]) -> None:
+    """Open every stage's data before stage 0 trains, so a bad path in a late stage costs seconds, not
+    the earlier stages' training. Errors name the stage."""
+    from astrai.trainer.data import load_dataset
+
+    for i, (stage_config, stage) in enumerate(zip(stage_configs, plan)):
+        if stage.datasets is not None and not isinstance(stage.datasets, list):
+            continue  # a Dataset object: nothing to open
+        try:
+            stage_config.validate(require_model=False)
+            paths = [entry["path"] for entry in stage_config.datasets or []] or [stage_config.data_root_path]
+            for path in paths:
+                load_dataset(stage_config, path)
+        except (ConfigError, DataError) as error:
+            raise type(error)(f"KL stage {i}: {error}") from error
