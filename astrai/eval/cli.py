@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat", action="store_true",
                         help="feed prompts as plain text instead of through the chat template (pre-trained models)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="auto", help="auto (a visible GPU, else the CPU), cpu, cuda, cuda:1, ...; "
+                        "weights stay in their saved dtype")
     parser.add_argument("--out", default=None, help="also write the results to this JSON file")
 
 
@@ -53,10 +54,11 @@ def parse_heldout(values: list[str] | None) -> dict[str, Path]:
 def run(args: argparse.Namespace) -> int:
     from astrai.eval.runner import evaluate
     from astrai.eval.task import arithmetic_task
+    from astrai.inference.placement import resolve_device
     from astrai.model import AutoModel
     from astrai.tokenize import AutoTokenizer
 
-    model = AutoModel.from_pretrained(args.model, device=args.device).eval()
+    model = AutoModel.from_pretrained(args.model, device=resolve_device(args.device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     results = evaluate(
         model, tokenizer,

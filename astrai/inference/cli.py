@@ -12,13 +12,12 @@ import argparse
 import json
 import sys
 
-import torch
 from tqdm import tqdm
 
 from astrai.errors import DataError, RequestError
+from astrai.inference.placement import DTYPE_CHOICES, resolve_placement
 from astrai.jsonl import iter_jsonl
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "frequency_penalty", "presence_penalty", "seed")
 
@@ -36,10 +35,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto (a visible GPU, else the CPU), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="weights' dtype; auto: bfloat16 on GPUs with native bf16, else as saved")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.json)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="load the weights in this dtype")
+    add_placement_arguments(parser)
     parser.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=16)
     parser.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
     parser.add_argument("--num-pages", dest="num_pages", type=int, default=None)
@@ -65,8 +69,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 def build_engine(args: argparse.Namespace):
     from astrai.inference.engine import InferenceEngine
 
-    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None
-    return InferenceEngine.from_pretrained(args.model, device=args.device, dtype=dtype, max_batch_size=args.max_batch_size,
+    device, dtype = resolve_placement(args.device, args.dtype)
+    return InferenceEngine.from_pretrained(args.model, device=device, dtype=dtype, max_batch_size=args.max_batch_size,
                                            max_seq_len=args.max_seq_len, num_pages=args.num_pages,
                                            page_size=args.page_size)
 

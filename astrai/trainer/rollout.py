@@ -68,11 +68,15 @@ class EngineRollout:
 
     @classmethod
     def for_policy(cls, policy: nn.Module, tokenizer, max_batch_size: int = 64, max_new_tokens: int = 64,
-                   temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, **engine_kwargs) -> "EngineRollout":
-        """Build the engine once, around a detached eval-mode copy of the policy."""
+                   temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, dtype: Optional[torch.dtype] = None,
+                   **engine_kwargs) -> "EngineRollout":
+        """Build the engine once, around a detached eval-mode copy of the policy (in ``dtype`` when given:
+        the engine runs on its own thread, outside the trainer's thread-local autocast)."""
         from astrai.inference import InferenceEngine
 
         behaviour = copy.deepcopy(getattr(policy, "module", policy)).eval()
+        if dtype is not None:
+            behaviour.to(dtype)
         for p in behaviour.parameters():
             p.requires_grad_(False)
         engine_kwargs.setdefault("max_queue", 8192)  # a whole step's requests are queued at once
@@ -80,7 +84,7 @@ class EngineRollout:
         return cls(engine, tokenizer, max_new_tokens, temperature, top_p, seed)
 
     def update_weights(self, policy: nn.Module) -> None:
-        """Load the policy's current weights into the engine (drops its prefix cache)."""
+        """Load the policy's current weights into the engine (drops its prefix cache; cast to the engine's dtype)."""
         state = getattr(policy, "module", policy).state_dict()
         self.engine.update_weights({k: v.detach() for k, v in state.items()})
 

@@ -2,6 +2,7 @@
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from astrai.errors import ConfigError, DataError
 from astrai.trainer.rewards import arithmetic_reward, resolve_reward
 from astrai.trainer.rollout import pack_sequences
 from astrai.trainer.strategies import StrategyFactory
-from astrai.trainer.strategies.grpo import GRPOStrategy
+from astrai.trainer.strategies.grpo import GRPOScheduleCallback, GRPOStrategy, rollout_dtype
 from astrai.trainer.strategies.losses import shifted_token_logprobs
 
 from alignment_helpers import tiny_lm
@@ -83,6 +84,33 @@ def test_engine_weights_and_reference_follow_the_schedule(tokenizer):
         assert all(torch.equal(v, ref_before[k]) for k, v in strategy.ref_model.state_dict().items())
         strategy.after_optimizer_step()
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in strategy.ref_model.state_dict().items())
+    finally:
+        strategy.close()
+
+
+def test_rollout_engine_follows_the_runs_autocast_dtype_on_gpus(tokenizer):
+    """The engine samples on its own thread, outside the trainer's thread-local autocast, so a bf16 run
+    on a GPU gives it a bf16 weight copy; on the CPU it keeps fp32 (its decode kernels are fp32-only)."""
+    assert rollout_dtype(torch.bfloat16, torch.device("cuda", 0)) is torch.bfloat16
+    assert rollout_dtype(torch.bfloat16, torch.device("cpu")) is None
+    assert rollout_dtype(None, torch.device("cuda", 0)) is None
+    model = tiny_lm(tokenizer.vocab_size)
+    strategy = GRPOStrategy(model, group_size=2, reward=lambda p, r: 1.0, tokenizer=tokenizer, max_new_tokens=3)
+    callback = GRPOScheduleCallback(strategy)
+    callback.on_train_begin(SimpleNamespace(tokenizer=tokenizer, autocast_dtype=torch.bfloat16,
+                                            device=torch.device("cuda", 0)))
+    try:
+        engine_model = strategy.rollout.engine.model  # built on the CPU here; the dtype is what is checked
+        assert {p.dtype for p in engine_model.parameters()} == {torch.bfloat16}
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # the policy keeps fp32 master weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        strategy.after_optimizer_step()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(engine_model.state_dict()[name], tensor.to(torch.bfloat16)), name
+        rollout, rewards, _ = strategy.sample([tokenizer.encode("3+4=")])
+        assert rollout.response_mask.sum() > 0 and rewards.tolist() == [1.0, 1.0]
     finally:
         strategy.close()
 

@@ -148,7 +148,7 @@ def test_generate_and_chat_cli(text_model, tokenizer, tmp_path):
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     assert main(["generate", "--model", str(model_dir), "--input", str(tmp_path / "bad.jsonl")]) == 2
 
-    args = SimpleNamespace(model=str(model_dir), device="cpu", max_batch_size=4, max_seq_len=None, num_pages=64,
+    args = SimpleNamespace(model=str(model_dir), device="cpu", dtype="auto", max_batch_size=4, max_seq_len=None, num_pages=64,
                            page_size=8, system="be brief", max_tokens=4, temperature=0.0, top_p=None, top_k=None,
                            min_p=None, repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
                            seed=None, stop=None)

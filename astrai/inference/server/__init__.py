@@ -32,10 +32,12 @@ def __getattr__(name: str):
 
         from astrai.errors import ConfigError
         from astrai.inference import InferenceEngine
+        from astrai.inference.placement import resolve_placement
 
         model_dir = os.environ.get("ASTRAI_MODEL")
         if not model_dir:
             raise ConfigError("set ASTRAI_MODEL to a model directory to use astrai.inference.server:app")
-        _app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(model_dir),
+        device, dtype = resolve_placement(os.environ.get("ASTRAI_DEVICE", "auto"), os.environ.get("ASTRAI_DTYPE", "auto"))
+        _app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(model_dir, device=device, dtype=dtype),
                           model_name=Path(model_dir).resolve().name, api_key=os.environ.get("ASTRAI_API_KEY"))
     return _app

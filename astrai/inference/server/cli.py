@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from astrai.errors import ConfigError
+from astrai.inference.cli import add_placement_arguments
+from astrai.inference.placement import resolve_placement
 
 from .application import DEFAULT_MAX_BODY_BYTES
 from .runner import API_KEY_ENV
@@ -23,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted request body (larger ones get 413)")
     parser.add_argument("--default-max-tokens", type=int, default=512,
                         help="completion length when a request gives no max_tokens")
+    add_placement_arguments(parser)
     limits = parser.add_argument_group("engine limits")
     limits.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
     limits.add_argument("--max-seq-len", type=int, default=None, help="prompt + completion tokens per request")
@@ -40,10 +43,11 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("port", "max_body_bytes", "default_max_tokens", "max_batch_size", "page_size", "max_queue"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    device, dtype = resolve_placement(args.device, args.dtype)
     run_server(args.model, host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name,
                cors_origins=args.cors_origin, max_body_bytes=args.max_body_bytes,
                default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,
                page_size=args.page_size, num_pages=args.num_pages, max_queue=args.max_queue,
-               prefix_cache=not args.no_prefix_cache)
+               prefix_cache=not args.no_prefix_cache, device=device, dtype=dtype)
     return 0

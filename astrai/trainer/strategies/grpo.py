@@ -88,6 +88,11 @@ class GRPOStrategy(BaseStrategy):
             self._rollout = EngineRollout.for_policy(self.model, self.tokenizer, **self._rollout_options)
         return self._rollout
 
+    def set_rollout_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        """The dtype of the engine's weight copy (None: the policy's); takes effect when the engine is built."""
+        if self._rollout is None:
+            self._rollout_options["dtype"] = dtype
+
     # --- one step ---------------------------------------------------------------
     def sample(self, prompts: Sequence[Sequence[int]], prompt_texts: Optional[Sequence[str]] = None) -> tuple[RolloutBatch, torch.Tensor, float]:
         """Roll out and score: (rollout, rewards [N], scoring seconds)."""
@@ -187,6 +192,13 @@ class GRPOStrategy(BaseStrategy):
 
 
 
+def rollout_dtype(autocast_dtype: Optional[torch.dtype], device: torch.device) -> Optional[torch.dtype]:
+    """Rollouts in the run's autocast dtype on a GPU, where bf16 weights halve the bytes each decoded token
+    reads and use the tensor cores. On the CPU the engine keeps fp32: its hand-written decode kernels are
+    fp32-only."""
+    return autocast_dtype if torch.device(device).type == "cuda" else None
+
+
 class GRPOScheduleCallback(TrainCallback):
     """Ties GRPO to the training loop: the run's tokenizer for rollouts, the weight/reference
     schedule after every optimizer step, and the engine thread stopped when the run ends."""
@@ -197,6 +209,7 @@ class GRPOScheduleCallback(TrainCallback):
     def on_train_begin(self, context) -> None:
         if self.strategy.tokenizer is None:
             self.strategy.tokenizer = context.tokenizer
+        self.strategy.set_rollout_dtype(rollout_dtype(context.autocast_dtype, context.device))
 
     def on_step_end(self, context) -> None:
         self.strategy.after_optimizer_step()
