@@ -29,6 +29,8 @@ class Executor:
         self.tokenizer = tokenizer
         self.page_cache = page_cache
         self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device)  # unseeded requests' draws (seeded ones bring their own)
+        self.generator.seed()
         config = getattr(model, "config", None)
         # the attention that reads the view's row_spans; on CPU, where SDPA's causal kernel
         # per row beat the masked kernel over padded rows
@@ -98,13 +100,11 @@ class Executor:
             sampled = [i for i, p in enumerate(params) if p.temperature > 0]
             if sampled:
                 rows = logits[sampled]
-                pipeline = SamplingPipeline.from_params(
-                    torch.tensor([params[i].temperature for i in sampled], device=rows.device),
-                    torch.tensor([params[i].top_k for i in sampled], device=rows.device),
-                    torch.tensor([params[i].top_p for i in sampled], device=rows.device),
-                    torch.tensor([params[i].min_p for i in sampled], device=rows.device))
+                chosen = [params[i] for i in sampled]
+                pipeline = SamplingPipeline.for_rows([p.temperature for p in chosen], [p.top_k for p in chosen],
+                                                     [p.top_p for p in chosen], [p.min_p for p in chosen], rows.device)
                 probs = pipeline.apply(rows).softmax(dim=-1)
-                ids[sampled] = draw(probs, [tasks[i].generator for i in sampled])
+                ids[sampled] = draw(probs, [tasks[i].generator for i in sampled], self.generator)
             ids = ids.tolist()
         if raw_logprobs is None:
             return [(tok, None) for tok in ids]

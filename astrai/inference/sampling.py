@@ -5,7 +5,7 @@ each takes logits [B, V] and returns them with filtered entries set to
 ``filter_value``. A parameter may be a Python number (same for all rows) or a
 tensor [B] (one per row), so one batched call serves requests with different
 settings. Drawing uses the exponential race (argmax of p / Exp(1) noise), drawn from
-each request's own ``torch.Generator``, so a seeded request samples the same tokens
+each seeded request's own ``torch.Generator``, so a seeded request samples the same tokens
 whoever shares its batch. A filtered token has probability exactly 0 and can never
 be drawn.
 """
@@ -55,8 +55,12 @@ class TopKStrategy(BaseSamplingStrategy):
     def apply(self, logits, filter_value=NEG_INF):
         V = logits.shape[-1]
         k = _per_row(self.top_k, logits).long()
-        k = torch.where((k <= 0) | (k > V), torch.full_like(k, V), k)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)
+        keep_all = (k <= 0) | (k >= V)
+        largest = int(k.masked_fill(keep_all, 0).max())  # a partial top-k, not a sort of the vocabulary
+        if largest == 0:
+            return logits
+        kth = logits.topk(largest, dim=-1).values.gather(1, k.clamp(1, largest) - 1)
+        kth = kth.masked_fill(keep_all, NEG_INF)  # ties with the k-th value are kept, as before
         return logits.masked_fill(logits < kth, filter_value)
 
 
@@ -68,12 +72,18 @@ class TopPStrategy(BaseSamplingStrategy):
 
     def apply(self, logits, filter_value=NEG_INF):
         p = _per_row(self.top_p, logits).to(torch.float32)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        # Only tokens an earlier filter (top-k) left in can be kept, so only they are ranked: the
+        # largest count of them in any row, every one of them in each row, the rest already filtered.
+        candidates = int(torch.isfinite(logits).sum(dim=-1).max())
+        if candidates < logits.shape[-1]:
+            sorted_logits, order = logits.topk(max(candidates, 1), dim=-1)
+        else:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.float().softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= p
+        drop_sorted = (mass_before >= p) & (p < 1)  # p = 1 keeps every token, even where rounding sums past 1
         drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, order, drop_sorted)
         return logits.masked_fill(drop, filter_value)
 
 
@@ -99,6 +109,20 @@ class SamplingPipeline:
     @classmethod
     def from_params(cls, temperature: Param = 1.0, top_k: Param = 0, top_p: Param = 1.0, min_p: Param = 0.0) -> "SamplingPipeline":
         return cls([TemperatureStrategy(temperature), TopKStrategy(top_k), TopPStrategy(top_p), MinPStrategy(min_p)])
+
+    @classmethod
+    def for_rows(cls, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
+                 min_p: Sequence[float], device: torch.device) -> "SamplingPipeline":
+        """One row's settings per list entry → the strategies some row needs, with the values moved to
+        ``device`` in one copy. A strategy that no row uses (temperature 1, top_k 0, top_p 1, min_p 0) is
+        left out: each is an exact identity on such rows, so no draw changes, and top-k and top-p would
+        otherwise sort the whole vocabulary of every row at every step."""
+        table = torch.tensor([list(temperature), list(top_k), list(top_p), list(min_p)], dtype=torch.float32)
+        table = table.to(device)
+        used = [any(t != 1 for t in temperature), any(k > 0 for k in top_k), any(p < 1 for p in top_p),
+                any(m > 0 for m in min_p)]
+        kinds = (TemperatureStrategy, TopKStrategy, TopPStrategy, MinPStrategy)
+        return cls([kind(table[i]) for i, kind in enumerate(kinds) if used[i]])
 
     def apply(self, logits: torch.Tensor, filter_value: float = NEG_INF) -> torch.Tensor:
         for strategy in self.strategies:
@@ -133,13 +157,22 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return best * ARGMAX_BLOCK + within
 
 
-def draw(probs: torch.Tensor, generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
-    """One categorical draw per row: argmax(p / E) with E ~ Exp(1) from the row's generator."""
-    noise = torch.empty_like(probs)
-    for i in range(probs.shape[0]):
-        gen = generators[i] if generators is not None else None
-        noise[i].exponential_(generator=gen)
-    return row_argmax(probs / noise)
+def draw(probs: torch.Tensor, generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+         shared: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One categorical draw per row: argmax(p / E) with E ~ Exp(1).
+
+    A row with its own generator (a seeded request) takes its noise from it alone, so its tokens do
+    not depend on its batch; the other rows share one draw from ``shared`` (one call, not one per row).
+    """
+    # E = -log U with U ~ Uniform[0, 1): torch's CPU exponential_ runs about 5x slower than uniform_
+    # plus a vectorised log (64 x 4,096 draws: 5.2 ms against 0.95 ms). U = 0 gives E = inf, so p / E = 0.
+    uniform = torch.empty_like(probs)
+    own = [] if generators is None else [i for i, gen in enumerate(generators) if gen is not None]
+    if len(own) < probs.shape[0]:
+        uniform.uniform_(generator=shared)
+    for i in own:
+        uniform[i].uniform_(generator=generators[i])
+    return row_argmax(probs / uniform.log_().neg_())
 
 
 def sample(logits: torch.Tensor, temperature: Param = 1.0, top_k: Param = 0, top_p: Param = 1.0,

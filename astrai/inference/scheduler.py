@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import threading
 import time
 import uuid
@@ -85,7 +84,6 @@ class InferenceScheduler:
         self._loop_thread: Optional[threading.Thread] = None
         self._last_was_prefill = False
         self._device = param.device
-        self._seed_rng = random.Random()
         self._stats = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "cached_tokens": 0,
                        "preemptions": 0, "ttft_sum": 0.0, "ttft_count": 0, "output_tokens": 0}
         self._rate: deque[tuple[float, int]] = deque()
@@ -109,9 +107,8 @@ class InferenceScheduler:
         ids = check_prompt(prompt_ids, self.vocab_size, self.max_prompt_len, self.max_seq_len)
         check_fits(len(ids), params, self.max_seq_len, self.page_size, self._page_cache.num_pages)
         generator = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            generator = torch.Generator(device=self._device).manual_seed(seed)
+        if params.temperature > 0 and params.seed is not None:  # reproducible whoever shares the batch
+            generator = torch.Generator(device=self._device).manual_seed(params.seed)
         task = Task(task_id or uuid.uuid4().hex, ids, params, stream_callback, self.tokenizer, generator)
         release_thread_pool()  # the caller's idle OpenMP workers would slow every op of the loop (see openmp.py)
         with self._lock:

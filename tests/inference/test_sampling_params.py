@@ -45,6 +45,92 @@ def test_per_row_parameters_in_one_batch():
     assert finite == [1, 3, 40]
 
 
+def test_unused_strategies_are_left_out_and_change_no_draw():
+    """for_rows keeps only the strategies some row uses; a row that leaves a strategy at its neutral value
+    gets exactly the logits it would get through it, so a request's draws do not depend on its batch."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 6
+    settings = dict(temperature=[1.0, 0.7, 1.0, 1.0], top_k=[0, 0, 20, 0], top_p=[1.0, 1.0, 1.0, 0.9],
+                    min_p=[0.0, 0.0, 0.0, 0.0])
+    chosen = SamplingPipeline.for_rows(**settings, device=logits.device)
+    assert [type(s).__name__ for s in chosen.strategies] == ["TemperatureStrategy", "TopKStrategy", "TopPStrategy"]
+    full = SamplingPipeline.from_params(*(torch.tensor(v) for v in settings.values()))
+    assert torch.equal(chosen.apply(logits.clone()), full.apply(logits.clone()))
+    neutral = SamplingPipeline.for_rows([1.0] * 4, [0] * 4, [1.0] * 4, [0.0] * 4, logits.device)
+    assert neutral.strategies == []
+    assert torch.equal(full.apply(logits.clone())[0], logits[0])  # row 0 is neutral everywhere
+
+
+def reference_top_k(logits, k):
+    """The definition, by a full sort: keep logits >= the row's k-th largest (k 0 or >= V: all)."""
+    out = logits.clone()
+    for i, ki in enumerate(k):
+        if 0 < ki < logits.shape[1]:
+            kth = logits[i].sort(descending=True).values[ki - 1]
+            out[i][logits[i] < kth] = float("-inf")
+    return out
+
+
+def reference_top_p(logits, p):
+    """The definition, by a full sort: keep the most likely tokens until their mass reaches p."""
+    out = logits.clone()
+    for i, pi in enumerate(p):
+        if pi < 1:
+            values, order = logits[i].sort(descending=True)
+            probs = values.softmax(-1)
+            drop = (probs.cumsum(-1) - probs) >= pi
+            drop[0] = False
+            out[i][order[drop]] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_and_top_p_match_their_full_sort_definitions(seed):
+    """Top-k takes a partial top-k and top-p ranks only the tokens left in; per-row settings,
+    ties at the k-th value (rounded logits) and rows that keep everything included."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(6, 500, generator=gen) * 4).round()  # many ties
+    k = [0, 1, 7, 50, 500, 3]
+    p = [1.0, 0.5, 0.9, 0.95, 0.3, 1.0]
+    top_k = TopKStrategy(torch.tensor(k)).apply(logits.clone())
+    assert torch.equal(top_k, reference_top_k(logits, k))
+    both = TopPStrategy(torch.tensor(p)).apply(top_k.clone())
+    assert torch.equal(torch.isfinite(both), torch.isfinite(reference_top_p(top_k, p)))
+    alone = TopPStrategy(torch.tensor(p)).apply(logits.clone())
+    assert torch.equal(torch.isfinite(alone), torch.isfinite(reference_top_p(logits, p)))
+
+
+def test_top_p_of_one_keeps_every_token():
+    """Sorted probabilities of a peaked row sum past 1.0 in float32 before the tail; p = 1 still keeps it."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 4096) * 8
+    probs = logits.softmax(-1).sort(descending=True).values
+    assert ((probs.cumsum(-1) - probs) >= 1).any()  # the rounding the filter must not act on
+    assert torch.isfinite(TopPStrategy(1.0).apply(logits.clone())).all()
+
+
+def test_unseeded_rows_share_one_noise_draw(monkeypatch):
+    """Seeded rows take noise from their own generator (one call each); all other rows from one call."""
+    calls = []
+    original = torch.Tensor.uniform_
+
+    def counting(self, *args, **kwargs):
+        calls.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "uniform_", counting)
+    probs = torch.rand(9, 50).softmax(-1)
+    seeded = [None] * 9
+    seeded[4] = torch.Generator().manual_seed(7)
+    ids = draw(probs, seeded, shared=torch.Generator().manual_seed(1))
+    assert calls == [(9, 50), (50,)]  # one batched call, one for the seeded row
+    again = draw(probs, [None] * 4 + [torch.Generator().manual_seed(7)] + [None] * 4,
+                 shared=torch.Generator().manual_seed(1))
+    assert torch.equal(ids, again)
+    alone = draw(probs[4:5], [torch.Generator().manual_seed(7)])
+    assert ids[4] == alone[0]  # the seeded row's token does not depend on its neighbours
+
+
 def test_penalties():
     row = torch.tensor([2.0, -2.0, 1.0, 0.5])
     apply_penalties(row, context_ids=[0, 1], output_ids=[2, 2], repetition=2.0, frequency=0.5, presence=0.25)
@@ -67,6 +153,10 @@ def test_seeded_sampling_reproducible_regardless_of_batch_mates(gqa_model):
         alone = engine.submit([5, 6, 7], SamplingParams(**params)).result(timeout=30).token_ids
         mates = [engine.submit([9, i], SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=True))
                  for i in range(4)]
+        # unseeded mates, and one whose min_p adds a filter the seeded request does not use
+        mates += [engine.submit([8, i], SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True))
+                  for i in range(2)]
+        mates.append(engine.submit([7, 7], SamplingParams(max_tokens=20, temperature=1.0, min_p=0.05, ignore_eos=True)))
         crowded = engine.submit([5, 6, 7], SamplingParams(**params))
         other_seed = engine.submit([5, 6, 7], SamplingParams(**{**params, "seed": 99}))
         assert crowded.result(timeout=30).token_ids == alone
