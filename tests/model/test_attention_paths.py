@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai.model.components.attention import _attend, _attend_one_query, _attend_shared_prefix
+from astrai.model.components.attention import _attend, _attend_grouped_query, _attend_one_query, _attend_shared_prefix
 
 
 def _reference(q, k, v, mask):
@@ -73,3 +73,18 @@ def test_an_additive_mask_masks_like_the_boolean_one_on_every_path():
     low = _attend(q.bfloat16(), dense_k.bfloat16(), dense_v.bfloat16(), additive)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 1), (4, 4)])
+def test_grouped_query_decode_equals_attention_over_repeated_kv(heads, kv_heads):
+    """The CUDA decode path for masked grouped-query attention (query heads of a group as that
+    group's query rows, no K/V copy) gives what attention over repeated K/V heads gives."""
+    torch.manual_seed(1)
+    B, S, D, Dv = 3, 37, 16, 24
+    q, k, v = torch.randn(B, 1, heads, D), torch.randn(B, S, kv_heads, D), torch.randn(B, S, kv_heads, Dv)
+    lens = torch.tensor([5, 37, 20])
+    allowed = torch.arange(S).view(1, 1, 1, S) < lens.view(B, 1, 1, 1)
+    additive = torch.zeros(B, 1, 1, S).masked_fill(~allowed, float("-inf"))
+    expected = _reference(q, k, v, allowed)
+    for mask in (allowed, additive):
+        assert torch.allclose(_attend_grouped_query(q, k, v, mask, None), expected, atol=1e-5)

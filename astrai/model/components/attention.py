@@ -38,7 +38,9 @@ def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] =
     Without a mask the fused kernels take the K/V groups directly (``enable_gqa``),
     sparing the copy that ``repeat_interleave`` makes. With a mask on CUDA, K/V are
     expanded first, because the masked (memory-efficient) kernel has no GQA support
-    and SDPA would otherwise fall back to the slow math path; on CPU the masked
+    and SDPA would otherwise fall back to the slow math path, except for one query per
+    row (decode), where the query heads of a group become that group's queries
+    (``_attend_grouped_query``) and nothing is copied; on CPU the masked
     kernel handles groups itself (about 3× faster than copying, measured on batched
     decode).
     """
@@ -49,12 +51,26 @@ def _attend(q, k, v, attn_mask: Optional[torch.Tensor], scale: Optional[float] =
                                     scale if scale is not None else q.shape[-1] ** -0.5, lengths_checked=True)
         return _attend_one_query(q, k, v, attn_mask, scale)
     if n_rep > 1 and attn_mask is not None and q.device.type == "cuda":
+        if q.shape[1] == 1:
+            return _attend_grouped_query(q, k, v, attn_mask, scale)
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     causal = attn_mask is None and q.shape[2] > 1
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
+
+
+def _attend_grouped_query(q, k, v, attn_mask, scale):
+    """One query per row, q [B,1,H,D], as SDPA over [B, Hkv, H/Hkv, D]: the query heads that share
+    a K/V head are that head's query rows, and the mask [B,1,1,S] broadcasts over them. The masked
+    kernel then reads each K/V head once instead of a ``repeat_interleave`` copy per query head."""
+    B, _, H, D = q.shape
+    Hkv = k.shape[2]
+    queries = q.reshape(B, Hkv, H // Hkv, D)
+    out = F.scaled_dot_product_attention(queries, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                                         scale=scale)
+    return out.reshape(B, 1, H, v.shape[-1])
 
 
 def _heads_first(x: torch.Tensor) -> bool:
