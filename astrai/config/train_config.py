@@ -81,7 +81,7 @@ class TrainConfig(JsonConfig):
     gradient_checkpointing: bool = False
     gradient_checkpointing_modules: list = field(default_factory=lambda: ["DecoderBlock"])
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool = True                    # page-locked batches when training on a GPU (ignored on CPU)
     nprocs: int = 1
     parallel_mode: str = "ddp"
     backend: str = "auto"

@@ -59,10 +59,15 @@ def resolve_data(config, train: Optional[Dataset] = None, val: Optional[Dataset]
     return TrainData(sources, rates, val)
 
 
+def pins_batches(config) -> bool:
+    """Batches go to page-locked memory when they are bound for a GPU: only from there is the
+    strategy's ``non_blocking`` copy asynchronous (from pageable memory it waits for the GPU)."""
+    return bool(config.pin_memory) and config.device != "cpu" and torch.cuda.is_available()
+
+
 def make_loader(dataset: Dataset, sampler, config, batch_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=config.num_workers,
-                      pin_memory=config.pin_memory and torch.cuda.is_available(), drop_last=True,
-                      persistent_workers=False)
+                      pin_memory=pins_batches(config), drop_last=True, persistent_workers=False)
 
 
 def make_train_loader(data: TrainData, config, rank: int, world_size: int) -> tuple[DataLoader, MixtureSampler]:

@@ -68,3 +68,18 @@ def test_cli_flags_override_config_file(tmp_path):
     cfg, resume = build_config(args)
     assert (cfg.max_lr, cfg.batch_per_device, cfg.grad_accum_steps, cfg.label_smoothing) == (5e-4, 8, 4, 0.1)
     assert cfg.progress_bar is False and cfg.model_overrides == {"vocab_size": 512} and resume is None
+
+
+def test_batches_are_pinned_only_when_bound_for_a_gpu(monkeypatch):
+    """non_blocking copies are asynchronous only from page-locked memory, so a GPU run pins by default."""
+    import torch
+
+    from astrai.trainer.data import pins_batches
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pins_batches(TrainConfig())
+    assert pins_batches(TrainConfig(device="cuda:0"))
+    assert not pins_batches(TrainConfig(device="cpu"))
+    assert not pins_batches(TrainConfig(pin_memory=False))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not pins_batches(TrainConfig())
