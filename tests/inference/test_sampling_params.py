@@ -206,3 +206,15 @@ def test_row_argmax_is_argmax_with_the_first_index_on_ties(shape):
         x[3, width - 2] = -1e30
     for values in (x, x.t().contiguous().t()):  # also a non-contiguous input
         assert torch.equal(row_argmax(values), values.argmax(dim=-1))
+
+
+@pytest.mark.timeout(60)
+def test_unseeded_requests_leave_the_global_random_state_alone(gqa_model):
+    """Unseeded draws come from the engine's own generator: a caller's torch.manual_seed stream
+    (a training loop's, say) does not move because the engine sampled."""
+    with InferenceEngine(gqa_model, None, page_size=4, num_pages=64) as engine:
+        before = torch.random.get_rng_state()
+        handles = [engine.submit([3, i], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
+                   for i in range(4)]
+        assert all(len(h.result(timeout=30).token_ids) == 6 for h in handles)
+        assert torch.equal(torch.random.get_rng_state(), before)
