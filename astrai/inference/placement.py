@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from astrai.errors import ConfigError
+from astrai.parallel.setup import get_current_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *sorted(DTYPES))
@@ -21,7 +22,7 @@ DTYPE_CHOICES = ("auto", *sorted(DTYPES))
 def resolve_device(name: str = "auto") -> torch.device:
     """``auto`` → the current GPU when one is visible, else the CPU; a GPU asked for must exist."""
     if name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return get_current_device()
     try:
         device = torch.device(name)
     except RuntimeError:

@@ -86,6 +86,11 @@ class Stage:
     tokens: int
     datasets: Optional[list] = None
 
+    @property
+    def dataset_object(self) -> Any:
+        """The Dataset given in place of a mixture of paths, or None."""
+        return None if self.datasets is None or isinstance(self.datasets, list) else self.datasets
+
     @classmethod
     def parse(cls, stages: Sequence[Any]) -> list["Stage"]:
         parsed = []
@@ -124,9 +129,8 @@ def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Opt
     for i, stage in enumerate(plan):
         last = i == len(plan) - 1
         stage_config = stage_configs[i]
-        stage_dataset = stage.datasets if stage.datasets is not None and not isinstance(stage.datasets, list) else None
         trainer = Trainer(stage_config, callbacks=callbacks, model=model, tokenizer=tokenizer,
-                          train_dataset=stage_dataset, val_dataset=val_dataset,
+                          train_dataset=stage.dataset_object, val_dataset=val_dataset,
                           strategy_extra={"reference": reference, "stage": i})
         context = trainer.train()
         model = unwrap(context.model)
@@ -164,8 +168,8 @@ def check_stage_data(stage_configs: Sequence[Any], plan: Sequence[Stage]) -> Non
     from astrai.trainer.data import load_dataset
 
     for i, (stage_config, stage) in enumerate(zip(stage_configs, plan)):
-        if stage.datasets is not None and not isinstance(stage.datasets, list):
-            continue  # a Dataset object: nothing to open
+        if stage.dataset_object is not None:
+            continue  # nothing to open
         try:
             stage_config.validate(require_model=False)
             paths = [entry["path"] for entry in stage_config.datasets or []] or [stage_config.data_root_path]
