@@ -65,7 +65,13 @@ class TopKStrategy(BaseSamplingStrategy):
 
 
 class TopPStrategy(BaseSamplingStrategy):
-    """Keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all)."""
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all),
+    and every token tied with the least likely of them, as top-k keeps ties at the k-th value.
+
+    Keeping the ties makes the kept set a function of the row's values alone: which of two equal
+    logits a sort puts first depends on the sort (a partial ``topk`` or a full sort, chosen by what
+    the other rows of the batch left in), so cutting between them could let a seeded request's
+    tokens depend on its batch mates."""
 
     def __init__(self, top_p: Param):
         self.top_p = top_p
@@ -76,15 +82,16 @@ class TopPStrategy(BaseSamplingStrategy):
         # largest count of them in any row, every one of them in each row, the rest already filtered.
         candidates = int(torch.isfinite(logits).sum(dim=-1).max())
         if candidates < logits.shape[-1]:
-            sorted_logits, order = logits.topk(max(candidates, 1), dim=-1)
+            sorted_logits, _ = logits.topk(max(candidates, 1), dim=-1)
         else:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_logits, _ = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.float().softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = (mass_before >= p) & (p < 1)  # p = 1 keeps every token, even where rounding sums past 1
-        drop_sorted[:, 0] = False
-        drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, order, drop_sorted)
-        return logits.masked_fill(drop, filter_value)
+        # p = 1 keeps every token, even where rounding sums past 1; the most likely token always stays.
+        # The kept tokens are a prefix of the sorted row (the mass before each only grows).
+        kept = ((mass_before < p) | (p >= 1)).sum(dim=-1, keepdim=True).clamp_min(1)
+        least_kept = sorted_logits.gather(1, kept - 1)
+        return logits.masked_fill(logits < least_kept, filter_value)
 
 
 class MinPStrategy(BaseSamplingStrategy):

@@ -72,15 +72,15 @@ def reference_top_k(logits, k):
 
 
 def reference_top_p(logits, p):
-    """The definition, by a full sort: keep the most likely tokens until their mass reaches p."""
+    """The definition, by a full sort: keep the most likely tokens until their mass reaches p,
+    and every token tied with the least likely one kept."""
     out = logits.clone()
     for i, pi in enumerate(p):
         if pi < 1:
-            values, order = logits[i].sort(descending=True)
+            values, _ = logits[i].sort(descending=True)
             probs = values.softmax(-1)
-            drop = (probs.cumsum(-1) - probs) >= pi
-            drop[0] = False
-            out[i][order[drop]] = float("-inf")
+            kept = int(((probs.cumsum(-1) - probs) < pi).sum().clamp_min(1))
+            out[i][logits[i] < values[kept - 1]] = float("-inf")
     return out
 
 
@@ -98,6 +98,18 @@ def test_top_k_and_top_p_match_their_full_sort_definitions(seed):
     assert torch.equal(torch.isfinite(both), torch.isfinite(reference_top_p(top_k, p)))
     alone = TopPStrategy(torch.tensor(p)).apply(logits.clone())
     assert torch.equal(torch.isfinite(alone), torch.isfinite(reference_top_p(logits, p)))
+
+
+def test_top_p_keeps_ties_at_the_cut_whatever_the_batch_mates():
+    """The cut falls among three equal logits: all three stay, whether the batch is ranked by a full
+    sort (a mate with the whole vocabulary) or a partial top-k (a mate with most of it filtered)."""
+    row = torch.tensor([2.0, 1.0, 1.0, 1.0, -5.0, -5.0, -5.0, -5.0])  # mass before the 2nd tie 0.65 > 0.6
+    full_mate = torch.zeros(8)
+    filtered_mate = torch.tensor([0.0, 0.0] + [float("-inf")] * 6)
+    for mate in (full_mate, filtered_mate):
+        out = TopPStrategy(torch.tensor([0.6, 1.0])).apply(torch.stack([row, mate]))
+        assert torch.isfinite(out[0]).tolist() == [True] * 4 + [False] * 4
+        assert torch.equal(torch.isfinite(out[1]), torch.isfinite(mate))
 
 
 def test_top_p_of_one_keeps_every_token():
