@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from astrai.inference.cache import KVCache
+from astrai.inference.fused_decode import FusedDecode
 from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw, row_argmax
 from astrai.inference.task import Task
 from astrai.inference.types import TokenLogprob
@@ -35,29 +36,38 @@ class Executor:
         # the attention that reads the view's row_spans; on CPU, where SDPA's causal kernel
         # per row beat the masked kernel over padded rows
         self.packs_prefill = getattr(config, "attn_type", None) == "gqa" and self.device.type == "cpu"
+        # a single request's decode step in one C call when the model fits (fused_decode.py)
+        self.fused_decode = FusedDecode.for_model(model) if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> torch.Tensor:
         """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]."""
         starts = [t.num_computed for t in tasks]
-        T = max(n_new)
         ids = [t.task_id for t in tasks]
         table = self.page_cache.make_table_tensor(ids, self.device, n_tokens=max(s + n for s, n in zip(starts, n_new)))
         view = self.page_cache.bind(table, starts, n_new, task_ids=ids, packed=self.packs_prefill)
         chunks = [t.context[s:s + n] for t, s, n in zip(tasks, starts, n_new)]
+        logits = None
+        if self.fused_decode is not None and len(tasks) == 1 and n_new[0] == 1:
+            logits = self.fused_decode(chunks[0][0], view)  # None when this step does not qualify
+        if logits is None:
+            logits = self._model_logits(view, chunks, n_new)
+        for t, n in zip(tasks, n_new):
+            t.num_computed += n
+        return logits
+
+    def _model_logits(self, view, chunks: list[list[int]], n_new: Sequence[int]) -> torch.Tensor:
+        """The model's forward over the step's new tokens; each row's last position's logits [B, V]."""
         if view.packed:
             input_ids = torch.tensor([[token for chunk in chunks for token in chunk]], device=self.device)
             ends = torch.tensor(n_new, device=self.device).cumsum(0) - 1
             out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=ends.view(1, -1))
-            logits = out["logits"][0]
-        else:
-            input_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], device=self.device)
-            logits_index = None if T == 1 else torch.tensor([n - 1 for n in n_new], device=self.device)
-            out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
-            logits = out["logits"][:, -1]
-        for t, n in zip(tasks, n_new):
-            t.num_computed += n
-        return logits
+            return out["logits"][0]
+        T = max(n_new)
+        input_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], device=self.device)
+        logits_index = None if T == 1 else torch.tensor([n - 1 for n in n_new], device=self.device)
+        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
+        return out["logits"][:, -1]
 
     def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[Sampled]]:
         """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""

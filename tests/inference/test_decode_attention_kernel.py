@@ -106,6 +106,7 @@ def test_engine_decode_steps_run_the_kernel(monkeypatch):
 
 
 def test_without_the_kernel_decode_falls_back_to_batched_products(monkeypatch):
+    monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")  # its one-row steps run the kernel inside C
     monkeypatch.setattr(attention, "decode_attention_available", lambda: False)
     monkeypatch.setattr(attention, "decode_attention", lambda *a: pytest.fail("kernel called"))
     got, expected = _engine_outputs("tiny")

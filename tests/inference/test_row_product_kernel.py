@@ -79,6 +79,8 @@ def _single_request_outputs():
 
 
 def test_single_request_decode_runs_the_kernel_and_matches_recomputation(monkeypatch):
+    """The model's own forward (the fused step, test_fused_decode.py, turned off)."""
+    monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")
     calls = []
     real = layers.row_product
     monkeypatch.setattr(layers, "row_product", lambda x, w, b=None: calls.append(w.shape) or real(x, w, b))
@@ -88,6 +90,7 @@ def test_single_request_decode_runs_the_kernel_and_matches_recomputation(monkeyp
 
 
 def test_without_the_kernels_single_rows_take_the_split(monkeypatch):
+    monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")
     monkeypatch.setattr(layers, "kernels_available", lambda: False)
     monkeypatch.setattr(layers, "row_product", lambda *a: pytest.fail("kernel called"))
     got, expected = _single_request_outputs()

@@ -1,6 +1,6 @@
 """Small C kernels for the CPU decode step, compiled on first use with the system's C compiler.
 
-Two kernels live in ``native/``, built into one library.
+Three kernels live in ``native/``, built into one library.
 
 Decode attention. PyTorch has no CPU kernel for attention of one query over rows of different lengths:
 the engine's decode attention used two batched products (``bmm``) over every row
@@ -15,6 +15,12 @@ with the engine's column-major weights, ``native/row_product.c`` gives each thre
 contiguous stretch of the weight to read front to back (about 29 GB/s over the ~125M
 model's weights on the AMD VM, where the two-half ``bmm`` split of layers.py reached
 27 and a plain sum of 1 GiB 35).
+
+A whole single-request decode step. ``native/decode_step.c`` runs every layer of a plain
+GQA + SwiGLU model for one row - norms, rotary embedding, K/V writes, attention, SiLU,
+residuals and the head - in one call, between the same one-row products and decode
+attention as above; ``astrai/inference/fused_decode.py`` decides when a model and a step
+qualify and builds its table of pointers.
 
 The library is built with ``cc`` (``$CC``) into a per-user cache directory, keyed by
 the source, the flags and this CPU's feature flags (it is compiled for this CPU), and
@@ -101,7 +107,9 @@ def _library() -> Optional[ctypes.CDLL]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64, ctypes.c_int]
     library.astrai_row_product_f32.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.c_int]
-    for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32):
+    library.astrai_decode_step_f32.argtypes = ([ptr] + [i64] * 3 + [ptr] + [i64] * 6 + [ptr, ptr] + [i64] * 2
+                                               + [ctypes.c_float] * 2 + [ptr, ptr, i64, i64] + [ptr] * 4 + [ctypes.c_int])
+    for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32, library.astrai_decode_step_f32):
         function.restype = None
     return library
 
@@ -160,3 +168,31 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), rows.data_ptr(),
         rows.data_ptr() + 4 * n_out, n_in, n_out, weight.stride(1), threads)
     return rows[0].view(*x.shape[:-1], n_out)
+
+
+def decode_step(embedding: torch.Tensor, token: int, layers: torch.Tensor, dims: tuple[int, int, int, int, int],
+                cos: torch.Tensor, sin: torch.Tensor, pos: int, capacity: int, eps: float, scale: float,
+                final_norm: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """Logits [vocab] of one decode step of one row through ``native/decode_step.c``.
+
+    ``layers`` [n_layers, 14] int64 is the per-layer table that file describes, ``dims`` is
+    (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [head_dim] are ``rotary_tables``'
+    rows for position ``pos``, ``capacity`` the decode buffers' length and ``head`` the
+    column-major [vocab, dim] output weight. Every pointer in ``layers`` must be valid fp32
+    memory of the sizes the table names: ``astrai.inference.fused_decode`` checks them
+    before it calls. Call only when ``kernels_available()``.
+    """
+    dim, heads, kv_heads, head_dim, ffn = dims
+    vocab = head.shape[0]
+    threads = max(torch.get_num_threads(), 1)
+    work = torch.empty(4 * dim + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * ffn, dtype=torch.float32)
+    widest = max(heads * head_dim + 2 * kv_heads * head_dim, dim, 2 * ffn, vocab)
+    scratch = torch.empty(max(threads - 1, 1), widest, dtype=torch.float32)  # the other threads' partial sums
+    attention_workspace = torch.empty(threads, heads // kv_heads, pos + 1, dtype=torch.float32)
+    logits = torch.empty(vocab, dtype=torch.float32)
+    _library().astrai_decode_step_f32(
+        embedding.data_ptr(), embedding.stride(0), embedding.stride(1), token, layers.data_ptr(), layers.shape[0],
+        dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(), pos, capacity, eps, scale,
+        final_norm.data_ptr(), head.data_ptr(), head.stride(1), vocab, logits.data_ptr(), work.data_ptr(),
+        scratch.data_ptr(), attention_workspace.data_ptr(), threads)
+    return logits

@@ -1,0 +1,144 @@
+"""The fused one-row decode step (astrai/inference/fused_decode.py, native/decode_step.c):
+it serves a single request's decode steps of a plain GQA + SwiGLU model, gives the tokens of
+full recomputation and the log-probabilities of the model's own forward, writes K/V that
+later requests reuse through the prefix cache, follows weights changed after the engine
+started, and stands aside for every model or step it does not handle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from astrai.inference import InferenceEngine, SamplingParams
+from astrai.inference import fused_decode as fused_module
+from astrai.inference.fused_decode import FusedDecode
+from astrai.inference.weight_layout import use_column_major_linears
+from astrai.model.components.native_kernels import kernels_available
+from astrai.model.lora import LoraConfig, inject_lora
+from inference_helpers import greedy_reference, make_model
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
+
+GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many steps ran through the C step."""
+    calls = []
+    real = fused_module.decode_step
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "decode_step", counting)
+    return calls
+
+
+def _run(model, prompts, params=GREEDY, **engine_args):
+    settings = dict(max_batch_size=1, page_size=4, num_pages=96, **engine_args)
+    with InferenceEngine(model, None, **settings) as engine:
+        return [engine.submit(p, params).result(timeout=60) for p in prompts]
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(n_heads=4, n_kv_heads=1), dict(n_heads=6, n_kv_heads=3, dim=96),
+                                   dict(head_dim=32, n_heads=2, n_kv_heads=2), dict(tie_weight=False)])
+def test_single_request_matches_recomputation_and_the_unfused_forward(shape, fused_calls, monkeypatch):
+    """Greedy tokens equal full recomputation; per-token log-probabilities equal those of the
+    model's own forward (the fused step switched off) to float rounding; and every decode step
+    after the first (whose context is still gathered from the pages) took the C step."""
+    model = make_model("tiny", **shape)
+    prompts = [[5, 9, 200, 3], [17] * 11, [1]]
+    fused = _run(model, prompts)
+    steps = len(fused_calls)
+    assert steps >= len(prompts) * (GREEDY.max_tokens - 2)
+    monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")
+    plain = _run(model, prompts)
+    assert len(fused_calls) == steps  # no more: switched off
+    for prompt, a, b in zip(prompts, fused, plain):
+        assert a.token_ids == b.token_ids == greedy_reference(model, prompt, GREEDY.max_tokens)
+        ours = torch.tensor([entry.logprob for entry in a.logprobs])
+        theirs = torch.tensor([entry.logprob for entry in b.logprobs])
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def _reference_logprobs(model, prompt, tokens):
+    """Log-probabilities of ``tokens`` following ``prompt``, from one plain forward of the whole sequence."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens]))["logits"][0, len(prompt) - 1:-1]
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+
+
+def test_kv_written_by_fused_steps_serves_a_later_request_through_the_prefix_cache(fused_calls):
+    """Request B's prompt is request A's prompt and output: its prefix pages, whose K/V A's
+    fused decode steps wrote, are reused, and B's tokens and log-probabilities still equal
+    those of a plain forward over the whole sequence."""
+    model = make_model("tiny")
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96) as engine:
+        first = engine.submit([7, 8, 9], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)).result(timeout=60)
+        second_prompt = [7, 8, 9] + first.token_ids[:16]
+        second = engine.submit(second_prompt, GREEDY).result(timeout=60)
+        assert engine.get_stats()["prefix_hit_rate"] > 0
+    assert len(fused_calls) >= 18
+    assert second.token_ids == greedy_reference(model, second_prompt, GREEDY.max_tokens)
+    got = torch.tensor([entry.logprob for entry in second.logprobs])
+    assert torch.allclose(got, _reference_logprobs(model, second_prompt, second.token_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_weights_changed_after_the_engine_started_are_followed(fused_calls):
+    """New values copied in place (same memory), then a weight replaced by a new tensor
+    (new memory: the table is rebuilt): both show in the next request's tokens."""
+    model = make_model("tiny")
+    other = make_model("tiny", seed=3)
+    prompt = [4, 40, 44]
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96, prefix_cache=False) as engine:
+        engine.submit(prompt, GREEDY).result(timeout=60)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), other.parameters()):
+                p.copy_(q)
+        got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
+        assert got == greedy_reference(other, prompt, GREEDY.max_tokens)
+        down = model.layers[0].mlp.down
+        down.weight.data = (down.weight.data * -1.0).contiguous()  # new memory, row-major: not the kernel's layout
+        steps = len(fused_calls)
+        got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
+        assert len(fused_calls) == steps  # the layout no longer fits: the model's own forward ran
+        assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
+        use_column_major_linears(model)  # laid out again: the C step is back, reading the new weight
+        got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
+        assert len(fused_calls) > steps
+        assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
+
+
+def test_a_hook_or_a_swapped_in_lora_layer_sends_steps_back_to_the_model(fused_calls):
+    model = make_model("tiny")
+    prompt = [3, 1, 4, 1, 5]
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96, prefix_cache=False) as engine:
+        seen = []
+        handle = model.layers[1].mlp.register_forward_hook(lambda *args: seen.append(1))
+        engine.submit(prompt, GREEDY).result(timeout=60)
+        handle.remove()
+        assert len(seen) == GREEDY.max_tokens and not fused_calls  # every step ran the module, hook and all
+        inject_lora(model, LoraConfig(rank=2, targets=["q_proj"]))
+        nn.init.normal_(model.layers[0].attention.q_proj.lora_B)  # make the adapter matter
+        got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
+        assert not fused_calls
+        assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kind,overrides", [("tiny-mla", {}), ("tiny-moe", {}), ("tiny", dict(use_qk_norm=True)),
+                                            ("tiny", dict(use_gated_attention=True)), ("tiny", dict(attn_bias=True))])
+def test_models_of_other_shapes_are_not_fused(kind, overrides):
+    model = make_model(kind, **overrides)
+    use_column_major_linears(model)
+    assert FusedDecode.for_model(model) is None
+
+
+def test_plain_model_is_fused_only_once_laid_out_in_fp32():
+    model = make_model("tiny")
+    assert FusedDecode.for_model(model) is None  # row-major, q/k/v apart: not the kernel's layout
+    use_column_major_linears(model)
+    assert FusedDecode.for_model(model) is not None
+    assert FusedDecode.for_model(make_model("tiny").to(torch.bfloat16)) is None
