@@ -66,6 +66,8 @@ class FusedDecode:
         target = view.single_row_target()
         if target is None or not self._weights_ready():
             return None
+        if not (0 <= token < self.model.embed_tokens.weight.shape[0] and 0 <= target.pos < target.capacity):
+            return None  # the model's own forward reports it; C would read or write out of bounds
         table = self._static.clone()
         table[:, 10:] = torch.tensor([target.k_pages, target.v_pages, target.k_buffers, target.v_buffers]).t()
         cos, sin = self._rotary_row(target.pos)
