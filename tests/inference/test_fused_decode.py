@@ -142,3 +142,28 @@ def test_plain_model_is_fused_only_once_laid_out_in_fp32():
     use_column_major_linears(model)
     assert FusedDecode.for_model(model) is not None
     assert FusedDecode.for_model(make_model("tiny").to(torch.bfloat16)) is None
+
+
+def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
+    """A token outside the vocabulary or a position past the buffers goes back to the model's
+    forward (which reports it) rather than to C, which would read or write out of bounds."""
+    from astrai.inference.cache.kvcache import RowTarget
+
+    model = make_model("tiny")
+    use_column_major_linears(model)
+    fused = FusedDecode.for_model(model)
+    n_layers = len(model.layers)
+    reached = []
+    monkeypatch.setattr(fused_module, "decode_step", lambda *args: reached.append(args[1]) or torch.zeros(256))
+
+    class View:
+        def __init__(self, pos, capacity):
+            self.target = RowTarget([0] * n_layers, [0] * n_layers, [0] * n_layers, [0] * n_layers, pos, capacity)
+
+        def single_row_target(self):
+            return self.target
+
+    for token, pos, capacity in ((256, 3, 16), (-1, 3, 16), (5, 16, 16), (5, -1, 16)):
+        assert fused(token, View(pos, capacity)) is None
+    assert not reached
+    assert fused(5, View(3, 16)) is not None and reached == [5]  # the stub stands in for C here
