@@ -46,7 +46,7 @@ class FusedDecode:
         self.scale = config.resolved_head_dim ** -0.5
         self._watched = _watched(model)
         self._parameters: list[torch.Tensor] = []
-        self._addresses: tuple = ()
+        self._addresses: Optional[tuple] = None  # the weights' addresses when the table was last built
         self._static: Optional[torch.Tensor] = None
         self._rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
@@ -78,21 +78,18 @@ class FusedDecode:
 
     def _weights_ready(self) -> bool:
         """Whether the table of weight pointers is current: rebuilt (and checked) when a module
-        or parameter was replaced, or a weight moved, cast or re-laid, since it was made."""
+        or parameter was replaced, or a weight moved, cast or re-laid, since it was made. A
+        model found not to fit is checked again only after such a change, not every step."""
         if any(table.get(name) is not item for table, name, item in self._watched):
             self._watched = _watched(self.model)
-            self._addresses = ()
+            self._addresses = None
         if _hooked(self.model, self._watched):
             return False
-        addresses = tuple(p.data_ptr() for p in self._parameters)
-        if addresses == self._addresses and self._static is not None:
-            return True
-        if not _plain_structure(self.model):
-            self._static = None
-            return False
+        if tuple(p.data_ptr() for p in self._parameters) == self._addresses:
+            return self._static is not None
         self._parameters = list(self.model.parameters())
-        self._static = _weight_table(self.model)
-        self._addresses = tuple(p.data_ptr() for p in self._parameters) if self._static is not None else ()
+        self._static = _weight_table(self.model) if _plain_structure(self.model) else None
+        self._addresses = tuple(p.data_ptr() for p in self._parameters)
         self._rotary = None
         return self._static is not None
 
@@ -167,8 +164,8 @@ def _weight_table(model: nn.Module) -> Optional[torch.Tensor]:
         if qkv is None or gate_up is None or not (_column_major(o) and _column_major(down)) or not all(map(_contiguous, norms)):
             return None
         rows.append([norms[0].data_ptr(), qkv.data_ptr(), qkv.stride(1), o.data_ptr(), o.stride(1),
-                     norms[1].data_ptr(), gate_up.data_ptr(), gate_up.stride(1), down.data_ptr(), down.stride(1),
-                     0, 0, 0, 0])
+                     norms[1].data_ptr(), gate_up.data_ptr(), gate_up.stride(1), down.data_ptr(), down.stride(1)]
+                    + [0] * (COLUMNS - 10))  # the K/V destinations, filled per step
     return torch.tensor(rows, dtype=torch.int64)
 
 

@@ -87,9 +87,13 @@ def test_kv_written_by_fused_steps_serves_a_later_request_through_the_prefix_cac
     assert torch.allclose(got, _reference_logprobs(model, second_prompt, second.token_ids), atol=1e-4, rtol=1e-4)
 
 
-def test_weights_changed_after_the_engine_started_are_followed(fused_calls):
+def test_weights_changed_after_the_engine_started_are_followed(fused_calls, monkeypatch):
     """New values copied in place (same memory), then a weight replaced by a new tensor
-    (new memory: the table is rebuilt): both show in the next request's tokens."""
+    (new memory: the table is rebuilt, once, not at every step): both show in the next
+    request's tokens."""
+    builds = []
+    real_table = fused_module._weight_table
+    monkeypatch.setattr(fused_module, "_weight_table", lambda m: builds.append(1) or real_table(m))
     model = make_model("tiny")
     other = make_model("tiny", seed=3)
     prompt = [4, 40, 44]
@@ -105,6 +109,7 @@ def test_weights_changed_after_the_engine_started_are_followed(fused_calls):
         steps = len(fused_calls)
         got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
         assert len(fused_calls) == steps  # the layout no longer fits: the model's own forward ran
+        assert len(builds) == 2  # at the start, and once after the change
         assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
         use_column_major_linears(model)  # laid out again: the C step is back, reading the new weight
         got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
