@@ -45,6 +45,7 @@ class FusedDecode:
         self.eps = float(config.norm_eps)
         self.scale = config.resolved_head_dim ** -0.5
         self._watched = _watched(model)
+        self._modules = _modules_of(model, self._watched)
         self._parameters: list[torch.Tensor] = []
         self._addresses: Optional[tuple] = None  # the weights' addresses when the table was last built
         self._static: Optional[torch.Tensor] = None
@@ -82,8 +83,9 @@ class FusedDecode:
         model found not to fit is checked again only after such a change, not every step."""
         if any(table.get(name) is not item for table, name, item in self._watched):
             self._watched = _watched(self.model)
+            self._modules = _modules_of(self.model, self._watched)
             self._addresses = None
-        if _hooked(self.model, self._watched):
+        if _hooked(self._modules):
             return False
         if tuple(p.data_ptr() for p in self._parameters) == self._addresses:
             return self._static is not None
@@ -125,14 +127,18 @@ def _plain_structure(model: nn.Module) -> bool:
         linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate, mlp.up, mlp.down)
         if any(type(m) is not Linear or m.bias is not None for m in linears):
             return False
-    return not _hooked(model, _watched(model))
+    return not _hooked(_modules_of(model, _watched(model)))
 
 
-def _hooked(model: nn.Module, watched: list) -> bool:
+def _modules_of(model: nn.Module, watched: list) -> list[nn.Module]:
+    """``model`` and every module among the ``watched`` items: the ones whose hooks ``_hooked`` asks about."""
+    return [model] + [item for _, _, item in watched if isinstance(item, nn.Module)]
+
+
+def _hooked(modules: list[nn.Module]) -> bool:
     """Whether any forward hook would run: the fused step calls no module, so it would skip them."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return True
-    modules = [model] + [item for _, _, item in watched if isinstance(item, nn.Module)]
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
