@@ -36,8 +36,11 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES or not huge_pages_available():
         return torch.empty(shape, dtype=dtype)
-    # private: a shared anonymous mapping is shmem, which follows another huge-page setting
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        # private: a shared anonymous mapping is shmem, which follows another huge-page setting
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # e.g. the map count or an overcommit limit reached: torch's allocator may still manage
+        return torch.empty(shape, dtype=dtype)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: pages are chosen at first touch
     except OSError:

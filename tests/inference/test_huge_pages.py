@@ -50,6 +50,28 @@ def test_small_buffers_and_the_switch_give_plain_memory(monkeypatch):
     assert large.shape == (1024, 1024) and "hg" not in _vm_flags(large.data_ptr())
 
 
+def test_a_refused_mapping_or_advice_falls_back_to_plain_memory(monkeypatch):
+    import mmap
+
+    from astrai import huge_pages
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    large = huge_page_empty((1024, 1024))
+    assert large.shape == (1024, 1024) and "hg" not in _vm_flags(large.data_ptr())
+    monkeypatch.undo()
+
+    class NoAdvice(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", NoAdvice)
+    large = huge_page_empty((1024, 1024))
+    assert large.shape == (1024, 1024) and "hg" not in _vm_flags(large.data_ptr())
+
+
 def test_the_engine_lays_large_weights_into_huge_pages_and_decodes_the_same():
     # the tied table (2048 x 256 floats) and each joint gate/up buffer (256 x 2048) are 2 MiB
     model = make_model("tiny", vocab_size=2048, dim=256, dim_ffn=1024)
