@@ -41,6 +41,14 @@ def test_a_large_buffer_is_advised_aligned_and_outlives_its_first_owner():
     assert torch.equal(view.t(), values)  # the mapping lives as long as any view of it
 
 
+def test_only_whole_huge_pages_are_advised():
+    # 3 MiB: one whole huge page and a partial one, which as a huge page would be 1 MiB of waste
+    buffer = huge_page_empty(((3 << 20) // 4,))
+    buffer.fill_(1.0)
+    assert "hg" in _vm_flags(buffer.data_ptr()) and "hg" in _vm_flags(buffer.data_ptr() + HUGE_PAGE_BYTES - 4)
+    assert "hg" not in _vm_flags(buffer.data_ptr() + HUGE_PAGE_BYTES)
+
+
 def test_small_buffers_and_the_switch_give_plain_memory(monkeypatch):
     small = huge_page_empty((16, 16))
     assert "hg" not in _vm_flags(small.data_ptr())
