@@ -8,8 +8,9 @@ back memory with 2 MiB pages instead (transparent huge pages), but with the comm
 ``madvise`` setting only for memory that asks for them, and torch's allocator does not
 ask. So the engine lays its weights (inference/weight_layout.py) into buffers made here: an
 anonymous mapping advised ``MADV_HUGEPAGE``, aligned to 2 MiB. Measured on the 2-core
-AMD VM, two 125M engines alternating in one process: single-request decode a median 5%
-faster (69.8 against 66.3 and 71.0 against 68.2 tok/s, 6 and 10 rounds), and a 1 GiB
+AMD VM, two 125M engines alternating in one process: single-request decode 3-5% faster
+(medians 69.8 against 66.3 and 71.0 against 68.2 tok/s over 6 and 10 rounds; with only
+whole pages advised, as now, a median per-round gain of 3% over 8 rounds), and a 1 GiB
 ``sum`` 8-20% faster. The KV decode buffers were tried too and showed nothing (the
 64-request mix: 1,798-2,300 against 1,978-2,290 tok/s), so they stay plain.
 

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from astrai.config import preset  # noqa: E402
-from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from astrai.huge_pages import huge_page_empty  # noqa: E402
+from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.model.hf import export_llama  # noqa: E402
 

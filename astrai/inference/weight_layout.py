@@ -14,7 +14,7 @@ The re-layout happens in place: the parameters keep their identity, shape and va
 (``load_state_dict`` copies into them, keeping the layout), and no memory is added
 beyond one matrix's (or one q/k/v or gate/up group's) copy at a time. Saving still works: safetensors are written from
 contiguous copies. The new buffers of 2 MiB or more sit in memory advised for 2 MiB pages
-(astrai/huge_pages.py), which a one-row decode streams about 5% faster.
+(astrai/huge_pages.py), which a one-row decode streams 3-5% faster.
 """
 
 from __future__ import annotations
