@@ -21,6 +21,7 @@ SCHEDULES = ("cosine", "sgdr", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "fp32", "bf16")
 PARALLEL_MODES = ("ddp", "fsdp")
+DATASET_TYPES = ("seq", "sft", "dpo", "grpo")  # what a preprocessed directory holds (a mixture entry's "type")
 
 
 @dataclass
@@ -30,7 +31,7 @@ class TrainConfig(JsonConfig):
     # what to train, on what
     train_type: str = "seq"
     data_root_path: Optional[str] = None
-    datasets: Optional[list] = None            # mixture: [{"path": ..., "rate": 0.7, "name": ...}, ...]
+    datasets: Optional[list] = None            # mixture: [{"path": ..., "rate": 0.7, "type": "seq"}, ...] (type: optional)
     dataset_type: Optional[str] = None         # DatasetFactory type if it differs from train_type
     val_data_path: Optional[str] = None
     val_fraction: float = 0.0                  # hold out this share of the training data when no val_data_path
@@ -131,12 +132,16 @@ class TrainConfig(JsonConfig):
              "give a training data path (or a 'datasets' mixture)")
         if self.data_root_path is not None:
             need(Path(self.data_root_path).exists(), "data_root_path", "path does not exist")
+        need(self.dataset_type in (None, *DATASET_TYPES), "dataset_type",
+             f"unknown dataset type {self.dataset_type!r}; choose one of {', '.join(DATASET_TYPES)}")
         if self.datasets:
             need(isinstance(self.datasets, list), "datasets", "must be a list of {path, rate}")
             for i, entry in enumerate(self.datasets):
                 ok = isinstance(entry, dict) and "path" in entry and float(entry.get("rate", 1.0)) > 0
                 need(ok, "datasets", f"entry {i} must be an object with 'path' and a positive 'rate'")
                 need(Path(entry["path"]).exists(), "datasets", f"entry {i}: path {entry['path']!r} does not exist")
+                need(entry.get("type") in (None, *DATASET_TYPES), "datasets",
+                     f"entry {i}: unknown type {entry.get('type')!r}; choose one of {', '.join(DATASET_TYPES)}")
         if self.val_data_path is not None:
             need(Path(self.val_data_path).exists(), "val_data_path", "path does not exist")
         need(not require_model or self.param_path is not None or self.model_preset is not None, "param_path",

@@ -17,7 +17,8 @@ from astrai.errors import CheckpointError
 _HELP = {
     "train_type": "seq | sft | dpo | rm | grpo | kl",
     "data_root_path": "training data (a storage file or directory from `astrai preprocess`)",
-    "datasets": 'mixture as JSON: [{"path": "a", "rate": 0.7}, {"path": "b", "rate": 0.3}]',
+    "datasets": 'mixture as JSON: [{"path": "a", "rate": 0.7}, {"path": "b", "rate": 0.3, "type": "seq"}] '
+                '(type: optional; pre-training text may be mixed into sft)',
     "param_path": "model directory (config.json [+ weights, tokenizer])",
     "model_preset": "build a fresh model from a preset (tiny, small, 1b, ...) instead of param_path",
     "model_overrides": 'ModelConfig fields as JSON, e.g. {"vocab_size": 1024}',

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from astrai.errors import DataError
+from astrai.dataset.datasets import IGNORE_INDEX
 from astrai.trainer.sampling import MixtureSampler
 
 DATASET_TYPE_OF = {"rm": "dpo", "kl": "seq"}
@@ -29,13 +30,57 @@ def dataset_type(config) -> str:
     return config.dataset_type or DATASET_TYPE_OF.get(config.train_type, config.train_type)
 
 
-def load_dataset(config, path: str) -> Dataset:
+def load_dataset(config, path: str, kind: Optional[str] = None) -> Dataset:
+    """The preprocessed directory ``path`` as a dataset of type ``kind`` (default: the run's)."""
     from astrai.dataset import DatasetFactory
 
-    dataset = DatasetFactory.load(dataset_type(config), path, config.window_size, config.stride)
+    dataset = DatasetFactory.load(kind or dataset_type(config), path, config.window_size, config.stride)
     if len(dataset) == 0:
         raise DataError(f"{path}: no training samples of window {config.window_size} (data too small?)")
     return dataset
+
+
+class EveryTokenCounts(Dataset):
+    """Pre-training windows served to an SFT run: ``loss_mask`` 1 wherever the target counts.
+
+    Mixing some pre-training text into fine-tuning (replay) keeps the model's plain-text
+    skill that SFT on a small conversation set otherwise wears away; in the quick start
+    one SFT stage took held-out English perplexity from 32 to 180."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        item = dict(self.dataset[index])
+        item["loss_mask"] = (item["target_ids"] != IGNORE_INDEX).long()
+        return item
+
+
+def mixture_source(config, index: int, entry: dict) -> Dataset:
+    """One entry of a ``datasets`` mixture; an entry's own ``type`` may differ from the run's
+    only where the batches still fit its strategy: pre-training text in an SFT run."""
+    run_kind = dataset_type(config)
+    kind = entry.get("type") or run_kind
+    dataset = load_dataset(config, entry["path"], kind)
+    if kind == run_kind:
+        return dataset
+    if (kind, run_kind) == ("seq", "sft"):
+        return EveryTokenCounts(dataset)
+    raise DataError(f"datasets entry {index} ({entry['path']}): a '{kind}' source cannot feed a '{run_kind}' run; "
+                    f"only pre-training ('seq') text mixes into 'sft' runs")
+
+
+def check_same_keys(sources: list[Dataset], paths: list[str]) -> None:
+    """Batches of a mixture are stacked from several sources: each must give the same fields."""
+    first = set(sources[0][0])
+    for source, path in zip(sources[1:], paths[1:]):
+        keys = set(source[0])
+        if keys != first:
+            raise DataError(f"datasets mixture: {path} gives {sorted(keys)} but {paths[0]} gives {sorted(first)}; "
+                            f"preprocess them with the same packing options (doc mask, position ids)")
 
 
 def resolve_data(config, train: Optional[Dataset] = None, val: Optional[Dataset] = None) -> TrainData:
@@ -43,8 +88,9 @@ def resolve_data(config, train: Optional[Dataset] = None, val: Optional[Dataset]
     if train is not None:
         sources, rates = [train], [1.0]
     elif config.datasets:
-        sources = [load_dataset(config, entry["path"]) for entry in config.datasets]
+        sources = [mixture_source(config, i, entry) for i, entry in enumerate(config.datasets)]
         rates = [float(entry.get("rate", 1.0)) for entry in config.datasets]
+        check_same_keys(sources, [entry["path"] for entry in config.datasets])
     else:
         sources, rates = [load_dataset(config, config.data_root_path)], [1.0]
     if val is None and config.val_data_path:
