@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
+from astrai.parallel.setup import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "serve.json"
 MODEL_NAME = "bench"
@@ -211,12 +211,6 @@ def serve_instant(model_dir: str, port: int) -> None:
 
     app = create_app(InstantEngine(AutoTokenizer.from_pretrained(model_dir)), model_name=MODEL_NAME)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(cmd: list[str], port: int) -> subprocess.Popen:

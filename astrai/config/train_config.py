@@ -31,7 +31,7 @@ class TrainConfig(JsonConfig):
     # what to train, on what
     train_type: str = "seq"
     data_root_path: Optional[str] = None
-    datasets: Optional[list] = None            # mixture: [{"path": ..., "rate": 0.7, "type": "seq"}, ...] (type: optional)
+    datasets: Optional[list] = None            # mixture: [{"path": ..., "rate": 0.7, "type": "seq"}, ...]
     dataset_type: Optional[str] = None         # DatasetFactory type if it differs from train_type
     val_data_path: Optional[str] = None
     val_fraction: float = 0.0                  # hold out this share of the training data when no val_data_path
@@ -87,7 +87,7 @@ class TrainConfig(JsonConfig):
     parallel_mode: str = "ddp"
     backend: str = "auto"
     master_addr: str = "127.0.0.1"
-    master_port: int = 29517
+    master_port: int = 0                       # --nprocs rendezvous port; 0 = any free one
 
     def validate(self, require_data: bool = True, require_model: bool = True) -> "TrainConfig":
         """Raise ConfigError naming the first bad field; return self when all is well.
@@ -117,6 +117,8 @@ class TrainConfig(JsonConfig):
         for name in ("max_lr", "muon_lr", "adamw_eps"):
             need(isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0, name, "must be > 0")
         need(self.adamw_weight_decay >= 0, "adamw_weight_decay", "must be >= 0")
+        need(isinstance(self.master_port, int) and 0 <= self.master_port <= 65535, "master_port",
+             "must be a port number 0-65535 (0: any free one)")
         need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
         for name in ("adamw_beta1", "adamw_beta2"):
             need(0 <= getattr(self, name) < 1, name, "must be in [0, 1)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import time
 from typing import Any, Callable, Optional
 
@@ -107,16 +108,25 @@ def _spawned(rank: int, fn: Callable, world_size: int, backend: str, master_addr
         cleanup_parallel()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on just now (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def spawn_parallel_fn(fn: Callable, nprocs: int, *args: Any, backend: str = "auto", master_addr: str = "127.0.0.1",
-                      master_port: int = 29500, device_type: str = "auto") -> None:
+                      master_port: int = 0, device_type: str = "auto") -> None:
     """Run ``fn(*args)`` in ``nprocs`` local processes that form one process group.
 
     With ``nprocs == 1`` it simply calls ``fn`` here (no process group), so single-device
-    code paths stay plain.
+    code paths stay plain. ``master_port`` 0 takes a free port, so two local runs at once
+    do not collide on a fixed one.
     """
     if nprocs == 1:
         fn(*args)
         return
+    master_port = master_port or free_port(master_addr)
     mp.spawn(_spawned, args=(fn, nprocs, backend, master_addr, master_port, device_type, args), nprocs=nprocs,
              join=True)
 

@@ -63,4 +63,4 @@ def worker(out: str) -> None:
 
 
 if __name__ == "__main__":
-    spawn_parallel_fn(worker, 2, sys.argv[1], backend="gloo", master_port=int(sys.argv[2]))
+    spawn_parallel_fn(worker, 2, sys.argv[1], backend="gloo")  # master_port 0: a free one

@@ -6,7 +6,6 @@ final model once, and log every step once (rank 0 only).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from astrai.cli import main
+from astrai.parallel.setup import free_port
 
 MODEL = {"vocab_size": 1000, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "dim_ffn": 64, "max_len": 64}
 STEPS = 4
@@ -25,12 +25,6 @@ def corpus(bundled_data, tokenizer_dir, tmp_path_factory):
     assert main(["preprocess", str(bundled_data / "pretrain" / "valid_en.jsonl"), "-o", str(out),
                  "--tokenizer", str(tokenizer_dir), "--train_type", "seq"]) == 0
     return out
-
-
-def free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
 
 
 def train_args(corpus: Path, tokenizer_dir: Path, run_dir: Path) -> list[str]:
@@ -55,11 +49,11 @@ def run_and_check(command: list[str], run_dir: Path) -> None:
 
 def test_torchrun_launch(corpus, tokenizer_dir, tmp_path):
     run_dir = tmp_path / "run"
-    run_and_check([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
-                   "-m", "astrai"] + train_args(corpus, tokenizer_dir, run_dir), run_dir)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    run_and_check(torchrun + ["-m", "astrai"] + train_args(corpus, tokenizer_dir, run_dir), run_dir)
 
 
 def test_nprocs_launch(corpus, tokenizer_dir, tmp_path):
     run_dir = tmp_path / "run"
     run_and_check([sys.executable, "-m", "astrai"] + train_args(corpus, tokenizer_dir, run_dir)
-                  + ["--nprocs", "2", "--master_port", free_port()], run_dir)
+                  + ["--nprocs", "2"], run_dir)  # no --master_port: the spawner takes a free one

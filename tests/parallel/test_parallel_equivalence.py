@@ -1,7 +1,6 @@
 """DDP and FSDP2 on 2 CPU processes match one process with the doubled batch; TP linears match dense."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,7 @@ from astrai.trainer import Trainer  # noqa: E402
 def distributed_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    with socket.socket() as probe:  # a port free right now, rather than a random one that may be taken
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    proc = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), str(out), port], env=env,
+    proc = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), str(out)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"written: {sorted(p.name for p in out.iterdir())}\n{proc.stderr[-3000:]}"
     return out

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from astrai.errors import OverloadedError
+from astrai.parallel.setup import free_port
 from astrai.inference.types import StreamEvent
 
 MODEL_NAME = "tiny-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
