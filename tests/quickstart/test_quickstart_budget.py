@@ -10,9 +10,9 @@ import pytest
 import astrai.quickstart as quickstart
 import astrai.trainer
 from astrai.cli import main
-from astrai.quickstart import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, STAGE_SHARES,
-                               Deadline, Quickstart, Settings, make_pace_check_callback, make_stage_deadline_callback,
-                               write_json)
+from astrai.quickstart import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY,
+                               STAGE_SHARES, Deadline, Quickstart, Settings, make_pace_check_callback,
+                               make_stage_deadline_callback, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -63,7 +63,13 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
         stage = qs.train_config(index, name, seconds=60.0)
         assert stage.train_type == name and stage.max_steps >= 2
     assert qs.train_config(2, "dpo", seconds=1e6).max_steps == 2800 // (2 * qs.s.batch_size)  # half a pass at most
-    assert qs.train_config(1, "sft", seconds=1e6).max_steps == int(SFT_MAX_PASSES * 50 * 7000 / tokens_per_step)
+    # 1.5 passes over the conversations, which make up 1 - SFT_REPLAY of the batches
+    sft = qs.train_config(1, "sft", seconds=1e6)
+    assert sft.max_steps == int(SFT_MAX_PASSES * 50 * 7000 / (1 - SFT_REPLAY) / tokens_per_step)
+    assert [d.get("type") for d in sft.datasets] == [None, "seq"] and sft.datasets[1]["rate"] == SFT_REPLAY
+    plain = planner(tmp_path / "plain", tokens_per_s=4000.0)
+    plain.s.sft_replay = 0.0
+    assert plain.train_config(1, "sft", seconds=1e6).data_root_path.endswith("sft")
     assert qs.train_config(3, "grpo", 60.0).strategy_kwargs["reward"] == "arithmetic"
 
 
@@ -81,6 +87,16 @@ def test_deadline_guard_ends_the_stage_like_a_reached_budget():
 def test_cli_refuses_a_non_positive_budget(capsys):
     assert main(["quickstart", "--minutes", "0", "--out", "unused"]) == 2
     assert "--minutes must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("share", [1.0, -0.1])
+def test_replay_share_outside_0_1_is_refused_before_anything_runs(tmp_path, share):
+    from astrai.errors import ConfigError
+    from astrai.quickstart import run_quickstart
+
+    with pytest.raises(ConfigError, match="sft_replay must be in"):
+        run_quickstart(out=str(tmp_path / "run"), sft_replay=share)
+    assert not (tmp_path / "run").exists()
 
 
 class FakeClock:
