@@ -4,9 +4,9 @@ One command walks a model through its whole life on the bundled data: a tokenize
 trained on the bilingual corpus, pre-training of the ``tiny`` preset, SFT on the
 bundled conversations (which include the arithmetic answer format) with some
 pre-training text replayed, DPO on the bundled preference pairs, online GRPO on the
-arithmetic task, an evaluation after every stage, and a report. It uses only the public APIs a user would
-(AutoTokenizer, run_preprocess, Trainer/TrainConfig with the registered strategies,
-the eval package), so it doubles as a worked example.
+arithmetic task, an evaluation after every stage, and a report. It uses only the
+public APIs a user would (AutoTokenizer, run_preprocess, Trainer/TrainConfig with the
+registered strategies, the eval package), so it doubles as a worked example.
 
 Time: a short measured training run gives the machine's tokens/s; each stage then
 gets a share of the time that is left (recomputed at every stage, so a slow stage

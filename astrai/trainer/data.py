@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
-from astrai.errors import DataError
 from astrai.dataset.datasets import IGNORE_INDEX
+from astrai.errors import DataError
 from astrai.trainer.sampling import MixtureSampler
 
 DATASET_TYPE_OF = {"rm": "dpo", "kl": "seq"}
