@@ -165,15 +165,13 @@ def stage_config_for(config, plan: Sequence[Stage], i: int, beta: float):
 def check_stage_data(stage_configs: Sequence[Any], plan: Sequence[Stage]) -> None:
     """Open every stage's data before stage 0 trains, so a bad path in a late stage costs seconds, not
     the earlier stages' training. Errors name the stage."""
-    from astrai.trainer.data import load_dataset
+    from astrai.trainer.data import resolve_data
 
     for i, (stage_config, stage) in enumerate(zip(stage_configs, plan)):
         if stage.dataset_object is not None:
             continue  # nothing to open
         try:
             stage_config.validate(require_model=False)
-            paths = [entry["path"] for entry in stage_config.datasets or []] or [stage_config.data_root_path]
-            for path in paths:
-                load_dataset(stage_config, path)
+            resolve_data(stage_config)  # what the stage's Trainer will open, mixture rules included
         except (ConfigError, DataError) as error:
             raise type(error)(f"KL stage {i}: {error}") from error
