@@ -20,7 +20,7 @@ from astrai.errors import RequestError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
-from astrai.inference.weight_layout import use_column_major_linears
+from astrai.inference.weight_layout import lay_out_linears
 from astrai.model.components.packed_weights import pack_linears
 from astrai.runtime import tune_allocator
 
@@ -36,7 +36,7 @@ class InferenceEngine:
                  pack_weights: bool = True):
         tune_allocator()  # see astrai/runtime.py: prefill activations are re-allocated every step
         model.eval()
-        use_column_major_linears(model)  # decode streams the weights faster this way (see weight_layout.py)
+        lay_out_linears(model)  # decode streams the weights faster this way (see weight_layout.py)
         if pack_weights:  # products of several rows run faster from oneDNN-packed copies (see packed_weights.py)
             pack_linears(model)
         self.model = model

@@ -9,8 +9,8 @@ final norm, head - in one call, between the same one-row products and decode att
 the unfused step uses, so the step costs what streaming the weights costs.
 
 It fits a plain model only: GQA attention without QK-norm, output gate or biases, dense
-SwiGLU feed-forwards, fp32 on the CPU, column-major weights with q/k/v and gate/up laid side
-by side (as the engine lays them, weight_layout.py), no LoRA layers and no hooks, and the
+SwiGLU feed-forwards, fp32 on the CPU, row-major weights with q/k/v and gate/up each stacked
+in one buffer (as the engine lays them, weight_layout.py), no LoRA layers and no hooks, and the
 C kernels built. ``FusedDecode.for_model`` says None for anything else, and a step whose
 context is not in the decode buffers yet (the first after a prefill) or that has several
 rows takes the usual forward; ``ASTRAI_FUSED_DECODE=0`` turns it off. Before each step the weights' addresses are compared with
@@ -30,7 +30,7 @@ from astrai.model.components.attention import GQA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.joint_weights import joint_weight
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
-from astrai.model.components.native_kernels import decode_step, kernels_available
+from astrai.model.components.native_kernels import decode_step, kernels_available, row_major
 
 COLUMNS = 14  # int64 values per layer in the C kernel's table (native/decode_step.c)
 
@@ -158,7 +158,7 @@ def _weight_table(model: nn.Module) -> Optional[torch.Tensor]:
         if p.dtype != torch.float32 or p.device.type != "cpu":
             return None
     head = model.lm_head.weight
-    if not (_column_major(head) and _contiguous(model.norm.weight)) or model.embed_tokens.weight.dim() != 2:
+    if not (row_major(head) and _contiguous(model.norm.weight)) or model.embed_tokens.weight.dim() != 2:
         return None
     rows = []
     for layer in model.layers:
@@ -167,16 +167,12 @@ def _weight_table(model: nn.Module) -> Optional[torch.Tensor]:
         gate_up = joint_weight([mlp.gate.weight, mlp.up.weight])
         o, down = attention.o_proj.weight, mlp.down.weight
         norms = (layer.input_norm.weight, layer.post_attention_norm.weight)
-        if qkv is None or gate_up is None or not (_column_major(o) and _column_major(down)) or not all(map(_contiguous, norms)):
+        if qkv is None or gate_up is None or not (row_major(o) and row_major(down)) or not all(map(_contiguous, norms)):
             return None
-        rows.append([norms[0].data_ptr(), qkv.data_ptr(), qkv.stride(1), o.data_ptr(), o.stride(1),
-                     norms[1].data_ptr(), gate_up.data_ptr(), gate_up.stride(1), down.data_ptr(), down.stride(1)]
+        rows.append([norms[0].data_ptr(), qkv.data_ptr(), qkv.stride(0), o.data_ptr(), o.stride(0),
+                     norms[1].data_ptr(), gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0)]
                     + [0] * (COLUMNS - 10))  # the K/V destinations, filled per step
     return torch.tensor(rows, dtype=torch.int64)
-
-
-def _column_major(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
 
 
 def _contiguous(weight: torch.Tensor) -> bool:

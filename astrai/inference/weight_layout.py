@@ -1,81 +1,89 @@
-"""Column-major linear weights for decoding on CPU.
+"""Where the engine puts fp32 linear weights for decoding on CPU.
 
-A decode step multiplies one row per task by every weight matrix, so its speed is how
-fast the matrix-vector products stream the weights from memory. With the usual
-``nn.Linear`` layout ([out, in], row-major) the CPU BLAS does ``x @ W.T`` through its
-general path and reached only about half the memory bandwidth here: 21 MB of `tiny`
-weights took 1.8-2.2 ms per token against 0.9-1.0 ms when the same matrices are stored
-[in, out] (column-major [out, in]), 15 against 9.8 ms for `small`, 36 against 27 ms for
-a 125M model. Products with many rows (prefill, training) run at the same speed in
-either layout (measured within 1-3% for 512 rows), and an embedding lookup from a
-column-major tied table costs 0.3-2 ms for 512 tokens.
+A single request's decode step multiplies one row by every weight matrix, so its speed
+is how fast the one-row products stream the weights from memory. Two things about the
+weights' memory help, and the engine arranges both once, when it is made:
 
-The re-layout happens in place: the parameters keep their identity, shape and values
-(``load_state_dict`` copies into them, keeping the layout), and no memory is added
-beyond one matrix's (or one q/k/v or gate/up group's) copy at a time. Saving still works: safetensors are written from
-contiguous copies. The new buffers of 2 MiB or more sit in memory advised for 2 MiB pages
-(astrai/huge_pages.py), which a one-row decode streams 3-5% faster.
+- Linears that read the same input (attention's q/k/v, the MLP's gate/up, as a module
+  names them with ``joint_linears()``) are stacked in one buffer [total out, in], each
+  weight a view of its block of rows, so that ``linear_group`` (layers.py) reads the
+  group as one product: one longer stream per thread instead of two or three short ones.
+- Buffers of 2 MiB or more sit in memory advised for 2 MiB pages (astrai/huge_pages.py),
+  which a one-row decode streamed 3-5% faster.
+
+The weights stay row-major, ``nn.Linear``'s own [out, in]: the C one-row product
+(native/row_product.c) reads one weight row per output, one stream per thread. Earlier
+versions stored them column-major ([in, out] rows) instead, which suited the BLAS and a
+kernel that read eight rows at a time; timed standalone at the VM's faster bandwidth
+level, that kernel read 46 GB/s where the row-major one read 50-61 and a plain sum 60-61
+(at the slower level all three read alike). Row-major is also the layout every other
+path expects, so models outside the engine get the kernel too.
+
+Values never change, and neither do the parameters' identity, shape or ties
+(``load_state_dict`` copies into them, keeping the layout); no memory is added beyond
+one matrix's (or one group's) copy at a time.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from astrai.huge_pages import huge_page_empty
+from astrai.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.model.components.joint_weights import joint_groups, joint_weight
 
+_laid: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> the address it was laid at
 
-def use_column_major_linears(model: nn.Module) -> int:
-    """Store every fp32 CPU ``nn.Linear`` weight of ``model`` column-major; returns how many changed.
 
-    A weight shared by several modules (a tied embedding and LM head) is changed once.
-    Only fp32 is changed: in bf16 both layouts ran alike here, and in fp16 the column-major
-    products were 14x slower (one row of a 2816 x 768 matrix: 2.2 against 0.16 ms). GPU
-    weights are left alone: the change was only measured on CPU.
+def lay_out_linears(model: nn.Module) -> int:
+    """Stack ``model``'s groups of fp32 CPU linears and move its large fp32 CPU linear
+    weights into huge-page memory; returns how many weights moved.
 
-    Linears that read the same input, as a module names them with ``joint_linears()``
-    (attention's q/k/v, the MLP's gate/up), are laid side by side: one buffer [in, total],
-    each weight a column-major view of its block of columns, so that ``linear_group``
-    (layers.py) reads them in one product when there is one row.
+    A weight shared by several modules (a tied embedding and LM head) moves once. A
+    weight already where this puts it is left alone, so calling this again returns 0.
     """
-    changed = 0
+    moved = 0
     seen: set[int] = set()
     with torch.no_grad():
         for group in joint_groups(model):
-            changed += _lay_side_by_side(group, seen)
+            moved += _stack(group, seen)
         for module in model.modules():
             if not isinstance(module, nn.Linear):
                 continue
             weight = module.weight
-            if id(weight) in seen or not _relayable(weight) or not weight.is_contiguous():
+            if id(weight) in seen or not _movable(weight):
                 continue
             seen.add(id(weight))
-            laid = huge_page_empty((weight.shape[1], weight.shape[0]))
-            laid.copy_(weight.data.t())
-            weight.data = laid.t()
-            changed += 1
-    return changed
+            if _laid.get(weight) == weight.data_ptr() or weight.nbytes < HUGE_PAGE_BYTES or not huge_pages_available():
+                continue
+            laid = huge_page_empty(tuple(weight.shape))
+            laid.copy_(weight.data)
+            weight.data = laid
+            _laid[weight] = laid.data_ptr()
+            moved += 1
+    return moved
 
 
-def _relayable(weight: torch.Tensor) -> bool:
+def _movable(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
-def _lay_side_by_side(group: tuple[nn.Linear, ...], seen: set[int]) -> int:
-    """Copy the group's weights into one [in, total] buffer, each ``.data`` becoming a view of it."""
+def _stack(group: tuple[nn.Linear, ...], seen: set[int]) -> int:
+    """Copy the group's weights into one [total, in] buffer, each ``.data`` becoming its block of rows."""
     weights = [m.weight for m in group]
     if (len(weights) < 2 or any(id(w) in seen for w in weights) or len({id(w) for w in weights}) < len(weights)
-            or not all(_relayable(w) for w in weights) or len({w.shape[1] for w in weights}) > 1):
+            or not all(_movable(w) for w in weights) or len({w.shape[1] for w in weights}) > 1):
         return 0
     seen.update(id(w) for w in weights)
-    if joint_weight(weights) is not None:  # already laid out
+    if joint_weight(weights) is not None:  # already stacked
         return 0
-    buffer = huge_page_empty((weights[0].shape[1], sum(w.shape[0] for w in weights)))
+    buffer = huge_page_empty((sum(w.shape[0] for w in weights), weights[0].shape[1]))
     start = 0
     for weight in weights:
-        block = buffer[:, start:start + weight.shape[0]]
-        block.copy_(weight.data.t())
-        weight.data = block.t()
+        block = buffer[start:start + weight.shape[0]]
+        block.copy_(weight.data)
+        weight.data = block
+        _laid[weight] = block.data_ptr()
         start += weight.shape[0]
     return len(weights)

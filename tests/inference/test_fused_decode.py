@@ -13,7 +13,7 @@ from torch import nn
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference import fused_decode as fused_module
 from astrai.inference.fused_decode import FusedDecode
-from astrai.inference.weight_layout import use_column_major_linears
+from astrai.inference.weight_layout import lay_out_linears
 from astrai.model.components.native_kernels import kernels_available
 from astrai.model.lora import LoraConfig, inject_lora
 from inference_helpers import greedy_reference, make_model
@@ -105,13 +105,20 @@ def test_weights_changed_after_the_engine_started_are_followed(fused_calls, monk
         got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
         assert got == greedy_reference(other, prompt, GREEDY.max_tokens)
         down = model.layers[0].mlp.down
-        down.weight.data = (down.weight.data * -1.0).contiguous()  # new memory, row-major: not the kernel's layout
+        down.weight.data = (down.weight.data * -1.0).contiguous()  # new memory, still row-major
         steps = len(fused_calls)
         got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
-        assert len(fused_calls) == steps  # the layout no longer fits: the model's own forward ran
+        assert len(fused_calls) > steps  # the C step, reading the new weight
         assert len(builds) == 2  # at the start, and once after the change
         assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
-        use_column_major_linears(model)  # laid out again: the C step is back, reading the new weight
+        up = model.layers[1].mlp.up
+        up.weight.data = (up.weight.data * -1.0).contiguous()  # gate/up no longer stacked: not the kernel's layout
+        steps = len(fused_calls)
+        got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
+        assert len(fused_calls) == steps  # the model's own forward ran
+        assert len(builds) == 3
+        assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
+        lay_out_linears(model)  # stacked again: the C step is back, reading the new weight
         got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
         assert len(fused_calls) > steps
         assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
@@ -137,14 +144,14 @@ def test_a_hook_or_a_swapped_in_lora_layer_sends_steps_back_to_the_model(fused_c
                                             ("tiny", dict(use_gated_attention=True)), ("tiny", dict(attn_bias=True))])
 def test_models_of_other_shapes_are_not_fused(kind, overrides):
     model = make_model(kind, **overrides)
-    use_column_major_linears(model)
+    lay_out_linears(model)
     assert FusedDecode.for_model(model) is None
 
 
 def test_plain_model_is_fused_only_once_laid_out_in_fp32():
     model = make_model("tiny")
-    assert FusedDecode.for_model(model) is None  # row-major, q/k/v apart: not the kernel's layout
-    use_column_major_linears(model)
+    assert FusedDecode.for_model(model) is None  # q/k/v and gate/up apart: not the kernel's layout
+    lay_out_linears(model)
     assert FusedDecode.for_model(model) is not None
     assert FusedDecode.for_model(make_model("tiny").to(torch.bfloat16)) is None
 
@@ -155,7 +162,7 @@ def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
     from astrai.inference.cache.kvcache import RowTarget
 
     model = make_model("tiny")
-    use_column_major_linears(model)
+    lay_out_linears(model)
     fused = FusedDecode.for_model(model)
     n_layers = len(model.layers)
     reached = []

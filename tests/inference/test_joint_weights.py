@@ -1,4 +1,4 @@
-"""Linears that read the same input (q/k/v, gate/up): laid side by side by the engine's
+"""Linears that read the same input (q/k/v, gate/up): stacked in one buffer by the engine's
 weight layout and read as one product, for one row (the C kernel) and for several (the
 joint weight's packed copy), with the same results as one product per linear."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai.inference.weight_layout import use_column_major_linears
+from astrai.inference.weight_layout import lay_out_linears
 from astrai.model.components import layers
 from astrai.model.components.joint_weights import joint_groups, joint_weight
 from astrai.model.components.layers import linear_group
@@ -33,7 +33,7 @@ def test_layout_puts_each_group_in_one_buffer_and_keeps_the_model(kind, override
     with torch.no_grad():
         want = model(ids)["logits"]
 
-    assert use_column_major_linears(model) > 0
+    assert lay_out_linears(model) > 0
     for group in groups:
         joint = joint_weight(_weights(group))
         assert joint is not None
@@ -44,14 +44,14 @@ def test_layout_puts_each_group_in_one_buffer_and_keeps_the_model(kind, override
         assert torch.equal(p, values[name]), name
     with torch.no_grad():
         assert torch.allclose(model(ids)["logits"], want, atol=1e-5, rtol=1e-5)
-    assert use_column_major_linears(model) == 0  # already laid out
+    assert lay_out_linears(model) == 0  # already laid out
 
 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_a_group_runs_as_one_product(rows, monkeypatch):
     assert onednn_available()  # x86 builds of torch have it; CI runs on one
     model = make_model("tiny", **GATED)
-    use_column_major_linears(model)
+    lay_out_linears(model)
     pack_linears(model)
     group = model.layers[0].attention.joint_linears()[0]
     assert len(group) == 4  # q, k, v and the output gate
@@ -81,7 +81,7 @@ def test_a_group_runs_as_one_product(rows, monkeypatch):
 
 def test_a_group_follows_its_weights_when_they_change(monkeypatch):
     model = make_model("tiny")
-    use_column_major_linears(model)
+    lay_out_linears(model)
     pack_linears(model)
     mlp = model.layers[0].mlp
     group = (mlp.gate, mlp.up)
@@ -104,7 +104,7 @@ def test_a_group_follows_its_weights_when_they_change(monkeypatch):
     check()
     calls = []  # autograd on: each linear's own product, for its gradient
     monkeypatch.setattr(layers, "row_product", lambda *a: calls.append(1))
-    use_column_major_linears(model)  # lays the group out again
+    lay_out_linears(model)  # lays the group out again
     assert joint_weight(_weights(group)) is not None
     outs = linear_group(one, group)
     assert calls == [] and all(o.requires_grad for o in outs)

@@ -1,6 +1,6 @@
-"""The C one-row product: equal to F.linear for column-major weights (with a row stride
-wider than the outputs, any thread count, with and without bias), used by ``linear`` for
-exactly the single-row products it serves, and by a single request's decode steps."""
+"""The C one-row product: equal to F.linear for row-major weights (with rows further apart
+than the inputs, any thread count, with and without bias), used by ``linear`` for exactly
+the single-row products it serves, and by a single request's decode steps."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from astrai.model.components.native_kernels import kernels_available, row_produc
 from inference_helpers import greedy_reference, make_model
 
 
-def _column_major(n_out: int, n_in: int, spare: int = 0) -> torch.Tensor:
-    """[out, in] weight stored as rows of a wider [in, out + spare] matrix; the spare
-    columns hold NaN, so a product that reads past the outputs shows it."""
-    storage = torch.randn(n_in, n_out + spare)
-    storage[:, n_out:] = float("nan")
-    return storage[:, :n_out].t()
+def _row_major(n_out: int, n_in: int, spare: int = 0) -> torch.Tensor:
+    """[out, in] weight whose rows lie ``in + spare`` floats apart; the spare floats (and
+    one more row after the last) hold NaN, so a product that reads past a row's inputs or
+    past the outputs shows it."""
+    storage = torch.randn(n_out + 1, n_in + spare)
+    storage[:, n_in:] = float("nan")
+    storage[n_out:] = float("nan")
+    return storage[:n_out, :n_in]
 
 
 def test_the_kernels_build_on_this_machine():
@@ -30,7 +32,7 @@ def test_the_kernels_build_on_this_machine():
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_row_product_equals_the_float64_product(n_out, n_in, threads, with_bias):
     torch.manual_seed(n_out * 7 + n_in)
-    weight = _column_major(n_out, n_in, spare=5)
+    weight = _row_major(n_out, n_in, spare=5)
     bias = torch.randn(n_out) if with_bias else None
     x = torch.randn(1, 1, n_in)
     before = torch.get_num_threads()
@@ -47,23 +49,24 @@ def test_row_product_equals_the_float64_product(n_out, n_in, threads, with_bias)
 def test_row_product_refuses_layouts_it_cannot_read():
     x = torch.randn(1, 8)
     with pytest.raises(ValueError, match="layout or dtype"):
-        row_product(x, torch.randn(4, 8), None)  # row-major
+        row_product(x, torch.randn(8, 4).t(), None)  # column-major
     with pytest.raises(ValueError, match="layout or dtype"):
-        row_product(torch.randn(2, 8), torch.randn(8, 4).t(), None)  # two rows
+        row_product(x, torch.randn(4, 16)[:, ::2], None)  # inputs not contiguous within a row
     with pytest.raises(ValueError, match="layout or dtype"):
-        row_product(x.double(), torch.randn(8, 4).t().double(), None)
+        row_product(torch.randn(2, 8), torch.randn(4, 8), None)  # two rows
+    with pytest.raises(ValueError, match="layout or dtype"):
+        row_product(x.double(), torch.randn(4, 8).double(), None)
 
 
-def test_linear_sends_only_single_rows_with_column_major_weights_to_the_kernel(monkeypatch):
+def test_linear_sends_only_single_rows_with_row_major_weights_to_the_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(layers, "row_product", lambda x, w, b: calls.append(x.shape) or x @ w.t())
-    weight = torch.randn(24, 16).t()  # [16 out, 24 in], stored column-major
-    assert weight.stride(0) == 1
+    weight = torch.randn(16, 24)  # [16 out, 24 in], nn.Linear's layout
     with torch.no_grad():
         layers.linear(torch.randn(1, 1, 24), weight)
         assert len(calls) == 1
         layers.linear(torch.randn(1, 3, 24), weight)  # several rows: not the kernel
-        layers.linear(torch.randn(1, 1, 24), weight.contiguous())  # row-major: not the kernel
+        layers.linear(torch.randn(1, 1, 24), weight.t().contiguous().t())  # column-major: not the kernel
     layers.linear(torch.randn(1, 1, 24), weight)  # autograd on: not the kernel
     assert len(calls) == 1
 

@@ -1,4 +1,5 @@
-"""The engine stores linear weights column-major (faster decode on CPU) without changing the model."""
+"""The engine stacks joint linears and moves large weights into huge pages without changing the
+model; products of a few rows are split in two halves when no faster path is at hand."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ import pytest
 import torch
 from torch import nn
 
+from astrai.huge_pages import HUGE_PAGE_BYTES
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.inference.weight_layout import use_column_major_linears
+from astrai.inference.weight_layout import lay_out_linears
 from astrai.model import AutoModel
+from astrai.model.components.joint_weights import joint_groups, joint_weight
 from inference_helpers import greedy_reference, make_model
 
 
-def _column_major(weight: torch.Tensor) -> bool:
-    """[out, in] stored as the rows of an [in, >= out] matrix (q/k/v and gate/up share one)."""
-    return weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
+def _stacked(model) -> list[bool]:
+    return [joint_weight([m.weight for m in group]) is not None for group in joint_groups(model)]
 
 
 @pytest.fixture
@@ -30,39 +32,53 @@ def split_rows(monkeypatch):
     return rows
 
 
-def test_relayout_keeps_parameters_values_and_ties():
+def test_layout_keeps_parameters_values_and_ties():
     model = make_model("tiny")
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     params = {name: p for name, p in model.named_parameters()}
     before = {name: p.detach().clone() for name, p in params.items()}
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         logits_before = model(ids)["logits"]
-    assert not any(_column_major(m.weight) for m in linears)
+    assert not any(_stacked(model))
 
-    unique = {id(m.weight) for m in linears}
-    assert use_column_major_linears(model) == len(unique)
-    assert model.lm_head.weight is model.embed_tokens.weight  # still tied: changed once, for both
-    assert all(_column_major(m.weight) for m in linears)
+    grouped = sum(len(group) for group in joint_groups(model))
+    assert grouped == 5 * len(model.layers)  # q/k/v and gate/up; every other weight is under 2 MiB here
+    assert lay_out_linears(model) == grouped
+    assert all(_stacked(model))
+    assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Linear))  # still row-major
+    assert model.lm_head.weight is model.embed_tokens.weight
     assert dict(model.named_parameters()) == params  # the same Parameter objects
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
     with torch.no_grad():
         assert torch.allclose(model(ids)["logits"], logits_before, atol=1e-5, rtol=1e-5)
-    assert use_column_major_linears(model) == 0  # already done: nothing to change
-    for dtype in (torch.float16, torch.bfloat16):  # only fp32 gains (fp16 products got 14x slower)
+    assert lay_out_linears(model) == 0  # already done: nothing to change
+    for dtype in (torch.float16, torch.bfloat16):  # the kernels and packed copies are fp32 only
         other = make_model("tiny").to(dtype)
-        assert use_column_major_linears(other) == 0
-        assert not _column_major(other.lm_head.weight)
+        assert lay_out_linears(other) == 0 and not any(_stacked(other))
+
+
+def test_a_large_weight_moves_once_and_a_shared_one_once_for_both(monkeypatch):
+    # the tied table (2048 x 256 floats) is 2 MiB: it moves, once, for the embedding and the head
+    model = make_model("tiny", vocab_size=2048, dim=256, dim_ffn=1024)
+    table = model.embed_tokens.weight
+    assert table.nbytes >= HUGE_PAGE_BYTES and model.lm_head.weight is table
+    address, values = table.data_ptr(), table.detach().clone()
+    grouped = sum(len(group) for group in joint_groups(model))
+    assert lay_out_linears(model) == grouped + 1
+    assert table.data_ptr() != address and torch.equal(table, values) and table.is_contiguous()
+    assert lay_out_linears(model) == 0
+    monkeypatch.setenv("ASTRAI_HUGE_PAGES", "0")  # without huge pages only the groups are stacked
+    model = make_model("tiny", vocab_size=2048, dim=256, dim_ffn=1024)
+    address = model.embed_tokens.weight.data_ptr()
+    assert lay_out_linears(model) == grouped and model.embed_tokens.weight.data_ptr() == address
 
 
 @pytest.mark.parametrize("kind", ["tiny", "tiny-mla", "tiny-moe"])
-def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind, tmp_path, split_rows):
+def test_engine_decodes_with_laid_out_weights_and_keeps_them_on_update(kind, tmp_path, split_rows):
     """Without packed copies (``pack_weights=False``, or a build without oneDNN) every product of
-    up to 64 rows takes the split; the outputs stay those of full recomputation."""
+    two to 64 rows takes the split; the outputs stay those of full recomputation."""
     import random
-
-    from astrai.model.components import layers
 
     model = make_model(kind)
     rng = random.Random(3)
@@ -71,23 +87,22 @@ def test_engine_decodes_with_column_major_weights_and_keeps_them_on_update(kind,
     fresh = {k: v.clone() for k, v in make_model(kind, seed=1).state_dict().items()}
     with InferenceEngine(model, None, max_batch_size=12, page_size=4, num_pages=128, prefill_chunk_size=48,
                          pack_weights=False) as engine:
-        assert _column_major(model.lm_head.weight) and _column_major(model.layers[0].attention.q_proj.weight)
+        assert all(_stacked(model))
+        split_rows.clear()
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(p, params) for p in prompts]
         assert [h.result(timeout=60).token_ids for h in handles] == expected
-        # both kinds of split ran: inner halves (up to 8 rows) and output halves (more rows)
-        assert any(r <= layers.SPLIT_INNER_MAX_ROWS for r in split_rows)
-        assert any(r > layers.SPLIT_INNER_MAX_ROWS for r in split_rows)
+        assert any(r > 1 for r in split_rows)  # batched decode steps and short prefills took the split
         engine.update_weights(fresh)
-        assert _column_major(model.layers[0].mlp.down.weight)
-        assert torch.equal(model.layers[0].mlp.down.weight, fresh["layers.0.mlp.down.weight"])
+        assert all(_stacked(model))
+        assert torch.equal(model.layers[0].mlp.up.weight, fresh["layers.0.mlp.up.weight"])
     model.save_pretrained(tmp_path)  # safetensors are written from contiguous copies
     reloaded = AutoModel.from_pretrained(tmp_path)
     for name, p in reloaded.state_dict().items():
         assert torch.equal(p, model.state_dict()[name]), name
 
 
-def test_few_row_products_of_column_major_weights_are_split_in_two(split_rows, monkeypatch):
+def test_few_row_products_are_split_in_two(split_rows, monkeypatch):
     from astrai.model.components import layers
     from astrai.model.components.layers import Linear
 
@@ -98,20 +113,21 @@ def test_few_row_products_of_column_major_weights_are_split_in_two(split_rows, m
         linear = Linear(64, 48, bias=bias)
         if bias:
             nn.init.normal_(linear.bias)
-        use_column_major_linears(linear)
         for shape in ((1, 1, 64), (2, 1, 64), (4, 64), (1, 3, 64), (9, 1, 64), (1, 40, 64), (64, 64)):
             x = torch.randn(shape)
             with torch.no_grad():
                 got = linear(x)
             assert got.shape == (*shape[:-1], 48)
             assert torch.allclose(got, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5)
-    assert len(split_rows) == 14  # every one of them took the split path (inner halves up to 8 rows, outputs beyond)
+    assert split_rows == [1, 2, 4, 3, 9, 40, 64] * 2  # every one of them took the split path
     split_rows.clear()
-    x = torch.randn(65, 64)  # more rows, gradients, or a row-major weight: the plain product
     with torch.no_grad():
-        linear(x)
-        Linear(64, 48)(torch.randn(1, 64))
-    linear(torch.randn(1, 64, requires_grad=True)).sum().backward()
+        linear(torch.randn(65, 64))  # more rows: the plain product
+        Linear(64, 47)(torch.randn(1, 64))  # an odd number of outputs has no halves
+        odd = Linear(64, 48)
+        odd.weight.data = odd.weight.data.t().contiguous().t()  # not contiguous: no view of two halves
+        odd(torch.randn(1, 64))
+    linear(torch.randn(1, 64, requires_grad=True)).sum().backward()  # gradients: the plain product
     assert split_rows == []
 
 
@@ -126,9 +142,8 @@ def test_lora_layers_and_their_merge_take_the_split_too(split_rows):
     ids = torch.tensor([[5, 9, 2]])
     with torch.no_grad():
         want = model(ids)["logits"]
-    use_column_major_linears(model)
-    q_proj = model.layers[0].attention.q_proj
-    assert _column_major(q_proj.weight) and not _column_major(q_proj.lora_A)
+    lay_out_linears(model)
+    split_rows.clear()
     with torch.no_grad():
         assert torch.allclose(model(ids)["logits"], want, atol=1e-5)
     assert len(split_rows) == 2 * 7 + 1  # 7 base products per layer (LoRA ones included) and the head
@@ -137,25 +152,3 @@ def test_lora_layers_and_their_merge_take_the_split_too(split_rows):
     with torch.no_grad():
         assert torch.allclose(model(ids)["logits"], want, atol=1e-4)
     assert len(split_rows) == 2 * 7 + 1  # merged layers are astrai's Linear again
-
-
-def test_lookups_in_a_column_major_table_match_the_row_major_ones(monkeypatch):
-    from astrai.model.components.layers import Embedding
-
-    torch.manual_seed(0)
-    table = Embedding(50, 8)
-    want = {shape: torch.randint(0, 50, shape) for shape in ((1,), (3, 1), (2, 5), (4, 1, 2))}
-    rows = {shape: torch.nn.functional.embedding(ids, table.weight).detach() for shape, ids in want.items()}
-    with torch.no_grad():
-        table.weight.data = table.weight.data.t().contiguous().t()
-    transposed = []
-    real = torch.Tensor.index_select
-    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: transposed.append(self.shape) or real(self, *a))
-    for shape, ids in want.items():
-        with torch.no_grad():
-            got = table(ids)
-        assert got.shape == (*shape, 8) and torch.equal(got, rows[shape])
-    assert transposed == [(8, 50)] * len(want)  # read through the [dim, vocab] transpose
-    got = table(want[(2, 5)])  # with autograd: the usual lookup, and its gradient
-    got.sum().backward()
-    assert torch.equal(got.detach(), rows[(2, 5)]) and table.weight.grad is not None

@@ -10,7 +10,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from astrai.model.components.joint_weights import joint_weight
-from astrai.model.components.native_kernels import kernels_available, row_product
+from astrai.model.components.native_kernels import kernels_available, row_major, row_product
 from astrai.model.components.packed_weights import packed_joint_weight, packed_linear, packed_weight
 
 
@@ -66,29 +66,26 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 SPLIT_MAX_ROWS = 64  # products of at most this many rows are split in two (see Linear)
-SPLIT_INNER_MAX_ROWS = 8  # up to here along the inner dimension, beyond along the outputs
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` without a bias unless asked (the usual LLM convention).
 
-    Once the inference engine has stored the weight column-major (see
-    astrai/inference/weight_layout.py), a product of a few rows - a decode step - is
-    split in two halves run as one batched product. The CPU BLAS runs a one-row product
-    on a single thread and uses its second thread poorly up to some 64 rows, while
-    ``bmm`` gives each half a thread of its own. Up to 8 rows the inner dimension is
-    split (two half-products, summed), beyond that the outputs (no sum to pay for).
-    Measured per weight set (tiny / small / 125M shapes): one row 1.6 / 1.7 / 1.6x
-    faster, 16 rows 1.3 / 1.4 / 1.3x, 64 rows 1.1 / 1.05 / 1.2x. Training (with
-    gradients) and prefill (more rows) take the plain product.
+    Without autograd, a product of a few rows on the CPU - a decode step - runs faster
+    than ``F.linear`` does it:
 
-    The engine also packs the weights for oneDNN by default (packed_weights.py); then
-    every product of two or more rows without autograd reads the packed copy, which
-    was faster still at every such size, and only one-row products take the split.
+    - one row through astrai's C kernel when it is built (native_kernels.py), which
+      reads each thread's stretch of the weight's rows as one stream;
+    - two or more rows from the weight's oneDNN-packed copy, which the inference engine
+      makes by default (packed_weights.py);
+    - otherwise, up to 64 rows, split into two halves of the outputs run as one batched
+      product. The CPU BLAS runs a one-row product on a single thread and uses its
+      second thread poorly for a few rows, while ``bmm`` gives each half a thread of its
+      own. Over the ~125M model's weights on the AMD VM (2 threads): 1 row 16 against
+      36 ms for ``F.linear``, 4 rows 21 against 60, 16 rows 51 against 67, 64 rows 107
+      against 129.
 
-    A one-row product runs astrai's C kernel when it is built (native_kernels.py): each
-    thread reads one contiguous half of the column-major weight, which streamed the
-    ~125M model's weights about 10% faster than the split on the AMD VM.
+    Training (with gradients) and prefill (more rows) take the plain product.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kwargs):
@@ -99,20 +96,19 @@ class Linear(nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``; without autograd, from the weight's oneDNN-packed copy when the
-    inference engine made one (see packed_weights.py) and there are several rows; for a
-    column-major weight, one row through the C kernel, else split in two for a few rows
-    (see ``Linear``)."""
+    """``F.linear``; without autograd on the CPU, one row through the C kernel, several
+    from the weight's oneDNN-packed copy when the inference engine made one (see
+    packed_weights.py), else a few rows split in two (see ``Linear``)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
-        if x.numel() != x.shape[-1]:  # one row streams a column-major weight faster unpacked
+        if x.numel() != x.shape[-1]:  # one row streams the plain weight faster than the packed copy
             packed = packed_weight(weight)
             if packed is not None:
                 return packed_linear(x, packed, bias)
-        elif (weight.stride(0) == 1 and weight.dtype == torch.float32 and x.is_contiguous()
+        elif (weight.dtype == torch.float32 and x.is_contiguous() and row_major(weight)
               and (bias is None or bias.dtype == torch.float32) and kernels_available()):
             return row_product(x, weight, None if bias is None else bias.contiguous())
-        if (weight.stride(0) == 1 and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1]
-                and torch.get_num_threads() > 1):
+        if (x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.is_contiguous()
+                and weight.shape[0] % 2 == 0 and torch.get_num_threads() > 1):
             return _split_product(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -120,10 +116,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def linear_group(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> list[torch.Tensor]:
     """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
 
-    When the inference engine has laid their weights side by side in one column-major
-    buffer (see astrai/inference/weight_layout.py), the group runs as one product over
-    the joint weight: for one row (a single request's decode step) through the C kernel,
-    one longer stretch of memory per thread instead of two or three short ones, which
+    When the inference engine has stacked their weights in one buffer (see
+    astrai/inference/weight_layout.py), the group runs as one product over the joint
+    weight: for one row (a single request's decode step) through the C kernel, one
+    longer stretch of memory per thread instead of two or three short ones, which
     streamed the ~125M model's weights at 30.8 against 28.0 GB/s on the AMD VM (a ``sum``
     over the same bytes: 32.7); for more rows from the joint weight's oneDNN-packed copy,
     one call instead of two or three (each costs some 25 µs beyond its arithmetic).
@@ -150,38 +146,19 @@ def _joint_product(x: torch.Tensor, joint: torch.Tensor, weights: list[torch.Ten
 
 
 def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a column-major ``weight`` as one ``bmm`` of two halves."""
+    """``F.linear(x, weight, bias)`` for a contiguous ``weight`` with an even number of
+    outputs, as one ``bmm`` over its two halves of rows (one thread each)."""
     n_out, n_in = weight.shape
     rows = x.reshape(-1, n_in)
-    by_inner = rows.shape[0] <= SPLIT_INNER_MAX_ROWS
-    if (n_in if by_inner else n_out) % 2:  # the halved dimension must be even
-        return F.linear(x, weight, bias)
-    w = weight.t()  # [in, out], contiguous: column-major [out, in]
-    if by_inner:
-        out = torch.bmm(rows.view(-1, 2, n_in // 2).transpose(0, 1), w.view(2, n_in // 2, n_out)).sum(0)
-    else:
-        halves = w.view(n_in, 2, n_out // 2).transpose(0, 1)  # [2, in, out/2]: two column blocks, no copy
-        out = torch.bmm(rows.expand(2, *rows.shape), halves).transpose(0, 1).reshape(rows.shape[0], n_out)
+    halves = torch.bmm(weight.view(2, n_out // 2, n_in), rows.t().expand(2, n_in, rows.shape[0]))  # [2, out/2, R]
+    out = halves.permute(2, 0, 1).reshape(rows.shape[0], n_out)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n_out)
 
 
 class Embedding(nn.Embedding):
-    """Token embedding table (kept as its own name so init and weight tying can find it).
-
-    When the table is tied to the head and the inference engine has stored it
-    column-major, a lookup reads it through its transpose: picking columns of the
-    contiguous [dim, vocab] matrix took 20 against 72 µs for 60 tokens of the `tiny`
-    table, where ``F.embedding`` walks each row at the column stride. With autograd the
-    usual lookup runs, for its gradient.
-    """
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if weight.stride(0) == 1 and weight.shape[1] > 1 and self.max_norm is None and not torch.is_grad_enabled():
-            return weight.t().index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, weight.shape[1])
-        return super().forward(ids)
+    """Token embedding table (kept as its own name so init and weight tying can find it)."""
 
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,11 +10,10 @@ in the 64-request benchmark a third of what they read was padding. The kernel in
 vectorised loops (about 34 GB/s of useful K/V on 40 rows of 100-700 tokens: 0.49
 against 0.95-1.5 ms for the products).
 
-One-row products. A single request's decode step is bound by streaming the weights;
-with the engine's column-major weights, ``native/row_product.c`` gives each thread one
-contiguous stretch of the weight to read front to back (about 29 GB/s over the ~125M
-model's weights on the AMD VM, where the two-half ``bmm`` split of layers.py reached
-27 and a plain sum of 1 GiB 35).
+One-row products. A single request's decode step is bound by streaming the weights.
+``native/row_product.c`` reads a row-major weight (nn.Linear's layout) one output row
+at a time, each thread a contiguous stretch of rows: one stream per thread, which on
+the AMD VM read as fast as a plain sum over the same bytes (see that file).
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a plain
 GQA + SwiGLU model for one row - norms, rotary embedding, K/V writes, attention, SiLU,
@@ -106,9 +105,9 @@ def _library() -> Optional[ctypes.CDLL]:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64, ctypes.c_int]
-    library.astrai_row_product_f32.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.c_int]
+    library.astrai_row_product_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     library.astrai_decode_step_f32.argtypes = ([ptr] + [i64] * 3 + [ptr] + [i64] * 6 + [ptr, ptr] + [i64] * 2
-                                               + [ctypes.c_float] * 2 + [ptr, ptr, i64, i64] + [ptr] * 4 + [ctypes.c_int])
+                                               + [ctypes.c_float] * 2 + [ptr, ptr, i64, i64] + [ptr] * 3 + [ctypes.c_int])
     for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32, library.astrai_decode_step_f32):
         function.restype = None
     return library
@@ -155,19 +154,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
 
 def row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one row ``x`` [..., in] (fp32, contiguous) and a
-    column-major fp32 ``weight`` [out, in] (``weight.t()`` has contiguous rows).
+    row-major fp32 ``weight`` [out, in] (contiguous rows; rows may lie further apart).
     Call only when ``kernels_available()``."""
     n_out, n_in = weight.shape
-    if not (x.numel() == n_in and x.is_contiguous() and weight.stride(0) == 1 and weight.stride(1) >= n_out
+    if not (x.numel() == n_in and x.is_contiguous() and row_major(weight)
             and x.dtype == weight.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
                                                                                 and bias.is_contiguous()))):
         raise ValueError("row_product: unsupported layout or dtype")
-    threads = torch.get_num_threads()
-    rows = torch.empty(max(threads, 1), n_out, dtype=x.dtype)  # the result, then the other threads' partial sums
+    out = torch.empty(n_out, dtype=x.dtype)
     _library().astrai_row_product_f32(
-        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), rows.data_ptr(),
-        rows.data_ptr() + 4 * n_out, n_in, n_out, weight.stride(1), threads)
-    return rows[0].view(*x.shape[:-1], n_out)
+        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+        n_in, n_out, weight.stride(0), max(torch.get_num_threads(), 1))
+    return out.view(*x.shape[:-1], n_out)
+
+
+def row_major(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [out, in] has contiguous rows, as ``row_product`` reads it."""
+    return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] == 1) and weight.stride(0) >= weight.shape[1]
 
 
 def decode_step(embedding: torch.Tensor, token: int, layers: torch.Tensor, dims: tuple[int, int, int, int, int],
@@ -178,7 +181,7 @@ def decode_step(embedding: torch.Tensor, token: int, layers: torch.Tensor, dims:
     ``layers`` [n_layers, 14] int64 is the per-layer table that file describes, ``dims`` is
     (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [head_dim] are ``rotary_tables``'
     rows for position ``pos``, ``capacity`` the decode buffers' length and ``head`` the
-    column-major [vocab, dim] output weight. Every pointer in ``layers`` must be valid fp32
+    row-major [vocab, dim] output weight. Every pointer in ``layers`` must be valid fp32
     memory of the sizes the table names: ``astrai.inference.fused_decode`` checks them
     before it calls. Call only when ``kernels_available()``.
     """
@@ -186,13 +189,11 @@ def decode_step(embedding: torch.Tensor, token: int, layers: torch.Tensor, dims:
     vocab = head.shape[0]
     threads = max(torch.get_num_threads(), 1)
     work = torch.empty(4 * dim + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * ffn, dtype=torch.float32)
-    widest = max(heads * head_dim + 2 * kv_heads * head_dim, dim, 2 * ffn, vocab)
-    scratch = torch.empty(max(threads - 1, 1), widest, dtype=torch.float32)  # the other threads' partial sums
     attention_workspace = torch.empty(threads, heads // kv_heads, pos + 1, dtype=torch.float32)
     logits = torch.empty(vocab, dtype=torch.float32)
     _library().astrai_decode_step_f32(
         embedding.data_ptr(), embedding.stride(0), embedding.stride(1), token, layers.data_ptr(), layers.shape[0],
         dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(), pos, capacity, eps, scale,
-        final_norm.data_ptr(), head.data_ptr(), head.stride(1), vocab, logits.data_ptr(), work.data_ptr(),
-        scratch.data_ptr(), attention_workspace.data_ptr(), threads)
+        final_norm.data_ptr(), head.data_ptr(), head.stride(0), vocab, logits.data_ptr(), work.data_ptr(),
+        attention_workspace.data_ptr(), threads)
     return logits

@@ -18,8 +18,8 @@ weight set, rows        today       packed      speed-up
 =====================  ==========  ==========  ===========
 
 ("today" is the product the model ran before: the two-half split below 64 rows, the
-plain ``F.linear`` above.) One row stays on the split product, which streams a
-column-major weight faster than oneDNN's one-row path.
+plain ``F.linear`` above.) One row stays on the plain weight, which the C one-row
+product (native_kernels.py) streams faster than oneDNN's one-row path.
 
 The packed copy is extra memory (as much as the fp32 weights), made by the inference
 engine only, and only read when autograd is off. A weight changed after packing (an

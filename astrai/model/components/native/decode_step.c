@@ -10,19 +10,19 @@
  * model is of this shape and passes a table of pointers per layer.
  *
  * Per layer, `layers` holds 14 int64 values:
- *   0 input norm weight   1 joint q/k/v weight [dim][ld] (q, k, v columns)  2 its ld
- *   3 o weight [heads * head_dim][ld]  4 its ld   5 post-attention norm weight
- *   6 joint gate/up weight [dim][ld]   7 its ld   8 down weight [ffn][ld]    9 its ld
+ *   0 input norm weight   1 joint q/k/v weight [q + 2 kv rows][ld] (q, k, v rows)  2 its ld
+ *   3 o weight [dim][ld]  4 its ld   5 post-attention norm weight
+ *   6 joint gate/up weight [2 ffn][ld]   7 its ld   8 down weight [dim][ld]    9 its ld
  *  10 where this token's K goes in the page store [kv_heads][head_dim]   11 the same for V
  *  12 the decode buffer's K for this row [kv_heads][capacity][head_dim]  13 the same for V
- * Every weight is column-major: [in][out] rows of `ld` floats.
+ * Every weight is row-major, nn.Linear's [out][in], each row `ld` floats apart.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-void astrai_row_product_f32(const float *x, const float *wt, const float *bias, float *y, float *scratch,
-                            int64_t n_in, int64_t n_out, int64_t ld, int threads);
+void astrai_row_product_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
+                            int64_t n_out, int64_t ld, int threads);
 void astrai_decode_attention_f32(
     const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
@@ -62,7 +62,7 @@ void astrai_decode_step_f32(
     const int64_t *layers, int64_t n_layers, int64_t dim, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t ffn, const float *cos, const float *sin, int64_t pos, int64_t capacity, float eps, float scale,
     const float *final_norm, const float *head, int64_t head_ld, int64_t vocab, float *logits,
-    float *work, float *scratch, float *attention_workspace, int threads)
+    float *work, float *attention_workspace, int threads)
 {
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     float *x = work, *h = x + dim, *qkv = h + dim, *attended = qkv + q_width + 2 * kv_width;
@@ -72,7 +72,7 @@ void astrai_decode_step_f32(
     for (int64_t l = 0; l < n_layers; ++l) {
         const int64_t *p = layers + 14 * l;
         rms_norm(x, f32(p[0]), h, dim, eps);
-        astrai_row_product_f32(h, f32(p[1]), 0, qkv, scratch, dim, q_width + 2 * kv_width, p[2], threads);
+        astrai_row_product_f32(h, f32(p[1]), 0, qkv, dim, q_width + 2 * kv_width, p[2], threads);
         float *q = qkv, *k = qkv + q_width, *v = k + kv_width;
         rotate(q, heads, head_dim, cos, sin);
         rotate(k, kv_heads, head_dim, cos, sin);
@@ -86,17 +86,17 @@ void astrai_decode_step_f32(
         astrai_decode_attention_f32(q, k_buffer, v_buffer, attended, &len, attention_workspace, 1, kv_heads,
                                     heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
                                     0, capacity * head_dim, head_dim, scale, len, threads);
-        astrai_row_product_f32(attended, f32(p[3]), 0, out, scratch, q_width, dim, p[4], threads);
+        astrai_row_product_f32(attended, f32(p[3]), 0, out, q_width, dim, p[4], threads);
         for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
         rms_norm(x, f32(p[5]), h, dim, eps);
-        astrai_row_product_f32(h, f32(p[6]), 0, gate_up, scratch, dim, 2 * ffn, p[7], threads);
+        astrai_row_product_f32(h, f32(p[6]), 0, gate_up, dim, 2 * ffn, p[7], threads);
         for (int64_t j = 0; j < ffn; ++j) {
             const float g = gate_up[j];
             gate_up[j] = g / (1.0f + expf(-g)) * gate_up[ffn + j];
         }
-        astrai_row_product_f32(gate_up, f32(p[8]), 0, out, scratch, ffn, dim, p[9], threads);
+        astrai_row_product_f32(gate_up, f32(p[8]), 0, out, ffn, dim, p[9], threads);
         for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
     }
     rms_norm(x, final_norm, h, dim, eps);
-    astrai_row_product_f32(h, head, 0, logits, scratch, dim, vocab, head_ld, threads);
+    astrai_row_product_f32(h, head, 0, logits, dim, vocab, head_ld, threads);
 }
