@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from astrai.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.model.components.joint_weights import joint_groups, joint_weight
 
-_laid: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> the address it was laid at
+_laid: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a single (ungrouped) weight -> the address it was moved to
 
 
 def lay_out_linears(model: nn.Module) -> int:
@@ -84,6 +84,5 @@ def _stack(group: tuple[nn.Linear, ...], seen: set[int]) -> int:
         block = buffer[start:start + weight.shape[0]]
         block.copy_(weight.data)
         weight.data = block
-        _laid[weight] = block.data_ptr()
         start += weight.shape[0]
     return len(weights)
