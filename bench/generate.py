@@ -6,7 +6,8 @@ are warmed up on every shape first. Measured, in one run:
 
 1. single-request greedy decode tokens/s on the tiny and small presets (target >= 1.5x);
 2. the same on a ~125M model, reported as a fraction of the memory-bandwidth bound
-   (weight bytes read per token / measured copy bandwidth; target >= 0.9);
+   (weight bytes read per token / measured copy bandwidth; target >= 0.9), each run
+   against the bandwidth measured around it (see ``bandwidth_bound``);
 3. 64 requests with mixed prompt (16-512) and output (16-256) lengths: output tokens/s
    of the continuous-batching engine vs ``generate`` on padded static batches of 16
    (target >= 3x; best of 3 alternating runs per side);
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -107,23 +109,30 @@ def single_request(name, cfg, n_new, repeats=5) -> dict:
     return row
 
 
-def copy_bandwidth(nbytes=1024**3, repeats=5) -> tuple[float, float]:
+class CopyBandwidth:
     """(copy, read) bandwidth in bytes/s: a large tensor copy counted as read + write (as
     STREAM does), and a large sum, which only reads - the access pattern of a GEMV.
     1 GiB buffers, so the working set exceeds even a very large last-level cache; a model
     whose weights fit in that cache can decode faster than this DRAM bound. Measured on
     plain memory and on memory advised for 2 MiB pages (which the engine lays its weights
-    in) and the better taken, so the bound is the machine's best, not a handicapped copy."""
-    best_copy = best_read = 0.0
-    for empty in (lambda n: torch.empty(n), lambda n: huge_page_empty((n,))):
-        src = empty(nbytes // 4).fill_(1.0)
-        dst = empty(nbytes // 4)
-        dst.copy_(src)
-        copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-        read = min(_timed(lambda: src.sum()) for _ in range(repeats))
-        best_copy, best_read = max(best_copy, 2 * nbytes / copy), max(best_read, nbytes / read)
-        del src, dst
-    return best_copy, best_read
+    in) and the better taken, so the bound is the machine's best, not a handicapped copy.
+    The buffers are made once, so measuring between decode runs costs only the copies."""
+
+    def __init__(self, nbytes=1024**3):
+        self.nbytes = nbytes
+        self.pairs = []
+        for empty in (lambda n: torch.empty(n), lambda n: huge_page_empty((n,))):
+            src = empty(nbytes // 4).fill_(1.0)
+            self.pairs.append((src, empty(nbytes // 4)))
+
+    def measure(self, repeats=5) -> tuple[float, float]:
+        best_copy = best_read = 0.0
+        for src, dst in self.pairs:
+            dst.copy_(src)
+            copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+            read = min(_timed(lambda: src.sum()) for _ in range(repeats))
+            best_copy, best_read = max(best_copy, 2 * self.nbytes / copy), max(best_read, self.nbytes / read)
+        return best_copy, best_read
 
 
 def _timed(fn) -> float:
@@ -132,22 +141,57 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bandwidth_bound(n_new) -> dict:
+def bandwidth_bound(n_new, rounds=8) -> dict:
+    """Decode tokens/s of the ~125M model against the copy bound, in rounds that each measure
+    the copy bandwidth, time one astrai and one transformers decode, and measure it again.
+
+    The 2-vCPU VMs of this project switch between two bandwidth levels (about 36 and 60 GB/s)
+    for spells of seconds to minutes. A bound measured at one level and a decode run at the
+    other gave fractions from 0.5 to 1.0 for the same code. So each round's fraction is taken
+    against the bandwidth measured around it, only rounds whose two measurements agree within
+    10% count (the level held through the round), and the median of those is reported."""
     cfg = preset("small", **MODEL_125M)
-    weight_bytes = AutoModel.from_config(cfg).num_parameters() * 4  # tied embedding: lm_head reads it once, the lookup reads one row
-    # measured before and after the decode runs; the best is the machine's, the rest is other load
-    before = copy_bandwidth()
-    row = single_request("125M", cfg, n_new, repeats=2)
-    after = copy_bandwidth()
-    bandwidth, read_bandwidth = max(before[0], after[0]), max(before[1], after[1])
-    bound = bandwidth / weight_bytes
-    row.update(copy_bandwidth_gb_s=bandwidth / 1e9, read_bandwidth_gb_s=read_bandwidth / 1e9,
-               weight_bytes=weight_bytes, bound_tok_s=bound, read_bound_tok_s=read_bandwidth / weight_bytes,
-               astrai_fraction_of_bound=row["astrai_tok_s"] / bound,
-               transformers_fraction_of_bound=row["transformers_tok_s"] / bound)
-    print(f"[bound] copy bandwidth {bandwidth / 1e9:.1f} GB/s (read-only {read_bandwidth / 1e9:.1f} GB/s), "
-          f"bound {bound:.1f} tok/s: astrai "
-          f"{row['astrai_fraction_of_bound']:.2f}, transformers {row['transformers_fraction_of_bound']:.2f}", flush=True)
+    model, hf = build_pair(cfg)
+    weight_bytes = model.num_parameters() * 4  # tied embedding: lm_head reads it once, the lookup reads one row
+    prompt = [random.Random(0).randrange(cfg.vocab_size) for _ in range(16)]
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    meter = CopyBandwidth()
+    runs = []
+    with InferenceEngine(model, None, max_batch_size=1, num_pages=64, page_size=16) as engine:
+        engine_generate(engine, [prompt], 8)
+        hf_generate(hf, [prompt], 8)
+        for _ in range(rounds):
+            before = meter.measure()
+            engine.scheduler.clear_prefix_cache()  # transformers keeps nothing between calls either
+            start = time.perf_counter()
+            ours_ids = engine.submit(prompt, params).result().token_ids
+            ours = n_new / (time.perf_counter() - start)
+            theirs_ids, seconds = hf_generate(hf, [prompt], n_new)
+            after = meter.measure()
+            copy = (before[0] + after[0]) / 2
+            runs.append({"copy_gb_s": copy / 1e9, "read_gb_s": (before[1] + after[1]) / 2e9,
+                         "steady": min(before[0], after[0]) >= 0.9 * max(before[0], after[0]),
+                         "astrai_tok_s": ours, "transformers_tok_s": n_new / seconds,
+                         "astrai_fraction": ours * weight_bytes / copy,
+                         "transformers_fraction": n_new / seconds * weight_bytes / copy,
+                         "same_tokens": ours_ids == theirs_ids[0]})
+    counted = [r for r in runs if r["steady"]] or runs
+    median = lambda key: statistics.median(r[key] for r in counted)  # noqa: E731
+    row = {"model": "125M", "params": model.num_parameters(), "new_tokens": n_new, "weight_bytes": weight_bytes,
+           "rounds": runs, "steady_rounds": sum(r["steady"] for r in runs),
+           "astrai_fraction_of_bound": median("astrai_fraction"),
+           "transformers_fraction_of_bound": median("transformers_fraction"),
+           "astrai_tok_s": median("astrai_tok_s"), "transformers_tok_s": median("transformers_tok_s"),
+           "copy_bandwidth_gb_s": median("copy_gb_s"), "read_bandwidth_gb_s": median("read_gb_s"),
+           "same_tokens": all(r["same_tokens"] for r in runs)}
+    for r in runs:
+        print(f"[bound] round: copy {r['copy_gb_s']:.1f} GB/s{'' if r['steady'] else ' (level changed)'}, "
+              f"astrai {r['astrai_tok_s']:.1f} tok/s = {r['astrai_fraction']:.2f}, "
+              f"transformers {r['transformers_tok_s']:.1f} tok/s = {r['transformers_fraction']:.2f}", flush=True)
+    print(f"[bound] 125M, median of {len(counted)} steady rounds of {len(runs)}: copy {row['copy_bandwidth_gb_s']:.1f} "
+          f"GB/s (read-only {row['read_bandwidth_gb_s']:.1f}); astrai {row['astrai_tok_s']:.1f} tok/s = "
+          f"{row['astrai_fraction_of_bound']:.2f} of the bound, transformers {row['transformers_tok_s']:.1f} tok/s = "
+          f"{row['transformers_fraction_of_bound']:.2f}; identical greedy tokens: {row['same_tokens']}", flush=True)
     return row
 
 
@@ -223,7 +267,7 @@ def main() -> None:
     if "single" in parts:
         results["single"] = [single_request(name, preset(name), n_new) for name in ("tiny", "small")]
     if "bound" in parts:
-        results["bound_125m"] = bandwidth_bound(16 if args.quick else 48)
+        results["bound_125m"] = bandwidth_bound(16 if args.quick else 48, rounds=2 if args.quick else 8)
     if "throughput" in parts:
         results["throughput"] = throughput(16 if args.quick else 64, 128 if args.quick else 512, 64 if args.quick else 256,
                                            rounds=1 if args.quick else 3)

@@ -42,19 +42,24 @@ class Executor:
     @torch.inference_mode()
     def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> torch.Tensor:
         """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]."""
-        starts = [t.num_computed for t in tasks]
-        ids = [t.task_id for t in tasks]
-        table = self.page_cache.make_table_tensor(ids, self.device, n_tokens=max(s + n for s, n in zip(starts, n_new)))
-        view = self.page_cache.bind(table, starts, n_new, task_ids=ids, packed=self.packs_prefill)
-        chunks = [t.context[s:s + n] for t, s, n in zip(tasks, starts, n_new)]
-        logits = None
-        if self.fused_decode is not None and len(tasks) == 1 and n_new[0] == 1:
-            logits = self.fused_decode(chunks[0][0], view)  # None when this step does not qualify
+        logits = self._fused_logits(tasks, n_new) if self.fused_decode is not None else None
         if logits is None:
-            logits = self._model_logits(view, chunks, n_new)
+            starts = [t.num_computed for t in tasks]
+            ids = [t.task_id for t in tasks]
+            table = self.page_cache.make_table_tensor(ids, self.device, n_tokens=max(s + n for s, n in zip(starts, n_new)))
+            view = self.page_cache.bind(table, starts, n_new, task_ids=ids, packed=self.packs_prefill)
+            logits = self._model_logits(view, [t.context[s:s + n] for t, s, n in zip(tasks, starts, n_new)], n_new)
         for t, n in zip(tasks, n_new):
             t.num_computed += n
         return logits
+
+    def _fused_logits(self, tasks: Sequence[Task], n_new: Sequence[int]) -> Optional[torch.Tensor]:
+        """A single request's decode step through the C step (fused_decode.py), or None when it does not qualify."""
+        if len(tasks) != 1 or n_new[0] != 1 or not self.fused_decode.ready():
+            return None
+        task = tasks[0]
+        target = self.page_cache.decode_target(task.task_id, task.num_computed)
+        return None if target is None else self.fused_decode(task.context[task.num_computed], target)
 
     def _model_logits(self, view, chunks: list[list[int]], n_new: Sequence[int]) -> torch.Tensor:
         """The model's forward over the step's new tokens; each row's last position's logits [B, V]."""

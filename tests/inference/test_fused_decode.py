@@ -53,7 +53,8 @@ def test_single_request_matches_recomputation_and_the_unfused_forward(shape, fus
     prompts = [[5, 9, 200, 3], [17] * 11, [1]]
     fused = _run(model, prompts)
     steps = len(fused_calls)
-    assert steps >= len(prompts) * (GREEDY.max_tokens - 2)
+    # the prefill gives the first token; a one-token prompt's prefill is itself a one-row step
+    assert steps == sum(GREEDY.max_tokens - 1 + (len(p) == 1) for p in prompts)
     monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")
     plain = _run(model, prompts)
     assert len(fused_calls) == steps  # no more: switched off
@@ -62,6 +63,35 @@ def test_single_request_matches_recomputation_and_the_unfused_forward(shape, fus
         ours = torch.tensor([entry.logprob for entry in a.logprobs])
         theirs = torch.tensor([entry.logprob for entry in b.logprobs])
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_buffers_grown_mid_request_are_followed(fused_calls):
+    """A request outgrowing the decode buffers' capacity (256 tokens of headroom) gets new
+    buffers mid-run: the kernel's table is rebuilt for them, so later steps write and read
+    the new memory, and the tokens and log-probabilities still equal a plain forward's."""
+    model = make_model("tiny", max_len=512)
+    prompt = [9, 4, 1]
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, logprobs=True)
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96) as engine:
+        result = engine.submit(prompt, params).result(timeout=120)
+        generations = engine.scheduler.page_cache._dense.generation
+    assert generations >= 2  # made once, grown at least once
+    assert len(fused_calls) == params.max_tokens - 1
+    assert result.token_ids == greedy_reference(model, prompt, params.max_tokens)
+    got = torch.tensor([entry.logprob for entry in result.logprobs])
+    assert torch.allclose(got, _reference_logprobs(model, prompt, result.token_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_steps_past_the_decode_buffers_budget_take_the_model_forward(fused_calls):
+    """With no room for decode buffers, ``decode_target`` says None and every step gathers
+    its context from the pages through the model's forward, with the same tokens."""
+    model = make_model("tiny")
+    prompt = [2, 7, 1, 8, 2, 8]
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96) as engine:
+        engine.scheduler.page_cache._dense._budget = 0
+        got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
+    assert not fused_calls
+    assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
 
 
 def _reference_logprobs(model, prompt, tokens):
@@ -159,23 +189,20 @@ def test_plain_model_is_fused_only_once_laid_out_in_fp32():
 def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
     """A token outside the vocabulary or a position past the buffers goes back to the model's
     forward (which reports it) rather than to C, which would read or write out of bounds."""
-    from astrai.inference.cache.kvcache import RowTarget
+    from dataclasses import replace
+
+    from astrai.inference.cache import KVCache
 
     model = make_model("tiny")
     lay_out_linears(model)
     fused = FusedDecode.for_model(model)
-    n_layers = len(model.layers)
+    cache = KVCache.for_model(model, num_pages=8, page_size=4)
+    assert cache.task_alloc("a", [1, 2, 3, 4, 5])
+    target = cache.decode_target("a", 3)
     reached = []
     monkeypatch.setattr(fused_module, "decode_step", lambda *args: reached.append(args[1]) or torch.zeros(256))
-
-    class View:
-        def __init__(self, pos, capacity):
-            self.target = RowTarget([0] * n_layers, [0] * n_layers, [0] * n_layers, [0] * n_layers, pos, capacity)
-
-        def single_row_target(self):
-            return self.target
-
+    assert fused.ready()
     for token, pos, capacity in ((256, 3, 16), (-1, 3, 16), (5, 16, 16), (5, -1, 16)):
-        assert fused(token, View(pos, capacity)) is None
+        assert fused(token, replace(target, pos=pos, capacity=capacity)) is None
     assert not reached
-    assert fused(5, View(3, 16)) is not None and reached == [5]  # the stub stands in for C here
+    assert fused(5, replace(target, pos=3, capacity=16)) is not None and reached == [5]  # the stub stands in for C here

@@ -42,6 +42,7 @@ class DecodeBuffers:
         self._spare: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.rows = self.capacity = 0
         self.valid = False
+        self.generation = 0  # counts replacements of the k/v lists: a table of their addresses is stale when it moved
 
     def plan(self, task_ids: Sequence[str], start: Sequence[int]) -> Optional[list[int]]:
         """Prepare the buffers for a decode step where row i is ``task_ids[i]`` with
@@ -109,6 +110,7 @@ class DecodeBuffers:
         self._spare = ([], [])  # released; made again when a reorder first needs it
         self.rows, self.capacity = rows, capacity
         self.k, self.v = self._new_set(zeroed=not old_k)
+        self.generation += 1
         for new, old in zip(self.k + self.v, old_k + old_v):
             held_rows, held_len = old.shape[0], old.shape[2]
             # zero only what the copy leaves uncovered: zeroing whole buffers first, and growing
@@ -149,3 +151,12 @@ class DecodeBuffers:
             torch.index_select(self.v[layer], 0, index, out=spare_v[layer][:n])
         self._spare = (self.k, self.v)
         self.k, self.v = spare_k, spare_v
+        self.generation += 1
+
+    def fill_row(self, row: int, slots: torch.Tensor) -> None:
+        """Copy the page-store ``slots`` (a context's positions 0, 1, ... in order) into ``row``
+        of every layer's buffers: a task's context arriving from its prefill."""
+        n, st = slots.numel(), self._storage
+        for layer in range(st.n_layers):
+            self.k[layer][row, :, :n].copy_(st.k_cache[layer].index_select(0, slots).transpose(0, 1))
+            self.v[layer][row, :, :n].copy_(st.v_cache[layer].index_select(0, slots).transpose(0, 1))

@@ -27,17 +27,16 @@ NEVER_AGAIN = 1 << 62  # "pages recorded" value that stops a task's chain from b
 
 @dataclass
 class RowTarget:
-    """Where a one-row decode step's new token goes and what it attends over, as addresses for
-    a kernel that does the step itself (astrai/inference/fused_decode.py): per layer, the page
-    store slot for its K and V ([heads, width] each) and the row's decode buffers
-    ([heads, capacity, width]); the token's position (its context is positions 0..pos)."""
+    """A one-row decode step served by the decode buffers, for a kernel that does the whole
+    step itself (astrai/inference/fused_decode.py): the token's position (its context is
+    positions 0..pos, all but the last already in row 0 of ``buffers``), its page-store
+    ``slot`` (where its K/V go besides the buffers), and the buffers' ``capacity``."""
 
-    k_pages: list[int]
-    v_pages: list[int]
-    k_buffers: list[int]
-    v_buffers: list[int]
+    slot: int
     pos: int
     capacity: int
+    buffers: DecodeBuffers
+    storage: Storage
 
 
 class KvcacheView:
@@ -162,29 +161,6 @@ class KvcacheView:
             lens = torch.tensor([start[b] + 1 for b in refill], device=device)
             view._refill_slots = torch.where(s_idx < lens.unsqueeze(1), slots, sink * ps).reshape(-1)
         return view
-
-    def single_row_target(self) -> Optional[RowTarget]:
-        """The addresses of this step for a one-row decode served by the decode buffers with the
-        row's context already in them (fp32, laid out [rows, heads, capacity, width]); None for
-        any other step, which writes and gathers through ``write``/``gather``."""
-        dense, storage = self._dense, self._storage
-        if dense is None or self._refill is not None or self._batch != 1 or storage.device.type != "cpu":
-            return None
-        k_buffers, v_buffers = dense.k, dense.v
-        first, cache = k_buffers[0], storage.k_cache
-        if (first.dtype != torch.float32 or cache.dtype != torch.float32 or storage.v_cache.dtype != torch.float32
-                or not all(b.is_contiguous() for b in k_buffers + v_buffers) or not cache.is_contiguous()
-                or not storage.v_cache.is_contiguous() or first.shape[-1] != storage.k_width
-                or v_buffers[0].shape[-1] != storage.v_width):
-            return None
-        slot, pos = int(self._write_slots[0]), self._total_len - 1
-        k_base, v_base, size = cache.data_ptr(), storage.v_cache.data_ptr(), cache.element_size()
-        k_layer, v_layer = cache.stride(0) * size, storage.v_cache.stride(0) * size
-        return RowTarget(k_pages=[k_base + layer * k_layer + slot * cache.stride(1) * size for layer in range(len(k_buffers))],
-                         v_pages=[v_base + layer * v_layer + slot * storage.v_cache.stride(1) * size
-                                  for layer in range(len(v_buffers))],
-                         k_buffers=[b.data_ptr() for b in k_buffers], v_buffers=[b.data_ptr() for b in v_buffers],
-                         pos=pos, capacity=dense.capacity)
 
     def gather_shared(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared prefix's K/V once for all rows, [shared_len, heads, width] each."""
@@ -339,6 +315,23 @@ class KVCache:
                 pages = [self._table.get(t) if t in self._table else () for t in task_ids]
                 return KvcacheView.for_decode(self._storage, page_table, pages, start, self._dense, refill)
         return KvcacheView(self._storage, page_table, start, n_new, packed=packed)
+
+    def decode_target(self, task_id: str, pos: int) -> Optional[RowTarget]:
+        """A decode step of ``task_id`` alone, its new token at ``pos``, prepared for a kernel that
+        writes K/V itself: the decode buffers hold the task's context in row 0 (copied from the
+        pages when it has just been prefilled), and the target says where the token goes. None
+        when the buffers would outgrow their budget; the step then binds a view as usual.
+
+        Meant for the engine's fused step (fp32 CPU storage): it skips the view, whose tensors
+        of indices cost a tenth of a millisecond a step that the kernel does not need."""
+        refill = self._dense.plan((task_id,), (pos,))
+        if refill is None:
+            return None
+        pages, ps = self._table.get(task_id), self.page_size
+        if refill and pos:
+            slots = [pages[p // ps] * ps + p % ps for p in range(pos)]
+            self._dense.fill_row(0, torch.tensor(slots, device=self._storage.device))
+        return RowTarget(pages[pos // ps] * ps + pos % ps, pos, self._dense.capacity, self._dense, self._storage)
 
     def decode_order(self, task_ids: Sequence[str], start: Sequence[int]) -> list[int]:
         """The order of a decode step's tasks that keeps the decode buffers' rows in place

@@ -107,7 +107,7 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64, ctypes.c_int]
     library.astrai_row_product_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     library.astrai_decode_step_f32.argtypes = ([ptr] + [i64] * 3 + [ptr] + [i64] * 6 + [ptr, ptr] + [i64] * 2
-                                               + [ctypes.c_float] * 2 + [ptr, ptr, i64, i64] + [ptr] * 3 + [ctypes.c_int])
+                                               + [ctypes.c_float] * 2 + [i64, i64, ptr, ptr, i64, i64] + [ptr] * 3 + [ctypes.c_int])
     for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32, library.astrai_decode_step_f32):
         function.restype = None
     return library
@@ -175,15 +175,16 @@ def row_major(weight: torch.Tensor) -> bool:
 
 def decode_step(embedding: torch.Tensor, token: int, layers: torch.Tensor, dims: tuple[int, int, int, int, int],
                 cos: torch.Tensor, sin: torch.Tensor, pos: int, capacity: int, eps: float, scale: float,
-                final_norm: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+                kv_offsets: tuple[int, int], final_norm: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """Logits [vocab] of one decode step of one row through ``native/decode_step.c``.
 
     ``layers`` [n_layers, 14] int64 is the per-layer table that file describes, ``dims`` is
     (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [head_dim] are ``rotary_tables``'
-    rows for position ``pos``, ``capacity`` the decode buffers' length and ``head`` the
-    row-major [vocab, dim] output weight. Every pointer in ``layers`` must be valid fp32
-    memory of the sizes the table names: ``astrai.inference.fused_decode`` checks them
-    before it calls. Call only when ``kernels_available()``.
+    rows for position ``pos``, ``capacity`` the decode buffers' length, ``kv_offsets`` where
+    the token's K and V go in each layer's page store (in floats from the layer's start) and
+    ``head`` the row-major [vocab, dim] output weight. Every pointer in ``layers`` must be
+    valid fp32 memory of the sizes the table names: ``astrai.inference.fused_decode`` checks
+    them before it calls. Call only when ``kernels_available()``.
     """
     dim, heads, kv_heads, head_dim, ffn = dims
     vocab = head.shape[0]
@@ -194,6 +195,6 @@ def decode_step(embedding: torch.Tensor, token: int, layers: torch.Tensor, dims:
     _library().astrai_decode_step_f32(
         embedding.data_ptr(), embedding.stride(0), embedding.stride(1), token, layers.data_ptr(), layers.shape[0],
         dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(), pos, capacity, eps, scale,
-        final_norm.data_ptr(), head.data_ptr(), head.stride(0), vocab, logits.data_ptr(), work.data_ptr(),
-        attention_workspace.data_ptr(), threads)
+        kv_offsets[0], kv_offsets[1], final_norm.data_ptr(), head.data_ptr(), head.stride(0), vocab,
+        logits.data_ptr(), work.data_ptr(), attention_workspace.data_ptr(), threads)
     return logits

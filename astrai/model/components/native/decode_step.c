@@ -13,8 +13,10 @@
  *   0 input norm weight   1 joint q/k/v weight [q + 2 kv rows][ld] (q, k, v rows)  2 its ld
  *   3 o weight [dim][ld]  4 its ld   5 post-attention norm weight
  *   6 joint gate/up weight [2 ffn][ld]   7 its ld   8 down weight [dim][ld]    9 its ld
- *  10 where this token's K goes in the page store [kv_heads][head_dim]   11 the same for V
+ *  10 this layer's K page store [slots][kv_heads][head_dim]   11 the same for V
  *  12 the decode buffer's K for this row [kv_heads][capacity][head_dim]  13 the same for V
+ * so the table changes only when the decode buffers are replaced; the token's place in the
+ * page store comes per step as `k_offset`/`v_offset` (floats from a layer's start).
  * Every weight is row-major, nn.Linear's [out][in], each row `ld` floats apart.
  */
 #include <math.h>
@@ -61,8 +63,8 @@ void astrai_decode_step_f32(
     const float *embedding, int64_t embedding_row_stride, int64_t embedding_col_stride, int64_t token,
     const int64_t *layers, int64_t n_layers, int64_t dim, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t ffn, const float *cos, const float *sin, int64_t pos, int64_t capacity, float eps, float scale,
-    const float *final_norm, const float *head, int64_t head_ld, int64_t vocab, float *logits,
-    float *work, float *attention_workspace, int threads)
+    int64_t k_offset, int64_t v_offset, const float *final_norm, const float *head, int64_t head_ld,
+    int64_t vocab, float *logits, float *work, float *attention_workspace, int threads)
 {
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     float *x = work, *h = x + dim, *qkv = h + dim, *attended = qkv + q_width + 2 * kv_width;
@@ -76,8 +78,8 @@ void astrai_decode_step_f32(
         float *q = qkv, *k = qkv + q_width, *v = k + kv_width;
         rotate(q, heads, head_dim, cos, sin);
         rotate(k, kv_heads, head_dim, cos, sin);
-        memcpy((float *)(intptr_t)p[10], k, sizeof(float) * (size_t)kv_width);
-        memcpy((float *)(intptr_t)p[11], v, sizeof(float) * (size_t)kv_width);
+        memcpy((float *)(intptr_t)p[10] + k_offset, k, sizeof(float) * (size_t)kv_width);
+        memcpy((float *)(intptr_t)p[11] + v_offset, v, sizeof(float) * (size_t)kv_width);
         float *k_buffer = (float *)(intptr_t)p[12], *v_buffer = (float *)(intptr_t)p[13];
         for (int64_t g = 0; g < kv_heads; ++g) {
             memcpy(k_buffer + (g * capacity + pos) * head_dim, k + g * head_dim, sizeof(float) * (size_t)head_dim);
