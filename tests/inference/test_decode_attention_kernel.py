@@ -4,7 +4,9 @@ decode steps, refusing what it cannot read safely; and the batched-product fallb
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -123,3 +125,23 @@ def test_no_compiler_or_switched_off_means_no_kernel_and_one_warning(monkeypatch
         assert native_kernels._library.__wrapped__() is None
     assert "could not build astrai's decode kernels" in caplog.text
     assert not list(tmp_path.rglob("*.so"))
+
+
+@pytest.mark.skipif(not native_kernels.kernels_available(), reason="needs a C compiler (CI has one)")
+def test_a_new_build_prunes_all_but_the_latest_older_builds(monkeypatch, tmp_path):
+    """Each source change builds a library under a new name; building one keeps the newest
+    few others (other checkouts may share the cache) and deletes the rest."""
+    monkeypatch.setenv("ASTRAI_CACHE", str(tmp_path))
+    folder = tmp_path / "astrai" / "kernels"
+    folder.mkdir(parents=True)
+    stale = [folder / f"astrai-kernels-{i:016x}.so" for i in range(native_kernels.KEEP_BUILDS + 3)]
+    for age, path in enumerate(stale):
+        path.write_bytes(b"old")
+        os.utime(path, (1_000_000 - age, 1_000_000 - age))  # stale[0] the most recent
+    unrelated = folder / "notes.txt"
+    unrelated.write_text("kept")
+    built = native_kernels._build(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+    assert built.is_file() and built not in stale
+    left = sorted(folder.glob("astrai-kernels-*.so"))
+    assert left == sorted([built, *stale[:native_kernels.KEEP_BUILDS]])
+    assert unrelated.read_text() == "kept"

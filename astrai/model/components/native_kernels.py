@@ -22,8 +22,8 @@ attention as above; ``astrai/inference/fused_decode.py`` decides when a model an
 qualify and builds its table of pointers.
 
 The library is built with ``cc`` (``$CC``) into a per-user cache directory, keyed by
-the source, the flags and this CPU's feature flags (it is compiled for this CPU), and
-loaded with ctypes; its OpenMP calls resolve to the libgomp that torch already loaded,
+the source, the flags and this CPU's feature flags (it is compiled for this CPU; a new
+build deletes all but the four most recent older ones), and loaded with ctypes; its OpenMP calls resolve to the libgomp that torch already loaded,
 so its threads are torch's. Without a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``,
 nothing is built: attention keeps the batched products and one-row products the split
 (a warning says so once).
@@ -87,7 +87,24 @@ def _build(compiler: str) -> Path:
             names = ", ".join(path.name for path in SOURCES)
             raise RuntimeError(f"{compiler} failed to build {names}:\n{result.stderr.strip()}")
         os.replace(built, target)
+    _prune(target)
     return target
+
+
+KEEP_BUILDS = 4  # other builds kept beside a new one (other checkouts, CPUs or compilers sharing the cache)
+
+
+def _prune(newest: Path) -> None:
+    """Delete all but the ``KEEP_BUILDS`` most recently built other libraries: each change to a
+    kernel's source builds a new one under a new name, and nothing else would ever remove the
+    old. A process that still has one loaded keeps its mapping."""
+    others = [path for path in newest.parent.glob("astrai-kernels-*.so") if path != newest]
+    others.sort(key=lambda path: path.stat().st_mtime, reverse=True)
+    for path in others[KEEP_BUILDS:]:
+        try:
+            path.unlink()
+        except OSError:  # already gone (another process pruned it), or not ours to delete
+            pass
 
 
 @functools.lru_cache(maxsize=1)
