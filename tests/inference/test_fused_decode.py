@@ -199,6 +199,7 @@ def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
     cache = KVCache.for_model(model, num_pages=8, page_size=4)
     assert cache.task_alloc("a", [1, 2, 3, 4, 5])
     target = cache.decode_target("a", 3)
+    assert cache.decode_target("aborted meanwhile", 3) is None  # the usual view sends its writes to the sink page
     reached = []
     monkeypatch.setattr(fused_module, "decode_step", lambda *args: reached.append(args[1]) or torch.zeros(256))
     assert fused.ready()

@@ -324,10 +324,13 @@ class KVCache:
 
         Meant for the engine's fused step (fp32 CPU storage): it skips the view, whose tensors
         of indices cost a tenth of a millisecond a step that the kernel does not need."""
+        try:
+            pages, ps = self._table.get(task_id), self.page_size
+        except KeyError:  # aborted meanwhile (from another thread): the usual view writes it to the sink
+            return None
         refill = self._dense.plan((task_id,), (pos,))
         if refill is None:
             return None
-        pages, ps = self._table.get(task_id), self.page_size
         if refill and pos:
             slots = [pages[p // ps] * ps + p % ps for p in range(pos)]
             self._dense.fill_row(0, torch.tensor(slots, device=self._storage.device))
