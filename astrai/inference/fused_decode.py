@@ -68,7 +68,7 @@ class FusedDecode:
         if os.environ.get("ASTRAI_FUSED_DECODE", "1") == "0" or not kernels_available() or not _plain_structure(model):
             return None
         fused = cls(model)
-        return fused if fused._weights_ready() else None
+        return fused if fused.ready() else None
 
     def __call__(self, token: int, target: RowTarget) -> Optional[torch.Tensor]:
         """Logits [1, vocab] of one decode step of one row whose new token is ``token``, its K/V
@@ -86,10 +86,6 @@ class FusedDecode:
                              target.capacity, self.eps, self.scale, offsets, model.norm.weight, model.lm_head.weight)
         return logits.view(1, -1)
 
-    def ready(self) -> bool:
-        """Whether the model still fits (checked again only after a weight or module changed)."""
-        return self._weights_ready()
-
     def _table_for(self, target: RowTarget) -> Optional[torch.Tensor]:
         """The weight table with the K/V columns of ``target``'s buffers and page store, made
         again only when the buffers were replaced (or the weights' table was rebuilt); None
@@ -100,7 +96,7 @@ class FusedDecode:
             self._table_key, self._table = key, _with_cache_columns(self._static, buffers, storage)
         return self._table
 
-    def _weights_ready(self) -> bool:
+    def ready(self) -> bool:
         """Whether the table of weight pointers is current: rebuilt (and checked) when a module
         or parameter was replaced, or a weight moved, cast or re-laid, since it was made. A
         model found not to fit is checked again only after such a change, not every step."""
