@@ -92,6 +92,11 @@ def test_steps_past_the_decode_buffers_budget_take_the_model_forward(fused_calls
         got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
     assert not fused_calls
     assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
+    from astrai.inference.cache import KVCache
+
+    cache = KVCache.for_model(model, num_pages=8, page_size=4)
+    cache._dense._budget = 0
+    assert cache.task_alloc("a", prompt) and cache.decode_target("a", len(prompt)) is None
 
 
 def _reference_logprobs(model, prompt, tokens):
