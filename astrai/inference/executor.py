@@ -39,22 +39,31 @@ class Executor:
         # a single request's decode step in one C call when the model fits (fused_decode.py)
         self.fused_decode = FusedDecode.for_model(model) if self.device.type == "cpu" else None
 
-    @torch.inference_mode()
     def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> torch.Tensor:
         """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]."""
-        logits = self._fused_logits(tasks, n_new) if self.fused_decode is not None else None
-        if logits is None:
+        return self._forward(tasks, n_new)[0]
+
+    @torch.inference_mode()
+    def _forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """``forward``'s logits, and each row's argmax when the step found it with them (the
+        fused one-row step does, in the head's product), else None."""
+        fused = self._fused_logits(tasks, n_new) if self.fused_decode is not None else None
+        if fused is not None:
+            logits, argmax = fused[0], [fused[1]]
+        else:
             starts = [t.num_computed for t in tasks]
             ids = [t.task_id for t in tasks]
             table = self.page_cache.make_table_tensor(ids, self.device, n_tokens=max(s + n for s, n in zip(starts, n_new)))
             view = self.page_cache.bind(table, starts, n_new, task_ids=ids, packed=self.packs_prefill)
             logits = self._model_logits(view, [t.context[s:s + n] for t, s, n in zip(tasks, starts, n_new)], n_new)
+            argmax = None
         for t, n in zip(tasks, n_new):
             t.num_computed += n
-        return logits
+        return logits, argmax
 
-    def _fused_logits(self, tasks: Sequence[Task], n_new: Sequence[int]) -> Optional[torch.Tensor]:
-        """A single request's decode step through the C step (fused_decode.py), or None when it does not qualify."""
+    def _fused_logits(self, tasks: Sequence[Task], n_new: Sequence[int]) -> Optional[tuple[torch.Tensor, int]]:
+        """A single request's decode step through the C step (fused_decode.py): its logits [1, V]
+        and their argmax, or None when it does not qualify."""
         if len(tasks) != 1 or n_new[0] != 1 or not self.fused_decode.ready():
             return None
         task = tasks[0]
@@ -76,11 +85,11 @@ class Executor:
 
     def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[Sampled]]:
         """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""
-        logits = self.forward(tasks, n_new)
+        logits, argmax = self._forward(tasks, n_new)
         done = [i for i, t in enumerate(tasks) if t.remaining == 0]
         tokens: list[Optional[Sampled]] = [None] * len(tasks)
         if done:
-            picked = self.sample([tasks[i] for i in done], logits[done])
+            picked = self.sample([tasks[i] for i in done], logits[done], None if argmax is None else [argmax[i] for i in done])
             for i, tok in zip(done, picked):
                 tokens[i] = tok
         return tokens
@@ -90,21 +99,22 @@ class Executor:
         changed batch costs a few row copies instead of a re-gather. Results are in ``tasks`` order."""
         order = self.page_cache.decode_order([t.task_id for t in tasks], [t.num_computed for t in tasks])
         ordered = [tasks[i] for i in order]
-        sampled = self.sample(ordered, self.forward(ordered, [1] * len(ordered)))
+        sampled = self.sample(ordered, *self._forward(ordered, [1] * len(ordered)))
         results: list[Sampled] = [None] * len(tasks)  # type: ignore[list-item]
         for i, token in zip(order, sampled):
             results[i] = token
         return results
 
     @torch.inference_mode()
-    def sample(self, tasks: Sequence[Task], logits: torch.Tensor) -> list[Sampled]:
-        """Next token (and its log-probability entry when asked) for each task's logits row."""
+    def sample(self, tasks: Sequence[Task], logits: torch.Tensor, argmax: Optional[list[int]] = None) -> list[Sampled]:
+        """Next token (and its log-probability entry when asked) for each task's logits row;
+        ``argmax``, when given, is each row's argmax, which greedy rows without penalties take."""
         logits = logits.float()
         params = [t.params for t in tasks]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if all(p.temperature == 0 for p in params) and not any(_has_penalty(p) for p in params):
-            ids = row_argmax(logits).tolist()
+            ids = argmax if argmax is not None else row_argmax(logits).tolist()
         else:
             logits = logits.clone()
             for i, (t, p) in enumerate(zip(tasks, params)):

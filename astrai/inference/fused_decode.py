@@ -19,10 +19,12 @@ compared with those the table was built from (``ready``), so a model changed in 
 (weights reloaded, cast, re-laid, LoRA layers swapped in) is checked again instead of read
 through stale pointers.
 
-The executor goes straight from the cache to the kernel (no ``KvcacheView``), and the table
-of pointers is made again only when the decode buffers are replaced: the Python of a step is
-part of its time, and on the AMD VM the view's index tensors and a table per step took about
-0.4 ms of a 10-15 ms ~125M step, against 0.1 ms now.
+The executor goes straight from the cache to the kernel (no ``KvcacheView``), and the C
+step's plan (native_kernels.DecodePlan: the table of pointers, rotary rows, scratch memory)
+is made again only when the decode buffers are replaced: the Python of a step is part of
+its time, and on the AMD VM the view's index tensors and a table per step took about 0.4 ms
+of a 10-15 ms ~125M step, against 0.05 ms now. The step also returns the logits' argmax,
+which a greedy request's sampling takes (Executor.sample).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from astrai.model.components.attention import GQA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.joint_weights import joint_weight
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
-from astrai.model.components.native_kernels import decode_step, kernels_available, row_major
+from astrai.model.components.native_kernels import DecodePlan, decode_plan, decode_step, kernels_available, row_major
 
 COLUMNS = 14  # int64 values per layer in the C kernel's table (native/decode_step.c)
 
@@ -56,10 +58,11 @@ class FusedDecode:
         self._seen = _Snapshot(model)
         self._addresses: Optional[list[int]] = None  # the weights' addresses when the table was last built
         self._static: Optional[torch.Tensor] = None
-        self._table: Optional[torch.Tensor] = None  # _static with the K/V columns of the current buffers
-        self._table_key: Optional[tuple] = None
-        self._builds = 0  # of _static: a table made from an earlier one is stale
-        self._rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._builds = 0  # of _static: a plan made from an earlier one is stale
+        self._plan: Optional[DecodePlan] = None  # _static with the current buffers' columns, rotary rows, scratch
+        self._plan_key: Optional[tuple] = None
+        self._vocab = 0  # the embedding's rows: the tokens the step may look up
+        self._slot_strides = (0, 0)  # floats between page slots in the K and V stores
 
     @classmethod
     def for_model(cls, model: nn.Module) -> Optional["FusedDecode"]:
@@ -70,31 +73,43 @@ class FusedDecode:
         fused = cls(model)
         return fused if fused.ready() else None
 
-    def __call__(self, token: int, target: RowTarget) -> Optional[torch.Tensor]:
+    def __call__(self, token: int, target: RowTarget) -> Optional[tuple[torch.Tensor, int]]:
         """Logits [1, vocab] of one decode step of one row whose new token is ``token``, its K/V
-        written where ``target`` (``KVCache.decode_target``) says; None when the step does not
-        qualify (the caller runs the usual forward). Call when ``ready()`` has just said True."""
-        if not (0 <= token < self.model.embed_tokens.weight.shape[0] and 0 <= target.pos < target.capacity):
+        written where ``target`` (``KVCache.decode_target``) says, and the index of their maximum
+        (``torch.argmax``'s); None when the step does not qualify (the caller runs the usual
+        forward). Call when ``ready()`` has just said True."""
+        if not (0 <= token < self._vocab and 0 <= target.pos < target.capacity):
             return None  # the model's own forward reports it; C would read or write out of bounds
-        table = self._table_for(target)
+        plan = self._plan_for(target)
+        if plan is None:
+            return None
+        k_stride, v_stride = self._slot_strides
+        logits, best = decode_step(plan, token, target.pos, (target.slot * k_stride, target.slot * v_stride))
+        return logits.view(1, -1), best
+
+    def _plan_for(self, target: RowTarget) -> Optional[DecodePlan]:
+        """The C step's plan for ``target``'s buffers and page store, made again only when the
+        buffers were replaced, the weights' table was rebuilt or torch's thread count changed;
+        None when the cache is not fp32 CPU memory laid out as the kernel reads it."""
+        buffers, storage = target.buffers, target.storage
+        threads = max(torch.get_num_threads(), 1)
+        key = (buffers, buffers.generation, storage, self._builds, threads)  # held, so no id is ever reused
+        if key != self._plan_key:
+            self._plan_key, self._plan = key, self._make_plan(buffers, storage, target.capacity, threads)
+        return self._plan
+
+    def _make_plan(self, buffers, storage, capacity: int, threads: int) -> Optional[DecodePlan]:
+        table = _with_cache_columns(self._static, buffers, storage)
         if table is None:
             return None
-        cos, sin = self._rotary_row(target.pos)
-        storage, model = target.storage, self.model
-        offsets = (target.slot * storage.k_cache.stride(1), target.slot * storage.v_cache.stride(1))
-        logits = decode_step(model.embed_tokens.weight, token, table, self.dims, cos, sin, target.pos,
-                             target.capacity, self.eps, self.scale, offsets, model.norm.weight, model.lm_head.weight)
-        return logits.view(1, -1)
-
-    def _table_for(self, target: RowTarget) -> Optional[torch.Tensor]:
-        """The weight table with the K/V columns of ``target``'s buffers and page store, made
-        again only when the buffers were replaced (or the weights' table was rebuilt); None
-        when the cache is not fp32 CPU memory laid out as the kernel reads it."""
-        buffers, storage = target.buffers, target.storage
-        key = (buffers, buffers.generation, storage, self._builds)  # held, so no id is ever reused
-        if key != self._table_key:
-            self._table_key, self._table = key, _with_cache_columns(self._static, buffers, storage)
-        return self._table
+        self._slot_strides = (storage.k_cache.stride(1), storage.v_cache.stride(1))
+        model = self.model
+        positions = torch.arange(capacity).unsqueeze(0)
+        cos, sin = model.rotary_embedding(torch.empty(1, capacity, 0), positions)
+        cos, sin = rotary_tables(cos, sin, torch.float32)
+        return decode_plan(model.embed_tokens.weight, table, self.dims, cos.reshape(capacity, -1).contiguous(),
+                           sin.reshape(capacity, -1).contiguous(), capacity, self.eps, self.scale, model.norm.weight,
+                           model.lm_head.weight, threads)
 
     def ready(self) -> bool:
         """Whether the table of weight pointers is current: rebuilt (and checked) when a module
@@ -111,19 +126,9 @@ class FusedDecode:
         self._static = _weight_table(self.model) if _plain_structure(self.model) else None
         self._builds += 1
         self._addresses = seen.addresses()
-        self._rotary = None
+        if self._static is not None:
+            self._vocab = self.model.embed_tokens.weight.shape[0]
         return self._static is not None
-
-    def _rotary_row(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rotary_tables``' (cos, sin) rows for position ``pos``, from a table made by the
-        model's own rotary module for a range of positions (doubled when outgrown)."""
-        if self._rotary is None or pos >= self._rotary[0].shape[0]:
-            length = max(2 * pos + 2, 256)
-            positions = torch.arange(length).unsqueeze(0)
-            cos, sin = self.model.rotary_embedding(torch.empty(1, length, 0), positions)
-            cos, sin = rotary_tables(cos, sin, torch.float32)
-            self._rotary = (cos.reshape(length, -1).contiguous(), sin.reshape(length, -1).contiguous())
-        return self._rotary[0][pos], self._rotary[1][pos]
 
 
 class _Snapshot:

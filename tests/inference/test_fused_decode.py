@@ -65,6 +65,22 @@ def test_single_request_matches_recomputation_and_the_unfused_forward(shape, fus
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_the_steps_argmax_gives_way_to_penalties_and_sampling(fused_calls, monkeypatch):
+    """The C step's argmax of the logits is the token only for a plain greedy request: with a
+    repetition penalty the penalised logits decide, and a sampled request draws (the same seed
+    drawing the same tokens as the unfused forward)."""
+    model = make_model("tiny")
+    prompt = [[5, 9, 200, 3, 5, 9]]
+    penalised = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, repetition_penalty=1.8)
+    sampled = SamplingParams(max_tokens=14, temperature=0.9, seed=3, ignore_eos=True)
+    fused = [_run(model, prompt, params)[0].token_ids for params in (penalised, sampled)]
+    assert len(fused_calls) == 2 * 13
+    monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")
+    plain = [_run(model, prompt, params)[0].token_ids for params in (penalised, sampled)]
+    assert fused == plain
+    assert fused[0] != _run(model, prompt)[0].token_ids[:14]  # the penalty changed the greedy tokens
+
+
 def test_decode_buffers_grown_mid_request_are_followed(fused_calls):
     """A request outgrowing the decode buffers' capacity (256 tokens of headroom) gets new
     buffers mid-run: the kernel's table is rebuilt for them, so later steps write and read
@@ -206,7 +222,7 @@ def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
     target = cache.decode_target("a", 3)
     assert cache.decode_target("aborted meanwhile", 3) is None  # the usual view sends its writes to the sink page
     reached = []
-    monkeypatch.setattr(fused_module, "decode_step", lambda *args: reached.append(args[1]) or torch.zeros(256))
+    monkeypatch.setattr(fused_module, "decode_step", lambda *args: reached.append(args[1]) or (torch.zeros(256), 0))
     assert fused.ready()
     for token, pos, capacity in ((256, 3, 16), (-1, 3, 16), (5, 16, 16), (5, -1, 16)):
         assert fused(token, replace(target, pos=pos, capacity=capacity)) is None

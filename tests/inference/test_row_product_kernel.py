@@ -9,7 +9,7 @@ import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.components import layers
-from astrai.model.components.native_kernels import kernels_available, row_product
+from astrai.model.components.native_kernels import kernels_available, row_product, row_product_argmax
 from inference_helpers import greedy_reference, make_model
 
 
@@ -44,6 +44,42 @@ def test_row_product_equals_the_float64_product(n_out, n_in, threads, with_bias)
     want = x.double() @ weight.t().double() + (0 if bias is None else bias.double())
     assert got.shape == (1, 1, n_out)
     assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+def _with_threads(threads, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_argmax_of_the_product_is_torchs_first_maximum_and_first_nan(threads):
+    """The head's product (the C decode step's last) also returns torch.argmax of what it
+    wrote: the first of tied maxima, even when they fall in different threads' stretches of
+    rows, and the first NaN when there is one."""
+    torch.manual_seed(threads)
+    n_out, n_in = 101, 24
+    weight = _row_major(n_out, n_in, spare=3)
+    x = torch.randn(n_in)
+    y, best = _with_threads(threads, lambda: row_product_argmax(x, weight))
+    assert torch.allclose(y.double(), weight.double() @ x.double(), atol=1e-4)
+    assert best == int(y.argmax())
+    for tied in ([7, 40, 99], [60, 80], [3, 4]):  # the same largest row at several places
+        w = weight.clone()
+        w[tied] = 5 * x.sign()  # each of these rows scores 5 * sum(|x|), well above the others
+        y, best = _with_threads(threads, lambda: row_product_argmax(x, w))
+        assert torch.equal(y[tied], y[tied[0]].expand(len(tied)))  # truly tied
+        assert best == int(y.argmax()) == tied[0]
+    for nans in ([70], [90, 20], [0, 100]):
+        w = weight.clone()
+        w[nans, 0] = float("nan")
+        y, best = _with_threads(threads, lambda: row_product_argmax(x, w))
+        assert best == int(y.argmax()) == min(nans)
+    with pytest.raises(ValueError, match="layout or dtype"):
+        row_product_argmax(x, torch.randn(8, n_in).t())
 
 
 def test_row_product_refuses_layouts_it_cannot_read():

@@ -123,9 +123,11 @@ def _library() -> Optional[ctypes.CDLL]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64, ctypes.c_int]
     library.astrai_row_product_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
-    library.astrai_decode_step_f32.argtypes = ([ptr] + [i64] * 3 + [ptr] + [i64] * 6 + [ptr, ptr] + [i64] * 2
-                                               + [ctypes.c_float] * 2 + [i64, i64, ptr, ptr, i64, i64] + [ptr] * 3 + [ctypes.c_int])
-    for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32, library.astrai_decode_step_f32):
+    library.astrai_row_product_argmax_f32.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
+    library.astrai_row_product_argmax_f32.restype = i64
+    library.astrai_decode_step_f32.argtypes = [ctypes.POINTER(DecodePlan)] + [i64] * 4 + [ptr]
+    library.astrai_decode_step_f32.restype = i64
+    for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32):
         function.restype = None
     return library
 
@@ -173,11 +175,8 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     """``F.linear(x, weight, bias)`` for one row ``x`` [..., in] (fp32, contiguous) and a
     row-major fp32 ``weight`` [out, in] (contiguous rows; rows may lie further apart).
     Call only when ``kernels_available()``."""
+    _check_row_product(x, weight, bias)
     n_out, n_in = weight.shape
-    if not (x.numel() == n_in and x.is_contiguous() and row_major(weight)
-            and x.dtype == weight.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
-                                                                                and bias.is_contiguous()))):
-        raise ValueError("row_product: unsupported layout or dtype")
     out = torch.empty(n_out, dtype=x.dtype)
     _library().astrai_row_product_f32(
         x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
@@ -185,33 +184,80 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return out.view(*x.shape[:-1], n_out)
 
 
+def row_product_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``row_product(x, weight)`` [out] and the index of its maximum as ``torch.argmax`` gives
+    it (the first maximum; the first NaN if any): the product the C decode step ends with,
+    for its head. Call only when ``kernels_available()``."""
+    _check_row_product(x, weight, None)
+    n_out, n_in = weight.shape
+    out = torch.empty(n_out, dtype=x.dtype)
+    best = _library().astrai_row_product_argmax_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n_in, n_out,
+                                                   weight.stride(0), max(torch.get_num_threads(), 1))
+    return out, best
+
+
+def _check_row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    n_in = weight.shape[1] if weight.dim() == 2 else -1
+    if not (x.numel() == n_in and x.is_contiguous() and row_major(weight)
+            and x.dtype == weight.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
+                                                                                and bias.is_contiguous()))):
+        raise ValueError("row_product: unsupported layout or dtype")
+
+
 def row_major(weight: torch.Tensor) -> bool:
     """Whether ``weight`` [out, in] has contiguous rows, as ``row_product`` reads it."""
     return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] == 1) and weight.stride(0) >= weight.shape[1]
 
 
-def decode_step(embedding: torch.Tensor, token: int, layers: torch.Tensor, dims: tuple[int, int, int, int, int],
-                cos: torch.Tensor, sin: torch.Tensor, pos: int, capacity: int, eps: float, scale: float,
-                kv_offsets: tuple[int, int], final_norm: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """Logits [vocab] of one decode step of one row through ``native/decode_step.c``.
+class DecodePlan(ctypes.Structure):
+    """``struct astrai_decode_plan`` (native/decode_step.c): what a model's one-row decode step
+    reads that stays fixed from step to step. Make it with ``decode_plan``, which also keeps
+    the tensors its pointers point into alive for as long as the plan is."""
+
+    _fields_ = [("embedding", ctypes.c_void_p), ("embedding_row_stride", ctypes.c_int64),
+                ("embedding_col_stride", ctypes.c_int64), ("layers", ctypes.c_void_p),
+                ("n_layers", ctypes.c_int64), ("dim", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("ffn", ctypes.c_int64),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
+                ("head", ctypes.c_void_p), ("head_ld", ctypes.c_int64), ("vocab", ctypes.c_int64),
+                ("work", ctypes.c_void_p), ("attention_workspace", ctypes.c_void_p), ("threads", ctypes.c_int64)]
+
+
+def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, int, int, int, int],
+                cos: torch.Tensor, sin: torch.Tensor, capacity: int, eps: float, scale: float,
+                final_norm: torch.Tensor, head: torch.Tensor, threads: int) -> DecodePlan:
+    """The plan of ``native/decode_step.c`` for one model and one set of decode buffers.
 
     ``layers`` [n_layers, 14] int64 is the per-layer table that file describes, ``dims`` is
-    (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [head_dim] are ``rotary_tables``'
-    rows for position ``pos``, ``capacity`` the decode buffers' length, ``kv_offsets`` where
-    the token's K and V go in each layer's page store (in floats from the layer's start) and
-    ``head`` the row-major [vocab, dim] output weight. Every pointer in ``layers`` must be
-    valid fp32 memory of the sizes the table names: ``astrai.inference.fused_decode`` checks
-    them before it calls. Call only when ``kernels_available()``.
+    (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [capacity, head_dim] contiguous
+    are ``rotary_tables``' rows for positions 0..capacity-1, ``capacity`` the decode buffers'
+    length and ``head`` the row-major [vocab, dim] output weight. Every pointer in ``layers``
+    must be valid fp32 memory of the sizes the table names (``astrai.inference.fused_decode``
+    checks them); the plan keeps the tensors given here, and its scratch memory, alive.
     """
     dim, heads, kv_heads, head_dim, ffn = dims
-    vocab = head.shape[0]
-    threads = max(torch.get_num_threads(), 1)
+    if not (cos.shape == sin.shape == (capacity, head_dim) and cos.is_contiguous() and sin.is_contiguous()
+            and layers.dtype == torch.int64 and layers.is_contiguous() and layers.shape[1] == 14):
+        raise ValueError("decode_plan: rotary tables or layer table of the wrong shape")
     work = torch.empty(4 * dim + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * ffn, dtype=torch.float32)
-    attention_workspace = torch.empty(threads, heads // kv_heads, pos + 1, dtype=torch.float32)
-    logits = torch.empty(vocab, dtype=torch.float32)
-    _library().astrai_decode_step_f32(
-        embedding.data_ptr(), embedding.stride(0), embedding.stride(1), token, layers.data_ptr(), layers.shape[0],
-        dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(), pos, capacity, eps, scale,
-        kv_offsets[0], kv_offsets[1], final_norm.data_ptr(), head.data_ptr(), head.stride(0), vocab,
-        logits.data_ptr(), work.data_ptr(), attention_workspace.data_ptr(), threads)
-    return logits
+    workspace = torch.empty(threads, heads // kv_heads, capacity, dtype=torch.float32)  # each thread's scores
+    plan = DecodePlan(embedding.data_ptr(), embedding.stride(0), embedding.stride(1), layers.data_ptr(),
+                      layers.shape[0], dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(),
+                      capacity, eps, scale, final_norm.data_ptr(), head.data_ptr(), head.stride(0), head.shape[0],
+                      work.data_ptr(), workspace.data_ptr(), threads)
+    plan.keep = (embedding, layers, cos, sin, final_norm, head, work, workspace)
+    return plan
+
+
+def decode_step(plan: DecodePlan, token: int, pos: int, kv_offsets: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """Logits [vocab] of one decode step of one row through ``native/decode_step.c``, and the
+    index of their maximum (``torch.argmax``'s, NaN counted as the largest).
+
+    ``pos`` < the plan's capacity is the token's position and ``kv_offsets`` where its K and
+    V go in each layer's page store (in floats from the layer's start); ``token`` must be a
+    row of the embedding. Call only when ``kernels_available()``.
+    """
+    logits = torch.empty(plan.vocab, dtype=torch.float32)
+    best = _library().astrai_decode_step_f32(plan, token, pos, kv_offsets[0], kv_offsets[1], logits.data_ptr())
+    return logits, best

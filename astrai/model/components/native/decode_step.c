@@ -7,7 +7,10 @@
  * rest. Here that arithmetic is plain loops between the same one-row products and
  * decode attention the unfused step calls (row_product.c, decode_attention.c), so the
  * step's time is theirs. Python (astrai/inference/fused_decode.py) checks that the
- * model is of this shape and passes a table of pointers per layer.
+ * model is of this shape and fills a `struct astrai_decode_plan` once: the weights, the
+ * decode buffers, rotary tables and scratch memory, all that stays fixed from step to step,
+ * so that a step's call passes only the token, its position and where its K/V go (a ctypes
+ * call's cost grows with its arguments: the 28 it took before cost ~40 µs of Python).
  *
  * Per layer, `layers` holds 14 int64 values:
  *   0 input norm weight   1 joint q/k/v weight [q + 2 kv rows][ld] (q, k, v rows)  2 its ld
@@ -17,14 +20,34 @@
  *  12 the decode buffer's K for this row [kv_heads][capacity][head_dim]  13 the same for V
  * so the table changes only when the decode buffers are replaced; the token's place in the
  * page store comes per step as `k_offset`/`v_offset` (floats from a layer's start).
+ * The step returns the index of the logits' maximum (as torch.argmax gives it), which the
+ * head's product finds as it writes them: a greedy request needs no other pass.
  * Every weight is row-major, nn.Linear's [out][in], each row `ld` floats apart.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+/* Filled by astrai/model/components/native_kernels.py (a ctypes Structure of the same fields). */
+struct astrai_decode_plan {
+    const float *embedding;
+    int64_t embedding_row_stride, embedding_col_stride;
+    const int64_t *layers;        /* [n_layers][14], as above */
+    int64_t n_layers, dim, heads, kv_heads, head_dim, ffn;
+    const float *cos, *sin;       /* rotary_tables' rows [capacity][head_dim] */
+    int64_t capacity;             /* positions the decode buffers (and the rotary rows) hold */
+    float eps, scale;
+    const float *final_norm, *head;
+    int64_t head_ld, vocab;
+    float *work;                  /* 4 dim + 2 heads*head_dim + 2 kv_heads*head_dim + 2 ffn floats */
+    float *attention_workspace;   /* [threads][heads / kv_heads][capacity] floats */
+    int64_t threads;
+};
+
 void astrai_row_product_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
                             int64_t n_out, int64_t ld, int threads);
+int64_t astrai_row_product_argmax_f32(const float *x, const float *w, float *y, int64_t n_in, int64_t n_out,
+                                      int64_t ld, int threads);
 void astrai_decode_attention_f32(
     const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
@@ -59,20 +82,22 @@ static void rotate(float *x, int64_t heads, int64_t width, const float *cos, con
 
 static inline const float *f32(int64_t address) { return (const float *)(intptr_t)address; }
 
-void astrai_decode_step_f32(
-    const float *embedding, int64_t embedding_row_stride, int64_t embedding_col_stride, int64_t token,
-    const int64_t *layers, int64_t n_layers, int64_t dim, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t ffn, const float *cos, const float *sin, int64_t pos, int64_t capacity, float eps, float scale,
-    int64_t k_offset, int64_t v_offset, const float *final_norm, const float *head, int64_t head_ld,
-    int64_t vocab, float *logits, float *work, float *attention_workspace, int threads)
+int64_t astrai_decode_step_f32(const struct astrai_decode_plan *plan, int64_t token, int64_t pos,
+                               int64_t k_offset, int64_t v_offset, float *logits)
 {
+    const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, head_dim = plan->head_dim;
+    const int64_t ffn = plan->ffn, capacity = plan->capacity;
+    const float eps = plan->eps;
+    const int threads = (int)plan->threads;
+    const float *cos = plan->cos + pos * head_dim, *sin = plan->sin + pos * head_dim;
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-    float *x = work, *h = x + dim, *qkv = h + dim, *attended = qkv + q_width + 2 * kv_width;
-    float *out = attended + q_width, *gate_up = out + dim;
     const int64_t len = pos + 1;
-    for (int64_t i = 0; i < dim; ++i) x[i] = embedding[token * embedding_row_stride + i * embedding_col_stride];
-    for (int64_t l = 0; l < n_layers; ++l) {
-        const int64_t *p = layers + 14 * l;
+    float *x = plan->work, *h = x + dim, *qkv = h + dim, *attended = qkv + q_width + 2 * kv_width;
+    float *out = attended + q_width, *gate_up = out + dim;
+    const float *embedding = plan->embedding + token * plan->embedding_row_stride;
+    for (int64_t i = 0; i < dim; ++i) x[i] = embedding[i * plan->embedding_col_stride];
+    for (int64_t l = 0; l < plan->n_layers; ++l) {
+        const int64_t *p = plan->layers + 14 * l;
         rms_norm(x, f32(p[0]), h, dim, eps);
         astrai_row_product_f32(h, f32(p[1]), 0, qkv, dim, q_width + 2 * kv_width, p[2], threads);
         float *q = qkv, *k = qkv + q_width, *v = k + kv_width;
@@ -85,9 +110,9 @@ void astrai_decode_step_f32(
             memcpy(k_buffer + (g * capacity + pos) * head_dim, k + g * head_dim, sizeof(float) * (size_t)head_dim);
             memcpy(v_buffer + (g * capacity + pos) * head_dim, v + g * head_dim, sizeof(float) * (size_t)head_dim);
         }
-        astrai_decode_attention_f32(q, k_buffer, v_buffer, attended, &len, attention_workspace, 1, kv_heads,
+        astrai_decode_attention_f32(q, k_buffer, v_buffer, attended, &len, plan->attention_workspace, 1, kv_heads,
                                     heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
-                                    0, capacity * head_dim, head_dim, scale, len, threads);
+                                    0, capacity * head_dim, head_dim, plan->scale, capacity, threads);
         astrai_row_product_f32(attended, f32(p[3]), 0, out, q_width, dim, p[4], threads);
         for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
         rms_norm(x, f32(p[5]), h, dim, eps);
@@ -99,6 +124,6 @@ void astrai_decode_step_f32(
         astrai_row_product_f32(gate_up, f32(p[8]), 0, out, ffn, dim, p[9], threads);
         for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
     }
-    rms_norm(x, final_norm, h, dim, eps);
-    astrai_row_product_f32(h, head, 0, logits, dim, vocab, head_ld, threads);
+    rms_norm(x, plan->final_norm, h, dim, eps);
+    return astrai_row_product_argmax_f32(h, plan->head, logits, dim, plan->vocab, plan->head_ld, threads);
 }
