@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from astrai.cli import main
-from astrai.parallel.setup import free_port
 
 MODEL = {"vocab_size": 1000, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "dim_ffn": 64, "max_len": 64}
 STEPS = 4
@@ -49,7 +48,9 @@ def run_and_check(command: list[str], run_dir: Path) -> None:
 
 def test_torchrun_launch(corpus, tokenizer_dir, tmp_path):
     run_dir = tmp_path / "run"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    # --standalone: torchrun picks and holds a free port for its rendezvous itself (a port
+    # chosen here could be taken by another test before torchrun binds it)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     run_and_check(torchrun + ["-m", "astrai"] + train_args(corpus, tokenizer_dir, run_dir), run_dir)
 
 

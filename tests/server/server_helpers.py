@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from astrai.errors import OverloadedError
-from astrai.parallel.setup import free_port
 from astrai.inference.types import StreamEvent
 
 MODEL_NAME = "tiny-test"
@@ -24,14 +24,19 @@ MODEL_NAME = "tiny-test"
 
 @contextmanager
 def live_server(app):
-    """Serve ``app`` with uvicorn on a free loopback port in a thread; yield the base URL."""
+    """Serve ``app`` with uvicorn on a free loopback port in a thread; yield the base URL.
+
+    The socket is bound here and handed to uvicorn, so no other test (or xdist worker) can
+    take the port between choosing it and listening on it."""
     import uvicorn
 
-    port = free_port()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
@@ -43,6 +48,7 @@ def live_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        listener.close()
 
 
 @dataclass
