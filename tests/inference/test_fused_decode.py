@@ -228,3 +228,29 @@ def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
         assert fused(token, replace(target, pos=pos, capacity=capacity)) is None
     assert not reached
     assert fused(5, replace(target, pos=3, capacity=16)) is not None and reached == [5]  # the stub stands in for C here
+
+
+def test_the_plan_follows_torchs_thread_count():
+    """The C step's scratch memory holds one slice per thread, so a plan made for one thread
+    count is made again when torch's changes; the logits do not depend on it (each output is
+    one thread's dot product, each attention head one thread's loop)."""
+    from astrai.inference.cache import KVCache
+
+    model = make_model("tiny")
+    lay_out_linears(model)
+    fused = FusedDecode.for_model(model)
+    cache = KVCache.for_model(model, num_pages=8, page_size=4)
+    assert cache.task_alloc("a", [1, 2, 3, 4, 5])
+    before = torch.get_num_threads()
+    answers = []
+    try:
+        for threads in (1, 3, 1):
+            torch.set_num_threads(threads)
+            assert fused.ready()
+            logits, best = fused(5, cache.decode_target("a", 4))
+            assert fused._plan.threads == threads
+            assert best == int(logits.argmax())
+            answers.append(logits)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], answers[2])
