@@ -39,14 +39,11 @@ class Executor:
         # a single request's decode step in one C call when the model fits (fused_decode.py)
         self.fused_decode = FusedDecode.for_model(model) if self.device.type == "cpu" else None
 
-    def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> torch.Tensor:
-        """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]."""
-        return self._forward(tasks, n_new)[0]
-
     @torch.inference_mode()
-    def _forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> tuple[torch.Tensor, Optional[list[int]]]:
-        """``forward``'s logits, and each row's argmax when the step found it with them (the
-        fused one-row step does, in the head's product), else None."""
+    def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]
+        and each row's argmax when the step found it with them (the fused one-row step does, in
+        the head's product), else None."""
         fused = self._fused_logits(tasks, n_new) if self.fused_decode is not None else None
         if fused is not None:
             logits, argmax = fused[0], [fused[1]]
@@ -85,7 +82,7 @@ class Executor:
 
     def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[Sampled]]:
         """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""
-        logits, argmax = self._forward(tasks, n_new)
+        logits, argmax = self.forward(tasks, n_new)
         done = [i for i, t in enumerate(tasks) if t.remaining == 0]
         tokens: list[Optional[Sampled]] = [None] * len(tasks)
         if done:
@@ -99,7 +96,7 @@ class Executor:
         changed batch costs a few row copies instead of a re-gather. Results are in ``tasks`` order."""
         order = self.page_cache.decode_order([t.task_id for t in tasks], [t.num_computed for t in tasks])
         ordered = [tasks[i] for i in order]
-        sampled = self.sample(ordered, *self._forward(ordered, [1] * len(ordered)))
+        sampled = self.sample(ordered, *self.forward(ordered, [1] * len(ordered)))
         results: list[Sampled] = [None] * len(tasks)  # type: ignore[list-item]
         for i, token in zip(order, sampled):
             results[i] = token
