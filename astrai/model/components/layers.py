@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from astrai.model.components.joint_weights import joint_weight
 from astrai.model.components.native_kernels import kernels_available, row_major, row_product
 from astrai.model.components.packed_weights import packed_joint_weight, packed_linear, packed_weight
+from astrai.model.components.onednn_linear import OneDnnLinear, use_onednn
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +86,8 @@ class Linear(nn.Linear):
       36 ms for ``F.linear``, 4 rows 21 against 60, 16 rows 51 against 67, 64 rows 107
       against 129.
 
-    Training (with gradients) and prefill (more rows) take the plain product.
+    Training (with gradients) takes ``OneDnnLinear`` for fp32 on a CPU where oneDNN's
+    matmul measured faster than MKL's (onednn_linear.py), else the plain product.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kwargs):
@@ -98,7 +100,8 @@ class Linear(nn.Linear):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear``; without autograd on the CPU, one row through the C kernel, several
     from the weight's oneDNN-packed copy when the inference engine made one (see
-    packed_weights.py), else a few rows split in two (see ``Linear``)."""
+    packed_weights.py), else a few rows split in two (see ``Linear``); with autograd, fp32
+    on a CPU through oneDNN where it pays (onednn_linear.py)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
         if x.numel() != x.shape[-1]:  # one row streams the plain weight faster than the packed copy
             packed = packed_weight(weight)
@@ -110,6 +113,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         if (x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.is_contiguous()
                 and weight.shape[0] % 2 == 0 and torch.get_num_threads() > 1):
             return _split_product(x, weight, bias)
+    elif torch.is_grad_enabled() and use_onednn(x, weight, bias):
+        return OneDnnLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

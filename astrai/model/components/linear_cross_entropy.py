@@ -16,7 +16,10 @@ the vocabulary as the product's long (M) side the CPU BLAS ran it 15-35% faster 
 ``hidden @ weight.T`` (for 128-512 rows of width 256 against 8k words: 115-142 against
 85-108 GFLOP/s on the AMD VM), and the two gradient products then take the transposed
 chunk as it lies. The whole projection + loss + gradients of 1,024 tokens took 89
-against 105 ms (8k words, width 256) and 664 against 759 ms (32k, width 512).
+against 105 ms (8k words, width 256) and 664 against 759 ms (32k, width 512). In fp32,
+where this CPU runs oneDNN's matmul faster than MKL's (onednn_linear.py), that forward
+product goes to oneDNN (for 256 rows on the AMD VM: 195-210 against 130-170 GFLOP/s);
+the two gradient products ran no faster there and stay with MKL.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import functools
 import time
 
 import torch
+
+from astrai.model.components.onednn_linear import onednn_product, use_onednn
 
 IGNORE_INDEX = -100
 CHUNK_ROWS = 256  # tokens per chunk: fewer rows starve the matmuls, more buy little (measured, 8k and 32k vocabularies)
@@ -47,13 +52,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         allocate = torch.empty if n else torch.zeros  # no rows: no chunk writes the weight gradient
         grad_weight = allocate(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        onednn = use_onednn(h_all, w, None)
         rows = CHUNK_ROWS
         for start in range(0, n, rows):
             h = h_all[start:start + rows]
             target = safe_targets[None, start:start + rows]
             # logits transposed, [vocab, rows]: the product runs faster with the vocabulary as
             # its long side (see the module's docstring); softmax is taken down the columns
-            logits = (w @ h.t()).float()
+            logits = (onednn_product(w, h) if onednn else w @ h.t()).float()
             target_logit = logits.gather(0, target)
             mean_logit = logits.mean(dim=0, keepdim=True) if label_smoothing else None
             row_max = logits.amax(dim=0, keepdim=True)

@@ -1,0 +1,128 @@
+"""fp32 training products through oneDNN: same values and gradients as ``F.linear``, taken
+only where they should be, and chosen by measuring this CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.config import preset
+from astrai.model import AutoModel
+from astrai.model.components import layers
+from astrai.model.components import linear_cross_entropy as lce
+from astrai.model.components import onednn_linear
+
+pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                                     and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+                                reason="this PyTorch build has no oneDNN linear")
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Force the oneDNN path on and count its products."""
+    calls = []
+    real = onednn_linear.onednn_product
+
+    def counting(x, weight, bias=None):
+        calls.append((tuple(x.shape), tuple(weight.shape)))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(onednn_linear, "onednn_product", counting)
+    monkeypatch.setattr(lce, "onednn_product", counting)
+    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: True)
+    return calls
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_values_and_gradients_match_f_linear(onednn_calls, with_bias):
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 40).transpose(0, 1).requires_grad_()  # [3, 5, 40], not contiguous
+    weight = torch.randn(24, 40, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True) if with_bias else None
+    grad_out = torch.randn(24, 5, 3).permute(2, 1, 0)  # not contiguous either
+    inputs = (x, weight) + ((bias,) if with_bias else ())
+
+    got = layers.linear(x, weight, bias)
+    got_grads = torch.autograd.grad(got, inputs, grad_out)
+    assert len(onednn_calls) == 2  # the forward product and, in backward, the input's gradient
+    want = F.linear(x, weight, bias)
+    want_grads = torch.autograd.grad(want, inputs, grad_out)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_weight_gets_no_gradient_and_input_still_does(onednn_calls):
+    torch.manual_seed(1)
+    x = torch.randn(7, 16, requires_grad=True)
+    weight = torch.randn(12, 16)  # frozen (a LoRA base weight)
+    out = layers.linear(x, weight)
+    (grad_x,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(grad_x, torch.ones(7, 12) @ weight)
+    assert weight.grad is None and onednn_calls
+
+
+def test_only_fp32_products_with_autograd_take_onednn(onednn_calls):
+    x, weight = torch.randn(6, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    with torch.no_grad():
+        layers.linear(x, weight)  # inference keeps its own paths
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layers.linear(x, weight).dtype == torch.bfloat16  # autocast's bf16 product
+    layers.linear(x.double(), weight.double())
+    assert onednn_calls == []
+    layers.linear(x, weight)
+    assert onednn_calls == [((6, 16), (8, 16))]
+
+
+def test_without_the_measured_gain_training_keeps_f_linear(onednn_calls, monkeypatch):
+    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
+    x, weight = torch.randn(6, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    layers.linear(x, weight).sum().backward()
+    assert onednn_calls == []
+
+
+def test_a_training_step_matches_the_mkl_one(onednn_calls, monkeypatch):
+    """The whole model's loss and every parameter's gradient, with the vocabulary
+    projection's forward product on oneDNN too."""
+    torch.manual_seed(0)
+    model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                         dim_ffn=128, max_len=64))
+    ids = torch.randint(0, 300, (2, 33))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids[:, :-1], target_ids=ids[:, 1:])["loss"]
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    got_loss, got_grads = step()
+    assert ((300, 64), (64, 64)) in onednn_calls  # the head's forward: [vocab, rows], the vocabulary as the long side
+    # 2 layers x 7 linears (q, k, v, o, gate, up, down), forward and input gradient, and the head
+    assert len(onednn_calls) == 2 * 7 * 2 + 1
+    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
+    want_loss, want_grads = step()
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mkl_s, onednn_s, forced, expected", [
+    (1.0, 0.8, None, True),  # oneDNN clearly faster (this project's AMD VMs)
+    (1.0, 0.97, None, False),  # within the 5% margin
+    (1.0, 1.3, None, False),  # MKL faster
+    (1.0, 0.8, "0", False),  # turned off
+    (1.0, 1.3, "1", True),  # turned on without measuring
+])
+def test_onednn_is_chosen_by_measuring_this_cpu(monkeypatch, mkl_s, onednn_s, forced, expected):
+    if forced is None:
+        monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
+    else:
+        monkeypatch.setenv("ASTRAI_ONEDNN_LINEAR", forced)
+    monkeypatch.setattr(onednn_linear, "product_seconds", lambda: (mkl_s, onednn_s))
+    assert onednn_linear.onednn_fp32_pays.__wrapped__() is expected
+
+
+def test_the_measurement_times_both_products():
+    mkl, onednn = onednn_linear.product_seconds(repeats=2)
+    assert 0 < mkl < 1 and 0 < onednn < 1
