@@ -17,9 +17,14 @@ def reference(hidden, weight, targets, smoothing=0.0):
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=-100, label_smoothing=smoothing)
 
 
+@pytest.mark.parametrize("onednn", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing):
+def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, onednn):
+    """fp32 on either kernel: MKL's products written in place per chunk, or oneDNN's with
+    the weight gradient taken per group of chunks (here 2 chunks: 32 + 32 + 11 rows)."""
     monkeypatch.setattr(lce, "CHUNK_ROWS", 16)  # 3 x 25 rows: several chunks, the last one partial
+    monkeypatch.setattr(lce, "GRADIENT_ROWS_BYTES", 50 * 4 * 32)
+    monkeypatch.setattr(lce, "use_onednn", lambda *args: onednn)
     torch.manual_seed(0)
     hidden = torch.randn(3, 25, 32, requires_grad=True)
     weight = (torch.randn(50, 32) * 0.3).requires_grad_()
@@ -46,8 +51,11 @@ def test_all_ignored_gives_nan_like_cross_entropy():
 @pytest.mark.parametrize("bf16_pays", [False, True])
 def test_bf16_autocast_stays_close_to_fp32(monkeypatch, bf16_pays):
     """Where bf16 matmuls are no faster the projection stays fp32 under CPU bf16 autocast
-    (then it is exact); where they are, it runs in bf16 like any autocast linear."""
+    (then it is exact); where they are, it runs in bf16 like any autocast linear, its
+    weight gradient one product per group of chunks (here 24 + 24 + 16 rows)."""
     monkeypatch.setattr(lce, "cpu_bf16_matmul_pays", lambda: bf16_pays)
+    monkeypatch.setattr(lce, "CHUNK_ROWS", 8)
+    monkeypatch.setattr(lce, "GRADIENT_ROWS_BYTES", 40 * 2 * 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert lce.projection_dtype("cpu", torch.float32) == (torch.bfloat16 if bf16_pays else torch.float32)
     assert lce.projection_dtype("cpu", torch.float32) == torch.float32
@@ -65,6 +73,12 @@ def test_bf16_autocast_stays_close_to_fp32(monkeypatch, bf16_pays):
     assert got.item() == pytest.approx(want.item(), rel=2e-2 if bf16_pays else 1e-6)
     torch.testing.assert_close(got_h, want_h, **tolerance)
     torch.testing.assert_close(got_w, want_w, **tolerance)
+    if bf16_pays:  # and as close to autocast's own bf16 logits as bf16 rounding allows
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain = F.cross_entropy((hidden @ weight.t()).float(), targets)
+        plain_h, plain_w = torch.autograd.grad(plain, (hidden, weight))
+        torch.testing.assert_close(got_h, plain_h, rtol=2e-2, atol=2e-4)
+        torch.testing.assert_close(got_w, plain_w, rtol=2e-2, atol=2e-4)
 
 
 @pytest.mark.parametrize("train_type", ["seq", "sft"])

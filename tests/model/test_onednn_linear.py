@@ -31,11 +31,14 @@ def onednn_calls(monkeypatch):
     monkeypatch.setattr(onednn_linear, "onednn_product", counting)
     monkeypatch.setattr(lce, "onednn_product", counting)
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: True)
+    monkeypatch.setattr(onednn_linear, "onednn_weight_grad_pays", lambda: True)
     return calls
 
 
+@pytest.mark.parametrize("weight_grad_pays", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_values_and_gradients_match_f_linear(onednn_calls, with_bias):
+def test_values_and_gradients_match_f_linear(onednn_calls, monkeypatch, with_bias, weight_grad_pays):
+    monkeypatch.setattr(onednn_linear, "onednn_weight_grad_pays", lambda: weight_grad_pays)
     torch.manual_seed(0)
     x = torch.randn(5, 3, 40).transpose(0, 1).requires_grad_()  # [3, 5, 40], not contiguous
     weight = torch.randn(24, 40, requires_grad=True)
@@ -45,7 +48,10 @@ def test_values_and_gradients_match_f_linear(onednn_calls, with_bias):
 
     got = layers.linear(x, weight, bias)
     got_grads = torch.autograd.grad(got, inputs, grad_out)
-    assert len(onednn_calls) == 2  # the forward product and, in backward, the input's gradient
+    # the forward product and, in backward, the input's gradient, and the weight's where that pays
+    assert len(onednn_calls) == (3 if weight_grad_pays else 2)
+    if weight_grad_pays:
+        assert onednn_calls[-1] == ((24, 15), (40, 15))  # gradᵀ @ x: both operands transposed views
     want = F.linear(x, weight, bias)
     want_grads = torch.autograd.grad(want, inputs, grad_out)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -97,9 +103,11 @@ def test_a_training_step_matches_the_mkl_one(onednn_calls, monkeypatch):
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
     got_loss, got_grads = step()
-    assert ((300, 64), (64, 64)) in onednn_calls  # the head's forward: [vocab, rows], the vocabulary as the long side
-    # 2 layers x 7 linears (q, k, v, o, gate, up, down), forward and input gradient, and the head
-    assert len(onednn_calls) == 2 * 7 * 2 + 1
+    # the head's forward W @ hᵀ ([vocab, rows], the vocabulary as the long side) and its weight
+    # gradient G @ h over the rows' logit gradients G [vocab, rows]: the same operand shapes
+    assert onednn_calls.count(((300, 64), (64, 64))) == 2
+    # 2 layers x 7 linears (q, k, v, o, gate, up, down): forward, input and weight gradients; the head's two
+    assert len(onednn_calls) == 2 * 7 * 3 + 2
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
     want_loss, want_grads = step()
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -119,10 +127,38 @@ def test_onednn_is_chosen_by_measuring_this_cpu(monkeypatch, mkl_s, onednn_s, fo
         monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
     else:
         monkeypatch.setenv("ASTRAI_ONEDNN_LINEAR", forced)
-    monkeypatch.setattr(onednn_linear, "product_seconds", lambda: (mkl_s, onednn_s))
+    monkeypatch.setattr(onednn_linear, "product_seconds", lambda transposed=False: (mkl_s, onednn_s))
     assert onednn_linear.onednn_fp32_pays.__wrapped__() is expected
 
 
-def test_the_measurement_times_both_products():
-    mkl, onednn = onednn_linear.product_seconds(repeats=2)
+@pytest.mark.parametrize("forward_pays, transposed_s, expected", [
+    (True, (1.0, 0.6), True),  # AVX-512 AMD: oneDNN wins the transposed layout too
+    (True, (1.0, 1.2), False),  # AMD without AVX-512: the forward layout only
+    (False, (1.0, 0.6), False),  # no oneDNN for the forward product: none for its gradient
+])
+def test_the_weight_gradient_layout_is_measured_on_its_own(monkeypatch, forward_pays, transposed_s, expected):
+    monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
+    asked = []
+
+    def seconds(transposed=False):
+        asked.append(transposed)
+        return transposed_s
+
+    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: forward_pays)
+    monkeypatch.setattr(onednn_linear, "product_seconds", seconds)
+    assert onednn_linear.onednn_weight_grad_pays.__wrapped__() is expected
+    assert asked == ([True] if forward_pays else [])
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_measurement_times_both_products(transposed):
+    mkl, onednn = onednn_linear.product_seconds(repeats=2, transposed=transposed)
     assert 0 < mkl < 1 and 0 < onednn < 1
+
+
+def test_no_rows_give_a_zero_weight_gradient(onednn_calls):
+    """An expert that no token chose multiplies zero rows: its weight gradient is zero, not an error."""
+    x = torch.randn(0, 16, requires_grad=True)
+    weight = torch.randn(8, 16, requires_grad=True)
+    (grad_weight,) = torch.autograd.grad(layers.linear(x, weight).sum() + weight.sum() * 0, weight)
+    assert torch.equal(grad_weight, torch.zeros(8, 16))

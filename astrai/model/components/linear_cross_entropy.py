@@ -16,10 +16,15 @@ the vocabulary as the product's long (M) side the CPU BLAS ran it 15-35% faster 
 ``hidden @ weight.T`` (for 128-512 rows of width 256 against 8k words: 115-142 against
 85-108 GFLOP/s on the AMD VM), and the two gradient products then take the transposed
 chunk as it lies. The whole projection + loss + gradients of 1,024 tokens took 89
-against 105 ms (8k words, width 256) and 664 against 759 ms (32k, width 512). In fp32,
-where this CPU runs oneDNN's matmul faster than MKL's (onednn_linear.py), that forward
-product goes to oneDNN (for 256 rows on the AMD VM: 195-210 against 130-170 GFLOP/s);
-the two gradient products ran no faster there and stay with MKL.
+against 105 ms (8k words, width 256) and 664 against 759 ms (32k, width 512).
+
+Which kernel runs each product is ``HeadProducts``' choice: in fp32 on a CPU where
+oneDNN's matmul beats MKL's (onednn_linear.py) the forward product and the weight
+gradient go to oneDNN, the latter as one product per group of chunks. In bf16 the
+weight gradient is grouped the same way, because it has to end in fp32: a bf16 product
+per chunk added into the fp32 gradient cost a widening pass and a fresh weight-sized
+temporary each time (the `small` preset's head with 1,024 tokens: 208 against 249 ms
+in bf16, 417 against 436 ms in fp32, on an AVX-512 AMD VM).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from astrai.model.components.onednn_linear import onednn_product, use_onednn
 
 IGNORE_INDEX = -100
 CHUNK_ROWS = 256  # tokens per chunk: fewer rows starve the matmuls, more buy little (measured, 8k and 32k vocabularies)
+GRADIENT_ROWS_BYTES = 64 * 2 ** 20  # the chunks' logit gradients kept for one weight-gradient product
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -48,18 +54,22 @@ class LinearCrossEntropy(torch.autograd.Function):
         row_weight = valid.to(torch.float32) / count.clamp_min(1)
         w = weight.to(compute_dtype)
         h_all = hidden.to(compute_dtype)
+        products = HeadProducts(w, h_all)
+        chunk = min(CHUNK_ROWS, max(n, 1))
+        group = products.gradient_group_rows(chunk) if need_weight else chunk
+        workspace = torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
+        gradients = (torch.empty(vocab, min(group, n), dtype=compute_dtype, device=hidden.device)
+                     if need_hidden or need_weight else None)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        allocate = torch.empty if n else torch.zeros  # no rows: no chunk writes the weight gradient
+        allocate = torch.empty if n else torch.zeros  # no rows: no product writes the weight gradient
         grad_weight = allocate(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        onednn = use_onednn(h_all, w, None)
-        rows = CHUNK_ROWS
-        for start in range(0, n, rows):
-            h = h_all[start:start + rows]
+        for start in range(0, n, chunk):
+            rows = min(chunk, n - start)
             target = safe_targets[None, start:start + rows]
             # logits transposed, [vocab, rows]: the product runs faster with the vocabulary as
             # its long side (see the module's docstring); softmax is taken down the columns
-            logits = (onednn_product(w, h) if onednn else w @ h.t()).float()
+            logits = products.logits(h_all[start:start + rows], workspace[:vocab * rows].view(vocab, rows))
             target_logit = logits.gather(0, target)
             mean_logit = logits.mean(dim=0, keepdim=True) if label_smoothing else None
             row_max = logits.amax(dim=0, keepdim=True)
@@ -71,23 +81,22 @@ class LinearCrossEntropy(torch.autograd.Function):
                 loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean_logit)
             scale = row_weight[None, start:start + rows]
             total += (loss * scale).sum()
-            if not (need_hidden or need_weight):
+            if gradients is None:
                 continue
-            # (softmax − target distribution) × this row's weight, in place of the exponentials
-            grad = exp.mul_(scale / exp_sum)
-            grad.scatter_add_(0, target, -(1 - label_smoothing) * scale)
+            column = start % group
+            grad = gradients[:, column:column + rows]
+            # (softmax − target distribution) × this row's weight = (exp − exp_sum·target) × scale/exp_sum,
+            # the target subtracted before the one pass that scales (and casts) into the gradient rows
+            exp.scatter_add_(0, target, -(1 - label_smoothing) * exp_sum)
             if label_smoothing:
-                grad.sub_(label_smoothing / vocab * scale)
-            grad = grad.to(compute_dtype)
+                exp.sub_(label_smoothing / vocab * exp_sum)
+            torch.mul(exp, scale / exp_sum, out=grad)
             if need_hidden:
-                grad_hidden[start:start + rows] = grad.t() @ w
-            if need_weight:  # the first chunk writes the (uninitialised) gradient, the rest add to it
-                if compute_dtype == torch.float32:
-                    torch.addmm(grad_weight, grad, h, beta=0 if start == 0 else 1, out=grad_weight)
-                elif start == 0:
-                    grad_weight.copy_(grad @ h)
-                else:
-                    grad_weight.add_(grad @ h)
+                products.hidden_gradient(grad, grad_hidden[start:start + rows])
+            if need_weight and (column + rows == group or start + rows == n):
+                first = start - column
+                products.weight_gradient(gradients[:, :column + rows], h_all[first:start + rows], grad_weight,
+                                         accumulate=first > 0)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         # mean over counted tokens; 0/0 = nan when nothing counts, as F.cross_entropy gives
@@ -101,6 +110,59 @@ class LinearCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+class HeadProducts:
+    """The projection's three products for one call, each on the kernel that runs it fastest.
+
+    In fp32 the forward product ``W @ hᵀ`` and the weight gradient ``G @ h`` take oneDNN
+    where ``onednn_fp32_pays`` (onednn_linear.py), else MKL, writing in place. In
+    bf16 every product is oneDNN's already; there the logits come out in bf16 and are
+    widened into the fp32 workspace, and the weight gradient, which has to end in fp32,
+    is one product over a whole group of chunks (``gradient_group_rows``) instead of a
+    bf16 product per chunk added into fp32, which cost a widening pass and a fresh
+    temporary of the weight's size each time.
+    """
+
+    def __init__(self, weight: torch.Tensor, hidden: torch.Tensor):
+        self.weight, self.hidden = weight, hidden
+        fp32 = weight.dtype == torch.float32
+        self.onednn = fp32 and use_onednn(hidden, weight, None)
+        # a weight gradient product per chunk, accumulated in place, is free in fp32 on MKL
+        self.grouped = not fp32 or self.onednn
+
+    def gradient_group_rows(self, chunk: int) -> int:
+        """Rows per weight-gradient product: a multiple of ``chunk`` whose gradients fit
+        ``GRADIENT_ROWS_BYTES`` (at least one chunk)."""
+        if not self.grouped:
+            return chunk
+        per_row = self.weight.shape[0] * self.weight.element_size()
+        return max(1, GRADIENT_ROWS_BYTES // (per_row * chunk)) * chunk
+
+    def logits(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """fp32 ``W @ hᵀ`` [vocab, rows], in ``out`` or (oneDNN) a fresh tensor."""
+        if self.onednn:
+            return onednn_product(self.weight, h)
+        if self.weight.dtype == torch.float32:
+            return torch.mm(self.weight, h.t(), out=out)
+        return out.copy_(self.weight @ h.t())
+
+    def hidden_gradient(self, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` = ``gradᵀ @ W`` [rows, dim]: the BLAS's product in either precision (with
+        the vocabulary as its inner dimension oneDNN's fp32 kernel ran it no faster than MKL,
+        and at half the speed on a column slice of the gradient rows)."""
+        if self.weight.dtype == out.dtype:
+            torch.mm(grad.t(), self.weight, out=out)
+        else:
+            out.copy_(grad.t() @ self.weight)
+
+    def weight_gradient(self, grad: torch.Tensor, h: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """``out`` (fp32) = or += ``grad @ h`` [vocab, dim]."""
+        if not self.grouped:
+            torch.addmm(out, grad, h, beta=1 if accumulate else 0, out=out)
+            return
+        product = onednn_product(grad, h.t()) if self.onednn else grad @ h
+        out.add_(product) if accumulate else out.copy_(product)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -1,20 +1,26 @@
 """fp32 training products through oneDNN on CPU, where this CPU runs them faster than MKL.
 
 PyTorch sends an fp32 ``F.linear`` on CPU, and both products of its backward, to the
-MKL BLAS. On the AMD EPYC machine this project is measured on, MKL runs them at about
-190-205 GFLOP/s (2 threads, 1,024 rows of the ``tiny`` and ``small`` layers' shapes)
-while oneDNN's matmul, which PyTorch ships beside it and uses for bf16, runs the forward
-product and the input's gradient at 205-230 - the same arithmetic in fp32, only a
-different kernel (MKL keeps its AVX-512 code for Intel CPUs). The weight's gradient
-``grad_outᵀ @ x`` reads both operands transposed, which oneDNN ran no faster (95-185
-against 170-205), so it stays with MKL.
+MKL BLAS, which keeps its AVX-512 code for Intel CPUs. oneDNN's matmul, which PyTorch
+ships beside it and uses for bf16, does the same fp32 arithmetic with its own kernels,
+and how much faster that is depends on the CPU (2 threads, 1,024 rows of the ``tiny``
+and ``small`` layers' shapes):
 
-Whether oneDNN pays is asked of the CPU once per process (``onednn_fp32_pays``); on a
-CPU where it does not, or without oneDNN, training takes ``F.linear`` as before.
-``ASTRAI_ONEDNN_LINEAR=0`` or ``=1`` decides it without the measurement. The results
-differ from MKL's by rounding only (the kernels add the same products in another order).
-Autocast (bf16 on a CPU already goes to oneDNN), other devices and dtypes, tensor
-subclasses and ``torch.compile`` keep the plain product.
+- on the AMD EPYC VMs without AVX-512 this project was first measured on, MKL ran at
+  190-205 GFLOP/s, oneDNN at 205-230 for the forward product and the input's
+  gradient, and no faster for the weight's gradient ``grad_outᵀ @ x``, whose operands
+  both lie transposed;
+- on the AMD EPYC VMs with AVX-512 (Zen 4), MKL runs at 200-230 and oneDNN at 455-525
+  for the forward and input-gradient products and at 320-445 for the weight's gradient.
+
+So each of the two layouts is asked of the CPU once per process: ``onednn_fp32_pays``
+(``x @ Wᵀ``: the forward product and the input's gradient) and ``onednn_weight_grad_pays``
+(both operands transposed: the weight's gradient). Where oneDNN does not pay, or is
+missing, training takes ``F.linear``'s products as before. ``ASTRAI_ONEDNN_LINEAR=0`` or
+``=1`` decides both without the measurement. The results differ from MKL's by rounding
+only (the kernels add the same products in another order). Autocast (bf16 on a CPU
+already goes to oneDNN), other devices and dtypes, tensor subclasses and
+``torch.compile`` keep the plain product.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 
 class OneDnnLinear(torch.autograd.Function):
-    """``F.linear`` whose forward product and input gradient run on oneDNN."""
+    """``F.linear`` whose forward product and input gradient run on oneDNN, and its
+    weight gradient too where that layout pays as well."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -54,7 +61,9 @@ class OneDnnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = onednn_product(grad, weight.t()).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = grad.t() @ rows  # MKL: oneDNN was no faster with both operands transposed
+            # oneDNN refuses a product over no rows (an expert no token chose); MKL gives zeros
+            transposed = onednn_weight_grad_pays() and grad.shape[0] > 0
+            grad_weight = onednn_product(grad.t(), rows.t()) if transposed else grad.t() @ rows
         if ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
@@ -72,7 +81,18 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 @functools.cache
 def onednn_fp32_pays() -> bool:
     """True when oneDNN's fp32 matmul is here and clearly (5%) faster than MKL's on a
-    training-sized product (``product_seconds``); ``ASTRAI_ONEDNN_LINEAR`` overrides."""
+    training-sized ``x @ Wᵀ`` (``product_seconds``); ``ASTRAI_ONEDNN_LINEAR`` overrides."""
+    return _measured_pays(transposed=False)
+
+
+@functools.cache
+def onednn_weight_grad_pays() -> bool:
+    """The same question for a weight gradient's layout, ``gradᵀ @ x`` with both operands
+    transposed; asked only where the first answer is yes."""
+    return onednn_fp32_pays() and _measured_pays(transposed=True)
+
+
+def _measured_pays(transposed: bool) -> bool:
     forced = os.environ.get("ASTRAI_ONEDNN_LINEAR")
     available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if not available or forced == "0":
@@ -80,26 +100,32 @@ def onednn_fp32_pays() -> bool:
     if forced == "1":
         return True
     try:
-        mkl, onednn = product_seconds()
+        mkl, onednn = product_seconds(transposed=transposed)
     except RuntimeError:  # a build whose oneDNN refuses the product
         return False
     return onednn * 1.05 < mkl
 
 
-def product_seconds(repeats: int = 7) -> tuple[float, float]:
-    """(MKL, oneDNN) seconds for 512 rows of width 512 into 1,536 outputs: best of
+def product_seconds(repeats: int = 7, transposed: bool = False) -> tuple[float, float]:
+    """(MKL, oneDNN) seconds for 512 rows of width 512 into 1,536 outputs (``x @ Wᵀ``),
+    or, ``transposed``, for that layer's weight gradient ``gradᵀ @ x``: best of
     ``repeats`` each, alternating, after a warm-up; some 60 ms once per process."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(512, 512, generator=generator)
-    weight = torch.randn(1536, 512, generator=generator)
+    if transposed:
+        grad = torch.randn(512, 1536, generator=generator)
+        mkl_product, onednn = (lambda: torch.mm(grad.t(), x)), (lambda: onednn_product(grad.t(), x.t()))
+    else:
+        weight = torch.randn(1536, 512, generator=generator)
+        mkl_product, onednn = (lambda: torch.mm(x, weight.t())), (lambda: onednn_product(x, weight))
     with torch.autocast("cpu", enabled=False), torch.no_grad():
-        onednn_product(x, weight)
-        torch.mm(x, weight.t())
-        mkl = onednn = float("inf")
+        onednn()
+        mkl_product()
+        best = [float("inf"), float("inf")]
         for _ in range(repeats):
-            mkl = min(mkl, _seconds(lambda: torch.mm(x, weight.t())))
-            onednn = min(onednn, _seconds(lambda: onednn_product(x, weight)))
-    return mkl, onednn
+            best[0] = min(best[0], _seconds(mkl_product))
+            best[1] = min(best[1], _seconds(onednn))
+    return best[0], best[1]
 
 
 def _seconds(fn) -> float:
