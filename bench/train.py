@@ -8,8 +8,10 @@ JSONL metric logging, checkpoint bookkeeping), scheduler. Each side runs its ste
 alternating rounds; since contention from other processes only adds time, the ratio
 uses each side's fastest step and reports the median ratio beside it. The achieved
 FLOP/s (6·N·tokens + attention) is compared with this machine's measured matmul peak.
+``--compile bf16`` compiles astrai's model for the bf16 rows (``+c`` in the output), the
+setting docs/training.md recommends for bf16 training on a CPU.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/train.py --presets tiny small --steps 4
+    OMP_NUM_THREADS=2 .venv/bin/python bench/train.py --presets tiny small --steps 3 --rounds 3 --compile bf16
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class AstraiSide:
         steps = args.warmup + args.steps * args.rounds
         train_config = TrainConfig(train_type="seq", batch_per_device=args.batch, window_size=args.seq, max_steps=steps,
                                    precision=precision, ckpt_dir=tmp, ckpt_interval=10 ** 9, progress_bar=False,
-                                   save_final_model=False, compile=args.compile, warmup_ratio=0.0)
+                                   save_final_model=False, compile=precision in args.compile, warmup_ratio=0.0)
         torch.manual_seed(0)
         model = AutoModel.from_config(config)
         self.trainer = Trainer(train_config, model=model,
@@ -152,12 +154,13 @@ def bench_one(preset_name: str, precision: str, args, peaks: dict) -> dict:
     median = {k: tokens / statistics.median(v) for k, v in times.items()}
     flops = flops_per_token(config, args.seq)
     peak = peaks[precision]
-    result = {"preset": preset_name, "precision": precision, "parameters": sum(p.numel() for p in ours.context.model.parameters()),
+    result = {"preset": preset_name, "precision": precision, "compiled": precision in args.compile,
+              "parameters": sum(p.numel() for p in ours.context.model.parameters()),
               "astrai_tokens_per_s": rate["astrai"], "transformers_tokens_per_s": rate["transformers"],
               "ratio": rate["astrai"] / rate["transformers"], "median_ratio": median["astrai"] / median["transformers"],
               "astrai_fraction_of_matmul_peak": rate["astrai"] * flops / peak,
               "transformers_fraction_of_matmul_peak": rate["transformers"] * flops / peak, "step_seconds": times}
-    print(f"{preset_name:6s} {precision:5s} astrai {rate['astrai']:9.1f} tok/s  transformers {rate['transformers']:9.1f} tok/s"
+    print(f"{preset_name:6s} {precision + ('+c' if result['compiled'] else ''):7s} astrai {rate['astrai']:9.1f} tok/s  transformers {rate['transformers']:9.1f} tok/s"
           f"  ratio {result['ratio']:.2f} (median {result['median_ratio']:.2f})"
           f"  peak fraction {result['astrai_fraction_of_matmul_peak']:.1%} vs {result['transformers_fraction_of_matmul_peak']:.1%}",
           flush=True)
@@ -174,9 +177,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--compile", action="store_true", help="torch.compile astrai's model")
+    parser.add_argument("--compile", nargs="*", choices=["fp32", "bf16"], default=None, metavar="PRECISION",
+                        help="torch.compile astrai's model at these precisions (all when none is named); "
+                             "on a CPU it pays with bf16 autocast, see docs/training.md")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "train.json"))
     args = parser.parse_args()
+    args.compile = [] if args.compile is None else args.compile or args.precisions
     torch.set_num_threads(args.threads)
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s", flush=True)

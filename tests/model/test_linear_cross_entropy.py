@@ -110,4 +110,4 @@ def test_strategy_loss_through_the_model_matches_logits(train_type):
 def test_bf16_projection_is_chosen_by_measuring_this_cpu(monkeypatch, bf16_s, fp32_s, amx, expected):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(lce, "_best_matmul_seconds", lambda a, b: bf16_s if a.dtype == torch.bfloat16 else fp32_s)
-    assert lce.cpu_bf16_matmul_pays.__wrapped__() is expected
+    assert lce._bf16_matmul_measured.__wrapped__() is expected

@@ -199,10 +199,17 @@ def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype
     return dtype
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def cpu_bf16_matmul_pays() -> bool:
     """True with AMX tiles, else when a bf16 matmul of 512² runs clearly (1.25x) faster than
-    the fp32 one here: best of five each after a warm-up, some 20 ms once per process."""
+    the fp32 one here: best of five each after a warm-up, some 20 ms once per process.
+    Marked constant for ``torch.compile``, which then takes the answer as the eager model
+    does instead of tracing the measurement."""
+    return _bf16_matmul_measured()
+
+
+@functools.cache
+def _bf16_matmul_measured() -> bool:
     check = getattr(torch.cpu, "_is_amx_tile_supported", None)
     if check is not None and check():
         return True
