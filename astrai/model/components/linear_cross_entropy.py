@@ -24,7 +24,7 @@ gradient go to oneDNN, the latter as one product per group of chunks. In bf16 th
 weight gradient is grouped the same way, because it has to end in fp32: a bf16 product
 per chunk added into the fp32 gradient cost a widening pass and a fresh weight-sized
 temporary each time (the `small` preset's head with 1,024 tokens: 208 against 249 ms
-in bf16, 417 against 436 ms in fp32, on an AVX-512 AMD VM).
+in bf16, 417 against 436 ms in fp32, on the twentieth session's AMD VM).
 """
 
 from __future__ import annotations

@@ -6,12 +6,13 @@ ships beside it and uses for bf16, does the same fp32 arithmetic with its own ke
 and how much faster that is depends on the CPU (2 threads, 1,024 rows of the ``tiny``
 and ``small`` layers' shapes):
 
-- on the AMD EPYC VMs without AVX-512 this project was first measured on, MKL ran at
+- on the AMD EPYC VM of the nineteenth session, where this was first measured, MKL ran at
   190-205 GFLOP/s, oneDNN at 205-230 for the forward product and the input's
   gradient, and no faster for the weight's gradient ``grad_outᵀ @ x``, whose operands
   both lie transposed;
-- on the AMD EPYC VMs with AVX-512 (Zen 4), MKL runs at 200-230 and oneDNN at 455-525
-  for the forward and input-gradient products and at 320-445 for the weight's gradient.
+- on the faster AMD EPYC VM of the twentieth session (AVX-512 with bf16 in its flags),
+  MKL runs at 200-230 and oneDNN at 455-525 for the forward and input-gradient
+  products and at 320-445 for the weight's gradient.
 
 So each of the two layouts is asked of the CPU once per process: ``onednn_fp32_pays``
 (``x @ Wᵀ``: the forward product and the input's gradient) and ``onednn_weight_grad_pays``
