@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Optional
 
 import torch
 
@@ -57,7 +58,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         products = HeadProducts(w, h_all)
         chunk = min(CHUNK_ROWS, max(n, 1))
         group = products.gradient_group_rows(chunk) if need_weight else chunk
-        workspace = torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
+        # the chunks' fp32 logits, reused; oneDNN's product returns its own
+        workspace = None if products.onednn else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
         gradients = (torch.empty(vocab, min(group, n), dtype=compute_dtype, device=hidden.device)
                      if need_hidden or need_weight else None)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -69,7 +71,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             target = safe_targets[None, start:start + rows]
             # logits transposed, [vocab, rows]: the product runs faster with the vocabulary as
             # its long side (see the module's docstring); softmax is taken down the columns
-            logits = products.logits(h_all[start:start + rows], workspace[:vocab * rows].view(vocab, rows))
+            out = None if workspace is None else workspace[:vocab * rows].view(vocab, rows)
+            logits = products.logits(h_all[start:start + rows], out)
             target_logit = logits.gather(0, target)
             mean_logit = logits.mean(dim=0, keepdim=True) if label_smoothing else None
             row_max = logits.amax(dim=0, keepdim=True)
@@ -125,7 +128,7 @@ class HeadProducts:
     """
 
     def __init__(self, weight: torch.Tensor, hidden: torch.Tensor):
-        self.weight, self.hidden = weight, hidden
+        self.weight = weight
         fp32 = weight.dtype == torch.float32
         self.onednn = fp32 and use_onednn(hidden, weight, None)
         # a weight gradient product per chunk, accumulated in place, is free in fp32 on MKL
@@ -139,8 +142,8 @@ class HeadProducts:
         per_row = self.weight.shape[0] * self.weight.element_size()
         return max(1, GRADIENT_ROWS_BYTES // (per_row * chunk)) * chunk
 
-    def logits(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """fp32 ``W @ hᵀ`` [vocab, rows], in ``out`` or (oneDNN) a fresh tensor."""
+    def logits(self, h: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """fp32 ``W @ hᵀ`` [vocab, rows]: in ``out``, or a fresh tensor from oneDNN (``out`` None)."""
         if self.onednn:
             return onednn_product(self.weight, h)
         if self.weight.dtype == torch.float32:
