@@ -115,18 +115,18 @@ def product_seconds(repeats: int = 7, transposed: bool = False) -> tuple[float, 
     x = torch.randn(512, 512, generator=generator)
     if transposed:
         grad = torch.randn(512, 1536, generator=generator)
-        mkl_product, onednn = (lambda: torch.mm(grad.t(), x)), (lambda: onednn_product(grad.t(), x.t()))
+        with_mkl, with_onednn = (lambda: torch.mm(grad.t(), x)), (lambda: onednn_product(grad.t(), x.t()))
     else:
         weight = torch.randn(1536, 512, generator=generator)
-        mkl_product, onednn = (lambda: torch.mm(x, weight.t())), (lambda: onednn_product(x, weight))
+        with_mkl, with_onednn = (lambda: torch.mm(x, weight.t())), (lambda: onednn_product(x, weight))
     with torch.autocast("cpu", enabled=False), torch.no_grad():
-        onednn()
-        mkl_product()
-        best = [float("inf"), float("inf")]
+        with_onednn()
+        with_mkl()
+        mkl = onednn = float("inf")
         for _ in range(repeats):
-            best[0] = min(best[0], _seconds(mkl_product))
-            best[1] = min(best[1], _seconds(onednn))
-    return best[0], best[1]
+            mkl = min(mkl, _seconds(with_mkl))
+            onednn = min(onednn, _seconds(with_onednn))
+    return mkl, onednn
 
 
 def _seconds(fn) -> float:
