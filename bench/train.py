@@ -8,10 +8,10 @@ JSONL metric logging, checkpoint bookkeeping), scheduler. Each side runs its ste
 alternating rounds; since contention from other processes only adds time, the ratio
 uses each side's fastest step and reports the median ratio beside it. The achieved
 FLOP/s (6·N·tokens + attention) is compared with this machine's measured matmul peak.
-``--compile bf16`` compiles astrai's model for the bf16 rows (``+c`` in the output), the
-setting docs/training.md recommends for bf16 training on a CPU.
+``--compile`` compiles astrai's model (``+c`` in the output; ``--compile bf16`` only for the
+bf16 rows), which docs/training.md measures paying on a CPU at both precisions.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/train.py --presets tiny small --steps 3 --rounds 3 --compile bf16
+    OMP_NUM_THREADS=2 .venv/bin/python bench/train.py --presets tiny small --steps 3 --rounds 3 --compile
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--compile", nargs="*", choices=["fp32", "bf16"], default=None, metavar="PRECISION",
                         help="torch.compile astrai's model at these precisions (all when none is named); "
-                             "on a CPU it pays with bf16 autocast, see docs/training.md")
+                             "see docs/training.md")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "train.json"))
     args = parser.parse_args()
     args.compile = [] if args.compile is None else args.compile or args.precisions

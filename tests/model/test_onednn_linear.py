@@ -128,7 +128,7 @@ def test_onednn_is_chosen_by_measuring_this_cpu(monkeypatch, mkl_s, onednn_s, fo
     else:
         monkeypatch.setenv("ASTRAI_ONEDNN_LINEAR", forced)
     monkeypatch.setattr(onednn_linear, "product_seconds", lambda transposed=False: (mkl_s, onednn_s))
-    assert onednn_linear.onednn_fp32_pays.__wrapped__() is expected
+    assert onednn_linear._forward_layout_pays.__wrapped__() is expected
 
 
 @pytest.mark.parametrize("forward_pays, transposed_s, expected", [
@@ -146,7 +146,7 @@ def test_the_weight_gradient_layout_is_measured_on_its_own(monkeypatch, forward_
 
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: forward_pays)
     monkeypatch.setattr(onednn_linear, "product_seconds", seconds)
-    assert onednn_linear.onednn_weight_grad_pays.__wrapped__() is expected
+    assert onednn_linear._weight_grad_layout_pays.__wrapped__() is expected
     assert asked == ([True] if forward_pays else [])
 
 
@@ -162,3 +162,33 @@ def test_no_rows_give_a_zero_weight_gradient(onednn_calls):
     weight = torch.randn(8, 16, requires_grad=True)
     (grad_weight,) = torch.autograd.grad(layers.linear(x, weight).sum() + weight.sum() * 0, weight)
     assert torch.equal(grad_weight, torch.zeros(8, 16))
+
+
+def test_a_compiled_step_keeps_the_onednn_products(monkeypatch):
+    """Inside ``torch.compile`` the products are the opaque ``astrai::onednn_product`` op, so
+    a compiled fp32 step runs them on oneDNN too, with the eager step's values."""
+    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: True)
+    monkeypatch.setattr(onednn_linear, "onednn_weight_grad_pays", lambda: True)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                         dim_ffn=128, max_len=64))
+    ids = torch.randint(0, 300, (2, 33))
+
+    def step(forward):
+        model.zero_grad(set_to_none=True)
+        loss = forward(ids[:, :-1], target_ids=ids[:, 1:])["loss"]
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want_loss, want_grads = step(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    step(compiled)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got_loss, got_grads = step(compiled)
+    names = [event.name for event in prof.events()]
+    # per layer 7 forward products, 7 input and 7 weight gradients; the head's forward and weight gradient
+    assert names.count("astrai::onednn_product") == 2 * 7 * 3 + 2
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
