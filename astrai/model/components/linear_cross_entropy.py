@@ -60,8 +60,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         group = products.gradient_group_rows(chunk) if need_weight else chunk
         # the chunks' fp32 logits, reused; oneDNN's product returns its own
         workspace = None if products.onednn else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
+        need_gradients = need_hidden or need_weight
+        # a group's logit gradients; ungrouped (fp32 on MKL) each chunk's go in place of its logits
         gradients = (torch.empty(vocab, min(group, n), dtype=compute_dtype, device=hidden.device)
-                     if need_hidden or need_weight else None)
+                     if need_gradients and products.grouped else None)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         allocate = torch.empty if n else torch.zeros  # no rows: no product writes the weight gradient
         grad_weight = allocate(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -84,10 +86,10 @@ class LinearCrossEntropy(torch.autograd.Function):
                 loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean_logit)
             scale = row_weight[None, start:start + rows]
             total += (loss * scale).sum()
-            if gradients is None:
+            if not need_gradients:
                 continue
             column = start % group
-            grad = gradients[:, column:column + rows]
+            grad = exp if gradients is None else gradients[:, column:column + rows]
             # (softmax − target distribution) × this row's weight = (exp − exp_sum·target) × scale/exp_sum,
             # the target subtracted before the one pass that scales (and casts) into the gradient rows
             exp.scatter_add_(0, target, -(1 - label_smoothing) * exp_sum)
@@ -98,8 +100,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 products.hidden_gradient(grad, grad_hidden[start:start + rows])
             if need_weight and (column + rows == group or start + rows == n):
                 first = start - column
-                products.weight_gradient(gradients[:, :column + rows], h_all[first:start + rows], grad_weight,
-                                         accumulate=first > 0)
+                group_grad = grad if gradients is None else gradients[:, :column + rows]
+                products.weight_gradient(group_grad, h_all[first:start + rows], grad_weight, accumulate=first > 0)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         # mean over counted tokens; 0/0 = nan when nothing counts, as F.cross_entropy gives
