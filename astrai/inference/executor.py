@@ -11,7 +11,7 @@ chunk after the other, no padding, with attention run per task (see KvcacheView)
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -101,6 +101,27 @@ class Executor:
         for i, token in zip(order, sampled):
             results[i] = token
         return results
+
+    def runs_greedy_steps(self, task: Task) -> bool:
+        """Whether ``task``'s decode steps may run several to one call (``execute_greedy_steps``):
+        a greedy request without penalties or log-probabilities, on a model the fused step serves."""
+        p = task.params
+        return (self.fused_decode is not None and p.temperature == 0 and not _has_penalty(p)
+                and not p.logprobs and not p.top_logprobs)
+
+    @torch.inference_mode()
+    def execute_greedy_steps(self, task: Task, steps: int, stop_ids: Iterable[int]) -> list[Sampled]:
+        """Up to ``steps`` tokens of a lone greedy task (``runs_greedy_steps``) from one call into
+        the fused step, fewer when one is in ``stop_ids``; the task's pages must cover them
+        (``KVCache.task_extend``). One token through the usual step when the call does not qualify."""
+        if self.fused_decode.ready():
+            target = self.page_cache.decode_target(task.task_id, task.num_computed, steps)
+            if target is not None:
+                tokens = self.fused_decode.greedy_steps(task.context[task.num_computed], target, sorted(stop_ids))
+                if tokens:
+                    task.num_computed += len(tokens)
+                    return [(token, None) for token in tokens]
+        return self.execute_decode([task])
 
     @torch.inference_mode()
     def sample(self, tasks: Sequence[Task], logits: torch.Tensor, argmax: Optional[list[int]] = None) -> list[Sampled]:

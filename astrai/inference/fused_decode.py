@@ -24,14 +24,16 @@ step's plan (native_kernels.DecodePlan: the table of pointers, rotary rows, scra
 is made again only when the decode buffers are replaced: the Python of a step is part of
 its time, and on the AMD VM the view's index tensors and a table per step took about 0.4 ms
 of a 10-15 ms ~125M step, against 0.05 ms now. The step also returns the logits' argmax,
-which a greedy request's sampling takes (Executor.sample).
+which a greedy request's sampling takes (Executor.sample). A lone greedy request takes
+several steps per call (``greedy_steps``), each step's argmax the next one's token, so the
+checks above and the scheduler's bookkeeping run once per run of steps, not once a step.
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -41,7 +43,8 @@ from astrai.model.components.attention import GQA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.joint_weights import joint_weight
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
-from astrai.model.components.native_kernels import DecodePlan, decode_plan, decode_step, kernels_available, row_major
+from astrai.model.components.native_kernels import (DecodePlan, decode_plan, decode_step, decode_steps,
+                                                     kernels_available, row_major)
 
 COLUMNS = 14  # int64 values per layer in the C kernel's table (native/decode_step.c)
 
@@ -86,6 +89,20 @@ class FusedDecode:
         k_stride, v_stride = self._slot_strides
         logits, best = decode_step(plan, token, target.pos, (target.slot * k_stride, target.slot * v_stride))
         return logits.view(1, -1), best
+
+    def greedy_steps(self, token: int, target: RowTarget, stop_ids: Sequence[int]) -> Optional[list[int]]:
+        """``len(target.slots)`` greedy steps in one call, each taking the last one's argmax as
+        its token (``native_kernels.decode_steps``): the tokens, fewer when one is in
+        ``stop_ids``; None when the steps do not qualify (the caller takes single steps). Call
+        when ``ready()`` has just said True."""
+        if not (0 <= token < self._vocab and 0 <= target.pos and target.pos + len(target.slots) <= target.capacity):
+            return None
+        plan = self._plan_for(target)
+        if plan is None:
+            return None
+        k_stride, v_stride = self._slot_strides
+        return decode_steps(plan, token, target.pos, [(slot * k_stride, slot * v_stride) for slot in target.slots],
+                            stop_ids, self._vocab)
 
     def _plan_for(self, target: RowTarget) -> Optional[DecodePlan]:
         """The C step's plan for ``target``'s buffers and page store, made again only when the

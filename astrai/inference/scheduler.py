@@ -7,6 +7,14 @@ with exactly one uncomputed token), alternating when both kinds wait so a long p
 never stalls the running decodes, (3) runs that step in one forward, and (4) turns
 the sampled tokens into events, finishing and releasing tasks as they end.
 
+A lone greedy request whose model the fused C step serves decodes up to
+``GREEDY_RUN_STEPS`` tokens per step instead of one, each the argmax the last one gave
+(Executor.execute_greedy_steps): the loop's own work and the executor's checks, some
+0.1-0.3 ms, then come once per run instead of once per token. A request that arrives
+during a run is admitted after it, at most seven steps later; runs never pass max_tokens
+or the context limit, and the tokens after a stop string are the only ones computed and
+thrown away.
+
 When decoding needs a page and none is left, the newest running task is preempted:
 its pages are released (full ones stay in the prefix cache) and it goes back to the
 front of the queue to be recomputed from prompt + output later. Results are
@@ -38,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 RATE_WINDOW_S = 10.0
+GREEDY_RUN_STEPS = 8  # decode steps a lone greedy request takes per loop step (see above)
 
 
 def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len: int, page_size: int,
@@ -199,9 +208,13 @@ class InferenceScheduler:
         try:
             with self.model_lock:
                 if kind == "prefill":
-                    results = self._executor.execute_prefill(batch, n_new)
+                    results = [[] if r is None else [r] for r in self._executor.execute_prefill(batch, n_new)]
+                elif kind == "greedy":
+                    stops = self.stop_ids if not batch[0].params.ignore_eos else frozenset()
+                    stops = stops.union(batch[0].params.stop_token_ids)
+                    results = [self._executor.execute_greedy_steps(batch[0], n_new[0], stops)]
                 else:
-                    results = self._executor.execute_decode(batch)
+                    results = [[r] for r in self._executor.execute_decode(batch)]
         except Exception as exc:  # a bug or out-of-memory must end the requests, not hang them
             logger.exception("inference step failed")
             with self._lock:
@@ -212,23 +225,29 @@ class InferenceScheduler:
         now = time.monotonic()
         with self._lock:
             produced = 0
-            for task, result in zip(batch, results):
+            for task, sampled in zip(batch, results):
                 if task.done:
                     continue
-                self._page_cache.task_record_hashes(task.task_id, task.context, task.num_computed)
-                if result is None:
-                    continue
-                token, logprob = result
-                event = task.accept(token, logprob, self.stop_ids, self.max_seq_len)
-                produced += 1
-                if len(task.output_ids) == 1:
-                    self._stats["ttft_sum"] += task.first_token_time - task.arrival_time
-                    self._stats["ttft_count"] += 1
+                event = None
+                for token, logprob in sampled:
+                    if event is not None:
+                        task.emit(event)
+                    event = task.accept(token, logprob, self.stop_ids, self.max_seq_len)
+                    produced += 1
+                    if len(task.output_ids) == 1:
+                        self._stats["ttft_sum"] += task.first_token_time - task.arrival_time
+                        self._stats["ttft_count"] += 1
+                    if task.done:
+                        break  # a stop string inside a run of greedy steps: the rest are dropped
+                # the pages whose K/V are computed for tokens now in the context
+                computed = min(task.num_computed, len(task.context))
+                self._page_cache.task_record_hashes(task.task_id, task.context, computed)
                 if task.done:
                     self._page_cache.task_free(task.task_id)
                     self._task_mgr.drop(task)
                     self._stats["requests_finished"] += 1
-                task.emit(event)
+                if event is not None:
+                    task.emit(event)  # the last event after the pages are released
             self._stats["output_tokens"] += produced
             self._rate.append((now, produced))
 
@@ -276,7 +295,22 @@ class InferenceScheduler:
             return "prefill", *self._plan_prefill(prefill)
         self._last_was_prefill = False
         decode = self._reserve_decode_pages()
+        steps = self._greedy_run_steps(decode)
+        if steps > 1:
+            return "greedy", decode, [steps]
         return "decode", decode, [1] * len(decode)
+
+    def _greedy_run_steps(self, decode: list[Task]) -> int:
+        """How many decode steps a lone greedy request takes this loop step (1: the usual one);
+        see the module's docstring."""
+        if len(decode) != 1 or not self._executor.runs_greedy_steps(decode[0]):
+            return 1
+        task = decode[0]
+        steps = min(GREEDY_RUN_STEPS, task.params.max_tokens - len(task.output_ids),
+                    self.max_seq_len - len(task.context))
+        if steps > 1 and self._page_cache.task_extend(task.task_id, task.num_computed + steps):
+            return steps
+        return 1
 
     def _plan_prefill(self, prefill: list[Task]) -> tuple[list[Task], list[int]]:
         """Rows of prompt chunks, FIFO, whose padded size (rows x longest chunk) stays

@@ -25,15 +25,22 @@ GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprob
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """How many steps ran through the C step."""
+    """The steps that ran through the C step, one entry each (their input token), whether one
+    call ran them one at a time or several."""
     calls = []
-    real = fused_module.decode_step
+    real_step, real_steps = fused_module.decode_step, fused_module.decode_steps
 
     def counting(*args, **kwargs):
         calls.append(args[1])
-        return real(*args, **kwargs)
+        return real_step(*args, **kwargs)
+
+    def counting_runs(plan, token, *args, **kwargs):
+        tokens = real_steps(plan, token, *args, **kwargs)
+        calls.extend([token] + tokens[:-1])
+        return tokens
 
     monkeypatch.setattr(fused_module, "decode_step", counting)
+    monkeypatch.setattr(fused_module, "decode_steps", counting_runs)
     return calls
 
 

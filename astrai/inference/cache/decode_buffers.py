@@ -44,13 +44,14 @@ class DecodeBuffers:
         self.valid = False
         self.generation = 0  # counts replacements of the k/v lists: a table of their addresses is stale when it moved
 
-    def plan(self, task_ids: Sequence[str], start: Sequence[int]) -> Optional[list[int]]:
+    def plan(self, task_ids: Sequence[str], start: Sequence[int], steps: int = 1) -> Optional[list[int]]:
         """Prepare the buffers for a decode step where row i is ``task_ids[i]`` with
-        ``start[i]`` tokens cached. Returns the rows whose contexts must be gathered from
-        the pages this step (empty when every row is already in place), or None when the
-        buffers would exceed their memory budget (the step then gathers as usual)."""
+        ``start[i]`` tokens cached (or for ``steps`` steps in a row, each adding one token).
+        Returns the rows whose contexts must be gathered from the pages this step (empty when
+        every row is already in place), or None when the buffers would exceed their memory
+        budget (the step then gathers as usual)."""
         ids = tuple(task_ids)
-        needed = max(start) + 1
+        needed = max(start) + steps
         st = self._storage
         if len(ids) > self.rows or needed > self.capacity:
             capacity = max(-(-(needed + HEADROOM) // st.page_size) * st.page_size, self.capacity)
@@ -69,7 +70,7 @@ class DecodeBuffers:
             self._copy_rows(moves)  # rows from past the batch's end into its holes: no overlap
         elif moves:
             self._move_rows([source[i] if i in kept else 0 for i in range(len(ids))])
-        self.task_ids, self.lens, self.valid = ids, [s + 1 for s in start], True
+        self.task_ids, self.lens, self.valid = ids, [s + steps for s in start], True
         return refill
 
     def _fits(self, rows: int, capacity: int) -> bool:

@@ -27,16 +27,21 @@ NEVER_AGAIN = 1 << 62  # "pages recorded" value that stops a task's chain from b
 
 @dataclass
 class RowTarget:
-    """A one-row decode step served by the decode buffers, for a kernel that does the whole
-    step itself (astrai/inference/fused_decode.py): the token's position (its context is
-    positions 0..pos, all but the last already in row 0 of ``buffers``), its page-store
-    ``slot`` (where its K/V go besides the buffers), and the buffers' ``capacity``."""
+    """One-row decode steps served by the decode buffers, for a kernel that does the whole
+    step itself (astrai/inference/fused_decode.py): the first token's position (its context
+    is positions 0..pos, all but the last already in row 0 of ``buffers``), the page-store
+    ``slots`` where each step's K/V go besides the buffers (positions pos, pos + 1, ...), and
+    the buffers' ``capacity``."""
 
-    slot: int
+    slots: tuple[int, ...]
     pos: int
     capacity: int
     buffers: DecodeBuffers
     storage: Storage
+
+    @property
+    def slot(self) -> int:
+        return self.slots[0]
 
 
 class KvcacheView:
@@ -316,25 +321,33 @@ class KVCache:
                 return KvcacheView.for_decode(self._storage, page_table, pages, start, self._dense, refill)
         return KvcacheView(self._storage, page_table, start, n_new, packed=packed)
 
-    def decode_target(self, task_id: str, pos: int) -> Optional[RowTarget]:
-        """A decode step of ``task_id`` alone, its new token at ``pos``, prepared for a kernel that
-        writes K/V itself: the decode buffers hold the task's context in row 0 (copied from the
-        pages when it has just been prefilled), and the target says where the token goes. None
-        when the buffers would outgrow their budget; the step then binds a view as usual.
+    def decode_target(self, task_id: str, pos: int, steps: int = 1) -> Optional[RowTarget]:
+        """``steps`` decode steps of ``task_id`` alone, the first one's token at ``pos``, prepared
+        for a kernel that writes K/V itself: the decode buffers hold the task's context in row 0
+        (copied from the pages when it has just been prefilled) with room for the steps' tokens,
+        and the target says where each token goes (``task_extend`` must have covered positions
+        up to ``pos + steps - 1``). None when the buffers would outgrow their budget; the step
+        then binds a view as usual.
 
         Meant for the engine's fused step (fp32 CPU storage): it skips the view, whose tensors
-        of indices cost a tenth of a millisecond a step that the kernel does not need."""
+        of indices cost a tenth of a millisecond a step that the kernel does not need. The
+        buffers count the row as ``pos + steps`` tokens long afterwards; a run of steps that
+        ends early leaves them counting too many, so the next step refills the row from the
+        pages (which the kernel wrote as well) instead of trusting it."""
         try:
             pages, ps = self._table.get(task_id), self.page_size
         except KeyError:  # aborted meanwhile (from another thread): the usual view writes it to the sink
             return None
-        refill = self._dense.plan((task_id,), (pos,))
+        if len(pages) * ps < pos + steps:
+            return None
+        refill = self._dense.plan((task_id,), (pos,), steps)
         if refill is None:
             return None
         if refill and pos:
             slots = [pages[p // ps] * ps + p % ps for p in range(pos)]
             self._dense.fill_row(0, torch.tensor(slots, device=self._storage.device))
-        return RowTarget(pages[pos // ps] * ps + pos % ps, pos, self._dense.capacity, self._dense, self._storage)
+        slots = tuple(pages[p // ps] * ps + p % ps for p in range(pos, pos + steps))
+        return RowTarget(slots, pos, self._dense.capacity, self._dense, self._storage)
 
     def decode_order(self, task_ids: Sequence[str], start: Sequence[int]) -> list[int]:
         """The order of a decode step's tasks that keeps the decode buffers' rows in place

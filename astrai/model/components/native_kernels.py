@@ -19,7 +19,8 @@ A whole single-request decode step. ``native/decode_step.c`` runs every layer of
 GQA + SwiGLU model for one row - norms, rotary embedding, K/V writes, attention, SiLU,
 residuals and the head - in one call, between the same one-row products and decode
 attention as above; ``astrai/inference/fused_decode.py`` decides when a model and a step
-qualify and builds its table of pointers.
+qualify and builds its table of pointers. ``decode_steps`` runs several such steps of a
+greedy request in one call, each taking the last one's argmax as its token.
 
 The library is built with ``cc`` (``$CC``) into a per-user cache directory, keyed by
 the source, the flags and this CPU's feature flags (it is compiled for this CPU; a new
@@ -41,7 +42,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -127,6 +128,8 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_row_product_argmax_f32.restype = i64
     library.astrai_decode_step_f32.argtypes = [ctypes.POINTER(DecodePlan)] + [i64] * 4 + [ptr]
     library.astrai_decode_step_f32.restype = i64
+    library.astrai_decode_steps_f32.argtypes = [ctypes.POINTER(DecodePlan)] + [i64] * 2 + [ptr] * 2 + [i64] + [ptr] + [i64] * 2 + [ptr] * 2
+    library.astrai_decode_steps_f32.restype = i64
     for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32):
         function.restype = None
     return library
@@ -261,3 +264,23 @@ def decode_step(plan: DecodePlan, token: int, pos: int, kv_offsets: tuple[int, i
     logits = torch.empty(plan.vocab, dtype=torch.float32)
     best = _library().astrai_decode_step_f32(plan, token, pos, kv_offsets[0], kv_offsets[1], logits.data_ptr())
     return logits, best
+
+
+def decode_steps(plan: DecodePlan, token: int, pos: int, kv_offsets: Sequence[tuple[int, int]],
+                 stop_ids: Sequence[int], embedding_rows: int) -> list[int]:
+    """Greedy decode steps of one row in one call through ``native/decode_step.c``: step i
+    takes position ``pos + i``, writes its K/V at ``kv_offsets[i]`` (as ``decode_step``) and
+    gives the argmax that step i + 1 takes as its token. Returns the tokens, one per step run:
+    all ``len(kv_offsets)`` of them, or fewer when one is in ``stop_ids`` (it is the last) or
+    is not below ``embedding_rows``. Positions up to ``pos + len(kv_offsets) - 1`` must be
+    below the plan's capacity. Call only when ``kernels_available()``.
+    """
+    n = len(kv_offsets)
+    k_offsets = (ctypes.c_int64 * n)(*(k for k, _ in kv_offsets))
+    v_offsets = (ctypes.c_int64 * n)(*(v for _, v in kv_offsets))
+    stops = (ctypes.c_int64 * max(len(stop_ids), 1))(*stop_ids)
+    tokens = (ctypes.c_int64 * n)()
+    logits = torch.empty(plan.vocab, dtype=torch.float32)
+    done = _library().astrai_decode_steps_f32(plan, token, pos, k_offsets, v_offsets, n, stops, len(stop_ids),
+                                              embedding_rows, tokens, logits.data_ptr())
+    return tokens[:done]
