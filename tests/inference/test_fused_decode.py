@@ -57,6 +57,10 @@ def test_single_request_matches_recomputation_and_the_unfused_forward(shape, fus
     model's own forward (the fused step switched off) to float rounding; and every decode step
     after the first (whose context is still gathered from the pages) took the C step."""
     model = make_model("tiny", **shape)
+    with torch.no_grad():  # norms of their own, so a norm weight read from the wrong layer shows
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
     prompts = [[5, 9, 200, 3], [17] * 11, [1]]
     fused = _run(model, prompts)
     steps = len(fused_calls)

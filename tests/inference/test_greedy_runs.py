@@ -8,6 +8,7 @@ needed (sampling, penalties, log-probabilities)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference import fused_decode as fused_module
@@ -62,6 +63,28 @@ def test_a_lone_greedy_request_decodes_in_runs_with_the_tokens_of_recomputation(
     assert result.token_ids == greedy_reference(model, PROMPT, 20) and result.finish_reason == "length"
     assert runs == [(8, 8), (8, 8), (3, 3)]  # the prefill gave the first of the 20 tokens; none past max_tokens
     assert refills == [0]
+
+
+@pytest.mark.timeout(60)
+def test_runs_on_several_threads_give_the_same_tokens(runs):
+    """The C loop runs every step of a run in one parallel region, the products and attention
+    shared among the threads: three threads (an uneven split) decode what one does."""
+    model = make_model("tiny", n_heads=6, n_kv_heads=3, dim=96)
+    with torch.no_grad():  # norms of their own, so a weight read from the wrong layer shows
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            with _engine(model) as engine:
+                results.append(engine.submit(PROMPT, _greedy(20)).result(timeout=60).token_ids)
+    finally:
+        torch.set_num_threads(before)
+    assert results[0] == results[1] == greedy_reference(model, PROMPT, 20)
+    assert len(runs) == 6
 
 
 @pytest.mark.timeout(60)

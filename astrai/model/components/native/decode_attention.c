@@ -84,6 +84,26 @@ static inline __attribute__((always_inline)) void attend_pair(
                     lens[row], k_pos_stride, v_pos_stride, scale, G, W, VW); \
     }
 
+/* The pairs shared among the threads of the team running it (all of them on one thread
+ * outside a parallel region), each thread's scores in its slice of `workspace`; ends with
+ * the worksharing loop's barrier. Exported for decode_step.c, which runs a whole step inside
+ * one parallel region. */
+void astrai_decode_attention_team(
+    const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
+    int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
+    int64_t k_row_stride, int64_t k_head_stride, int64_t k_pos_stride,
+    int64_t v_row_stride, int64_t v_head_stride, int64_t v_pos_stride,
+    float scale, int64_t max_len)
+{
+    float *scores = workspace + (int64_t)omp_get_thread_num() * group * max_len;
+    if (width == 64 && v_width == 64 && group == 1) { PAIR_LOOP(1, 64, 64) }
+    else if (width == 64 && v_width == 64 && group == 2) { PAIR_LOOP(2, 64, 64) }
+    else if (width == 64 && v_width == 64 && group == 4) { PAIR_LOOP(4, 64, 64) }
+    else if (width == 128 && v_width == 128 && group == 1) { PAIR_LOOP(1, 128, 128) }
+    else if (width == 128 && v_width == 128 && group == 2) { PAIR_LOOP(2, 128, 128) }
+    else { PAIR_LOOP(group, width, v_width) }
+}
+
 void astrai_decode_attention_f32(
     const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
@@ -92,13 +112,7 @@ void astrai_decode_attention_f32(
     float scale, int64_t max_len, int threads)
 {
     #pragma omp parallel num_threads(threads)
-    {
-        float *scores = workspace + (int64_t)omp_get_thread_num() * group * max_len;
-        if (width == 64 && v_width == 64 && group == 1) { PAIR_LOOP(1, 64, 64) }
-        else if (width == 64 && v_width == 64 && group == 2) { PAIR_LOOP(2, 64, 64) }
-        else if (width == 64 && v_width == 64 && group == 4) { PAIR_LOOP(4, 64, 64) }
-        else if (width == 128 && v_width == 128 && group == 1) { PAIR_LOOP(1, 128, 128) }
-        else if (width == 128 && v_width == 128 && group == 2) { PAIR_LOOP(2, 128, 128) }
-        else { PAIR_LOOP(group, width, v_width) }
-    }
+    astrai_decode_attention_team(q, k, v, out, lens, workspace, rows, heads, group, width, v_width, k_row_stride,
+                                 k_head_stride, k_pos_stride, v_row_stride, v_head_stride, v_pos_stride, scale,
+                                 max_len);
 }

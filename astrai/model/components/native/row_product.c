@@ -61,6 +61,39 @@ static inline float row_dot(const float *row, const float *x, int64_t n_in, cons
  * maximum wins). */
 static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
 
+/* This thread's stretch of y = x W^T (+ bias), for every thread of the team running it (one
+ * thread outside a parallel region does all of it). With `best`, each thread also notes its
+ * stretch's argmax in best[t] / top[t] (-1 for an empty stretch) for `astrai_team_argmax`.
+ * No barrier: the caller puts one before y is read. Exported for decode_step.c, which runs
+ * a whole step inside one parallel region. */
+void astrai_team_row_product(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
+                             int64_t n_out, int64_t ld, int64_t *best, float *top)
+{
+    const int t = omp_get_thread_num();
+    const int64_t size = omp_get_num_threads(), per = (n_out + size - 1) / size;
+    const int64_t first = t * per, last = first + per < n_out ? first + per : n_out;
+    const float *end = first < last ? w + (last - 1) * ld + n_in : w;
+    int64_t mine = -1;
+    float highest = 0.0f;
+    for (int64_t j = first; j < last; ++j) {
+        const float s = row_dot(w + j * ld, x, n_in, end);
+        y[j] = bias ? s + bias[j] : s;
+        if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
+    }
+    if (best) { best[t] = mine; top[t] = highest; }
+}
+
+/* The answer of the team's `team` stretches: threads hold increasing stretches, so an
+ * earlier one wins a tie. */
+int64_t astrai_team_argmax(const int64_t *best, const float *top, int team)
+{
+    int64_t answer = -1;
+    float highest = 0.0f;
+    for (int t = 0; t < team; ++t)
+        if (best[t] >= 0 && (answer < 0 || beats(top[t], highest))) { answer = best[t]; highest = top[t]; }
+    return answer;
+}
+
 static int64_t products(const float *x, const float *w, const float *bias, float *y, int64_t n_in, int64_t n_out,
                         int64_t ld, int threads, int want_argmax)
 {
@@ -70,27 +103,10 @@ static int64_t products(const float *x, const float *w, const float *bias, float
     int team = 1;
     #pragma omp parallel num_threads(threads)
     {
-        const int t = omp_get_thread_num();
-        const int64_t size = omp_get_num_threads(), per = (n_out + size - 1) / size;
-        const int64_t first = t * per, last = first + per < n_out ? first + per : n_out;
-        const float *end = first < last ? w + (last - 1) * ld + n_in : w;
-        int64_t mine = -1;
-        float highest = 0.0f;
-        for (int64_t j = first; j < last; ++j) {
-            const float s = row_dot(w + j * ld, x, n_in, end);
-            y[j] = bias ? s + bias[j] : s;
-            if (want_argmax && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
-        }
-        best[t] = mine;
-        top[t] = highest;
-        if (t == 0) team = (int)size;
+        astrai_team_row_product(x, w, bias, y, n_in, n_out, ld, want_argmax ? best : 0, top);
+        if (omp_get_thread_num() == 0) team = omp_get_num_threads();
     }
-    if (!want_argmax) return -1;
-    int64_t answer = -1;  /* threads hold increasing stretches: an earlier one wins a tie */
-    float highest = 0.0f;
-    for (int t = 0; t < team; ++t)
-        if (best[t] >= 0 && (answer < 0 || beats(top[t], highest))) { answer = best[t]; highest = top[t]; }
-    return answer;
+    return want_argmax ? astrai_team_argmax(best, top, team) : -1;
 }
 
 void astrai_row_product_f32(
