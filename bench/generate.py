@@ -16,6 +16,7 @@ are warmed up on every shape first. Measured, in one run:
    cache on vs off (target >= 5x).
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python bench/generate.py [--parts single,bound,throughput,ttft] [--quick]
+       [--bound-rounds N]
 Writes bench/results/generate.json.
 """
 
@@ -203,7 +204,12 @@ def bandwidth_bound(n_new, rounds=8) -> dict:
                          "transformers_decode_fraction": theirs_decode * weight_bytes / copy,
                          "same_tokens": ours_ids == theirs_ids[0]})
     counted = [r for r in runs if r["steady"]] or runs
-    median = lambda key: statistics.median(r[key] for r in counted)  # noqa: E731
+    median = lambda key, rows=counted: statistics.median(r[key] for r in rows)  # noqa: E731
+    levels = [{"copy_gb_s": median("copy_gb_s", level), "rounds": len(level),
+               "astrai_fraction_of_bound": median("astrai_fraction", level),
+               "astrai_decode_fraction_of_bound": median("astrai_decode_fraction", level),
+               "transformers_fraction_of_bound": median("transformers_fraction", level)}
+              for level in bandwidth_levels(counted)]
     row = {"model": "125M", "params": model.num_parameters(), "new_tokens": n_new, "weight_bytes": weight_bytes,
            "rounds": runs, "steady_rounds": sum(r["steady"] for r in runs),
            "astrai_fraction_of_bound": median("astrai_fraction"),
@@ -213,7 +219,7 @@ def bandwidth_bound(n_new, rounds=8) -> dict:
            "astrai_tok_s": median("astrai_tok_s"), "transformers_tok_s": median("transformers_tok_s"),
            "ratio": statistics.median(r["ratio"] for r in runs),
            "copy_bandwidth_gb_s": median("copy_gb_s"), "read_bandwidth_gb_s": median("read_gb_s"),
-           "same_tokens": all(r["same_tokens"] for r in runs)}
+           "same_tokens": all(r["same_tokens"] for r in runs), "levels": levels}
     for r in runs:
         print(f"[bound] round: copy {r['copy_gb_s']:.1f} GB/s{'' if r['steady'] else ' (level changed)'}, "
               f"astrai {r['astrai_tok_s']:.1f} tok/s = {r['astrai_fraction']:.2f} (decode alone "
@@ -226,7 +232,25 @@ def bandwidth_bound(n_new, rounds=8) -> dict:
           f"{row['astrai_decode_fraction_of_bound']:.2f} and {row['transformers_decode_fraction_of_bound']:.2f}; "
           f"astrai against transformers {row['ratio']:.2f}x (median of all "
           f"rounds); identical greedy tokens: {row['same_tokens']}", flush=True)
+    if len(levels) > 1:
+        print("[bound] per bandwidth level: " + "; ".join(
+            f"{lv['copy_gb_s']:.0f} GB/s ({lv['rounds']} rounds): astrai {lv['astrai_fraction_of_bound']:.2f} "
+            f"(decode alone {lv['astrai_decode_fraction_of_bound']:.2f}), transformers "
+            f"{lv['transformers_fraction_of_bound']:.2f}" for lv in levels), flush=True)
     return row
+
+
+def bandwidth_levels(rounds: list[dict]) -> list[list[dict]]:
+    """The rounds grouped by the VM's bandwidth level: sorted by copy bandwidth and cut where
+    one round's is over 20% above the one before (the levels seen here sit 60-70% apart,
+    the rounds of one level within about 10%)."""
+    ordered = sorted(rounds, key=lambda r: r["copy_gb_s"])
+    groups = [[ordered[0]]] if ordered else []
+    for r in ordered[1:]:
+        if r["copy_gb_s"] > 1.2 * groups[-1][-1]["copy_gb_s"]:
+            groups.append([])
+        groups[-1].append(r)
+    return groups
 
 
 def throughput(n_requests, max_prompt, max_out, rounds=3) -> dict:
@@ -293,7 +317,11 @@ def main() -> None:
     parser.add_argument("--parts", default="single,bound,throughput,ttft")
     parser.add_argument("--quick", action="store_true", help="fewer tokens and requests (a smoke run)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bound-rounds", type=int, default=8,
+                        help="rounds of the bound part (more catch both of the VM's bandwidth levels)")
     args = parser.parse_args()
+    if args.bound_rounds < 1:
+        parser.error("--bound-rounds must be at least 1")
     torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
     results = {"threads": args.threads, "torch": torch.__version__}
@@ -301,7 +329,7 @@ def main() -> None:
     if "single" in parts:
         results["single"] = [single_request(name, preset(name), n_new) for name in ("tiny", "small")]
     if "bound" in parts:
-        results["bound_125m"] = bandwidth_bound(16 if args.quick else 48, rounds=2 if args.quick else 8)
+        results["bound_125m"] = bandwidth_bound(16 if args.quick else 48, rounds=2 if args.quick else args.bound_rounds)
     if "throughput" in parts:
         results["throughput"] = throughput(16 if args.quick else 64, 128 if args.quick else 512, 64 if args.quick else 256,
                                            rounds=1 if args.quick else 3)
