@@ -8,7 +8,7 @@ never stalls the running decodes, (3) runs that step in one forward, and (4) tur
 the sampled tokens into events, finishing and releasing tasks as they end.
 
 A lone greedy request whose model the fused C step serves decodes up to
-``GREEDY_RUN_STEPS`` tokens per step instead of one, each the argmax the last one gave
+``greedy_run_steps`` (default 8) tokens per step instead of one, each the argmax the last one gave
 (Executor.execute_greedy_steps): the loop's own work and the executor's checks, some
 0.1-0.3 ms, then come once per run instead of once per token. A request that arrives
 during a run is admitted after it, at most seven steps later; runs never pass max_tokens
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 RATE_WINDOW_S = 10.0
-GREEDY_RUN_STEPS = 8  # decode steps a lone greedy request takes per loop step (see above)
+GREEDY_RUN_STEPS = 8  # default: decode steps a lone greedy request takes per loop step (see above)
 
 
 def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len: int, page_size: int,
@@ -62,9 +62,10 @@ class InferenceScheduler:
     def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
                  prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
-                 stop_ids: Optional[Iterable[int]] = None):
+                 stop_ids: Optional[Iterable[int]] = None, greedy_run_steps: int = GREEDY_RUN_STEPS):
         for name, value in (("max_batch_size", max_batch_size), ("page_size", page_size),
-                            ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue)):
+                            ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue),
+                            ("greedy_run_steps", greedy_run_steps)):
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         self.model = model
@@ -76,6 +77,7 @@ class InferenceScheduler:
         self.page_size = page_size
         self.prefill_chunk_size = prefill_chunk_size
         self.max_queue = max_queue
+        self.greedy_run_steps = greedy_run_steps
         if stop_ids is None and tokenizer is not None:
             stop_ids = getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id]
         self.stop_ids = frozenset(int(i) for i in (stop_ids or ()) if i is not None)
@@ -306,7 +308,7 @@ class InferenceScheduler:
         if len(decode) != 1 or not self._executor.runs_greedy_steps(decode[0]):
             return 1
         task = decode[0]
-        steps = min(GREEDY_RUN_STEPS, task.params.max_tokens - len(task.output_ids),
+        steps = min(self.greedy_run_steps, task.params.max_tokens - len(task.output_ids),
                     self.max_seq_len - len(task.context))
         if steps > 1 and self._page_cache.task_extend(task.task_id, task.num_computed + steps):
             return steps

@@ -1,4 +1,4 @@
-"""Runs of greedy decode steps in one call into C (scheduler.GREEDY_RUN_STEPS,
+"""Runs of greedy decode steps in one call into C (the engine's ``greedy_run_steps``,
 Executor.execute_greedy_steps, native_kernels.decode_steps): a lone greedy request takes up
 to eight steps per loop step, with the tokens of full recomputation; a stop id ends the run
 inside the kernel, a stop string drops the rest of it, max_tokens is never passed; a request
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference import fused_decode as fused_module
 from astrai.inference.cache.decode_buffers import DecodeBuffers
@@ -183,3 +184,19 @@ def test_runs_stay_off_where_the_logits_are_needed(runs, fields):
     with _engine(model) as engine:
         assert len(engine.submit(PROMPT, params).result(timeout=60).token_ids) == 12
     assert runs == []
+
+
+@pytest.mark.timeout(60)
+def test_the_run_length_is_an_engine_setting(runs):
+    """``greedy_run_steps`` sets the run length (1: a token per call, as sampled requests
+    take them), and a length that is not a positive integer is refused with its name."""
+    model = make_model("tiny")
+    expected = greedy_reference(model, PROMPT, 20)
+    for steps, calls in ((3, [(3, 3)] * 6), (1, [])):  # the 19th step alone takes the one-step call
+        runs.clear()
+        with _engine(model, greedy_run_steps=steps) as engine:
+            assert engine.submit(PROMPT, _greedy(20)).result(timeout=60).token_ids == expected
+        assert runs == calls
+    for bad in (0, -2, 2.5, "8"):
+        with pytest.raises(RequestError, match="greedy_run_steps"):
+            _engine(model, greedy_run_steps=bad)
