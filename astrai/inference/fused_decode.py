@@ -81,9 +81,7 @@ class FusedDecode:
         written where ``target`` (``KVCache.decode_target``) says, and the index of their maximum
         (``torch.argmax``'s); None when the step does not qualify (the caller runs the usual
         forward). Call when ``ready()`` has just said True."""
-        if not (0 <= token < self._vocab and 0 <= target.pos < target.capacity):
-            return None  # the model's own forward reports it; C would read or write out of bounds
-        plan = self._plan_for(target)
+        plan = self._checked_plan(token, target)
         if plan is None:
             return None
         k_stride, v_stride = self._slot_strides
@@ -95,14 +93,20 @@ class FusedDecode:
         its token (``native_kernels.decode_steps``): the tokens, fewer when one is in
         ``stop_ids``; None when the steps do not qualify (the caller takes single steps). Call
         when ``ready()`` has just said True."""
-        if not (0 <= token < self._vocab and 0 <= target.pos and target.pos + len(target.slots) <= target.capacity):
-            return None
-        plan = self._plan_for(target)
+        plan = self._checked_plan(token, target)
         if plan is None:
             return None
         k_stride, v_stride = self._slot_strides
         return decode_steps(plan, token, target.pos, [(slot * k_stride, slot * v_stride) for slot in target.slots],
                             stop_ids, self._vocab)
+
+    def _checked_plan(self, token: int, target: RowTarget) -> Optional[DecodePlan]:
+        """``_plan_for(target)``, or None when the token has no embedding row or a step's position
+        lies outside the buffers: the model's own forward reports those, where C would read or
+        write out of bounds."""
+        if not (0 <= token < self._vocab and 0 <= target.pos and target.pos + len(target.slots) <= target.capacity):
+            return None
+        return self._plan_for(target)
 
     def _plan_for(self, target: RowTarget) -> Optional[DecodePlan]:
         """The C step's plan for ``target``'s buffers and page store, made again only when the

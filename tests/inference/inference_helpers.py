@@ -29,3 +29,13 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))["logits"][0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def with_uneven_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every norm weight drawn from [0.5, 1.5): at their initial ones, a norm
+    weight read from the wrong layer would change nothing."""
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    return model

@@ -16,7 +16,7 @@ from astrai.inference.fused_decode import FusedDecode
 from astrai.inference.weight_layout import lay_out_linears
 from astrai.model.components.native_kernels import kernels_available
 from astrai.model.lora import LoraConfig, inject_lora
-from inference_helpers import greedy_reference, make_model
+from inference_helpers import greedy_reference, make_model, with_uneven_norms
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
@@ -56,11 +56,7 @@ def test_single_request_matches_recomputation_and_the_unfused_forward(shape, fus
     """Greedy tokens equal full recomputation; per-token log-probabilities equal those of the
     model's own forward (the fused step switched off) to float rounding; and every decode step
     after the first (whose context is still gathered from the pages) took the C step."""
-    model = make_model("tiny", **shape)
-    with torch.no_grad():  # norms of their own, so a norm weight read from the wrong layer shows
-        for name, weight in model.named_parameters():
-            if "norm" in name:
-                weight.uniform_(0.5, 1.5)
+    model = with_uneven_norms(make_model("tiny", **shape))
     prompts = [[5, 9, 200, 3], [17] * 11, [1]]
     fused = _run(model, prompts)
     steps = len(fused_calls)

@@ -15,7 +15,7 @@ from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference import fused_decode as fused_module
 from astrai.inference.cache.decode_buffers import DecodeBuffers
 from astrai.model.components.native_kernels import kernels_available
-from inference_helpers import greedy_reference, make_model
+from inference_helpers import greedy_reference, make_model, with_uneven_norms
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
@@ -70,11 +70,7 @@ def test_a_lone_greedy_request_decodes_in_runs_with_the_tokens_of_recomputation(
 def test_runs_on_several_threads_give_the_same_tokens(runs):
     """The C loop runs every step of a run in one parallel region, the products and attention
     shared among the threads: three threads (an uneven split) decode what one does."""
-    model = make_model("tiny", n_heads=6, n_kv_heads=3, dim=96)
-    with torch.no_grad():  # norms of their own, so a weight read from the wrong layer shows
-        for name, weight in model.named_parameters():
-            if "norm" in name:
-                weight.uniform_(0.5, 1.5)
+    model = with_uneven_norms(make_model("tiny", n_heads=6, n_kv_heads=3, dim=96))
     before = torch.get_num_threads()
     try:
         results = []
