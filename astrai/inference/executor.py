@@ -4,7 +4,8 @@ Each row is one task feeding its uncomputed tokens (a prefill chunk, or the last
 sampled token when decoding), padded to the longest row. Positions come from the
 cache view (absolute positions, so cached prefixes and preempted tasks line up), and
 ``logits_index`` asks the model for each row's last real position only, so the
-vocabulary projection costs one row per task. A GQA model on CPU whose prefill step
+vocabulary projection (and the last block's output projection and feed-forward) costs
+one row per task. A GQA model on CPU whose prefill step
 has rows of different lengths gets them packed instead: one row of every task's
 chunk after the other, no padding, with attention run per task (see KvcacheView).
 """

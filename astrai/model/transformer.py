@@ -12,7 +12,7 @@ from torch import nn
 from astrai.config import ModelConfig
 from astrai.model.automodel import AutoModel
 from astrai.model.components import DecoderBlock, DeepSeekMoE, Embedding, Linear, RMSNorm, RotaryEmbedding
-from astrai.model.components.layers import rotary_tables
+from astrai.model.components.layers import rotary_tables, select_positions
 from astrai.model.components.attention import AttnFactory
 from astrai.model.components.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 
@@ -105,13 +105,16 @@ class Transformer(AutoModel):
         rotary_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         rotary_emb = rotary_tables(cos, sin, rotary_dtype)
         attn_mask = None if paged_cache is not None else build_attention_mask(input_mask, T, input_ids.device)
-        for layer in self.layers:
-            x = layer(x, rotary_emb, attn_mask, paged_cache)
+        # Out of training, only the kept positions matter past the last block's attention, so
+        # that block computes the rest for them alone; in training an MoE block's load-balancing
+        # loss counts every position, so the positions are picked after it.
+        keep = logits_index if not self.training else None
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rotary_emb, attn_mask, paged_cache, keep if i == last else None)
+        if logits_index is not None and (keep is None or not self.layers):
+            x = select_positions(x, logits_index)
         x = self.norm(x)
-        if logits_index is not None and logits_index.dim() == 2:  # [B, R]: R positions of each row
-            x = x[torch.arange(B, device=x.device).unsqueeze(1), logits_index]
-        elif logits_index is not None:  # [B]: one position of each row
-            x = x[torch.arange(B, device=x.device), logits_index].unsqueeze(1)
         if target_ids is None:
             out = {"logits": self.lm_head(x), "hidden_states": x}
         elif type(self.lm_head) is Linear and self.lm_head.bias is None:

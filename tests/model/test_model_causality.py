@@ -62,12 +62,50 @@ def test_left_padding_does_not_change_real_tokens_logits():
     torch.testing.assert_close(alone, with_pad, rtol=0, atol=1e-5)
 
 
-def test_logits_index_selects_one_position_per_row():
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_logits_index_gives_the_full_forwards_logits_at_those_positions(kind):
+    """Out of training the last block runs its output projection and feed-forward on the
+    picked positions only; the logits must be those of the full forward there."""
     torch.manual_seed(0)
-    model = AutoModel.from_config(preset("tiny", **TINY)).eval()
+    model = AutoModel.from_config(preset("tiny", **KINDS[kind])).eval()
     ids = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
         full = model(ids)["logits"]
-        picked = model(ids, logits_index=torch.tensor([5, 2]))["logits"]
-    assert picked.shape == (2, 1, 128)
-    torch.testing.assert_close(picked[:, 0], full[[0, 1], [5, 2]], rtol=0, atol=1e-6)
+        one = model(ids, logits_index=torch.tensor([5, 2]))["logits"]
+        several = model(ids, logits_index=torch.tensor([[0, 5, 3], [2, 2, 4]]))["logits"]
+    assert one.shape == (2, 1, 128) and several.shape == (2, 3, 128)
+    torch.testing.assert_close(one[:, 0], full[[0, 1], [5, 2]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(several, full[[[0], [1]], [[0, 5, 3], [2, 2, 4]]], rtol=0, atol=1e-5)
+
+
+def _rows_into_last_feed_forward(model, **kwargs) -> tuple[int, ...]:
+    seen = []
+    handle = model.layers[-1].mlp.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    try:
+        model(torch.randint(0, 128, (2, 6)), **kwargs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("kind", ["gqa-qknorm-gated", "mla"])
+def test_only_the_picked_positions_reach_the_last_feed_forward_out_of_training(kind):
+    torch.manual_seed(0)
+    model = AutoModel.from_config(preset("tiny", **KINDS[kind])).eval()
+    with torch.no_grad():
+        assert _rows_into_last_feed_forward(model, logits_index=torch.tensor([5, 2])) == (2, 1, 64)
+        assert _rows_into_last_feed_forward(model, logits_index=torch.tensor([[1, 4], [0, 3]])) == (2, 2, 64)
+        assert _rows_into_last_feed_forward(model) == (2, 6, 64)
+
+
+def test_training_keeps_every_position_for_the_moe_balancing_loss():
+    """In training an MoE block's load-balancing loss counts every position: picking
+    positions must not change it, so the last block still runs on all of them."""
+    torch.manual_seed(0)
+    model = AutoModel.from_config(preset("tiny", **KINDS["moe"])).train()
+    ids = torch.randint(0, 128, (2, 6))
+    assert _rows_into_last_feed_forward(model, logits_index=torch.tensor([5, 2])) == (2, 6, 64)
+    full = model(ids)["aux_loss"]
+    picked = model(ids, logits_index=torch.tensor([5, 2]))
+    torch.testing.assert_close(picked["aux_loss"], full)
+    assert picked["logits"].shape == (2, 1, 128)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.factory import BaseFactory
-from astrai.model.components.layers import Linear, RMSNorm, apply_rotary, linear_group
+from astrai.model.components.layers import Linear, RMSNorm, apply_rotary, linear_group, select_positions
 from astrai.model.components.native_kernels import decode_attention, decode_attention_available
 
 
@@ -170,6 +170,14 @@ def _rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def _gated(out: torch.Tensor, gate: list[torch.Tensor], keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The heads' output [B, T, H*D] at the positions ``keep`` (all without it), times the
+    sigmoid output gate when the layer has one."""
+    if keep is not None:
+        out, gate = select_positions(out, keep), [select_positions(g, keep) for g in gate]
+    return out * torch.sigmoid(gate[0]) if gate else out
+
+
 @AttnFactory.register("gqa")
 class GQA(nn.Module):
     """Grouped-query attention with optional per-head QK-norm and sigmoid output gate."""
@@ -201,7 +209,9 @@ class GQA(nn.Module):
         gate = (self.gate,) if self.use_gated_attention else ()
         return [(self.q_proj, self.k_proj, self.v_proj, *gate)]
 
-    def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
+    def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None, keep=None) -> torch.Tensor:
+        """The attention output of every position, or with ``keep`` (see ``DecoderBlock``) of
+        those positions only: K/V are still made and cached for all of them."""
         B, T, _ = x.shape
         q, k, v, *gate = linear_group(x, self.joint_linears()[0])
         q = q.view(B, T, self.n_heads, self.head_dim)
@@ -223,10 +233,7 @@ class GQA(nn.Module):
                     out = _attend(q, k, v, paged_cache.attn_mask, context_lens=paged_cache.context_lens)
         else:
             out = _attend(q, k, v, attn_mask)
-        out = out.reshape(B, T, self.n_heads * self.head_dim)
-        if gate:
-            out = out * torch.sigmoid(gate[0])
-        return self.o_proj(out)
+        return self.o_proj(_gated(out.reshape(B, T, self.n_heads * self.head_dim), gate, keep))
 
 
 @AttnFactory.register("mla")
@@ -266,7 +273,8 @@ class MLA(nn.Module):
         gate = (self.gate,) if self.use_gated_attention else ()
         return [(self.q_proj, self.kv_a_proj, *gate)]
 
-    def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None) -> torch.Tensor:
+    def forward(self, x, rotary_emb, attn_mask=None, paged_cache=None, keep=None) -> torch.Tensor:
+        """As ``GQA.forward``: with ``keep``, the output of those positions only."""
         B, T, _ = x.shape
         H = self.n_heads
         q, latent, *gate = linear_group(x, self.joint_linears()[0])
@@ -286,7 +294,4 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.expand(B, S, H, self.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
-        out = _attend(q, k, v, attn_mask).reshape(B, T, H * self.v_head_dim)
-        if gate:
-            out = out * torch.sigmoid(gate[0])
-        return self.o_proj(out)
+        return self.o_proj(_gated(_attend(q, k, v, attn_mask).reshape(B, T, H * self.v_head_dim), gate, keep))

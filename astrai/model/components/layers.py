@@ -162,6 +162,15 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return out.view(*x.shape[:-1], n_out)
 
 
+def select_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The positions ``index`` of each row of ``x`` [B, T, ...]: ``index`` [B] gives one
+    position a row ([B, 1, ...]), ``index`` [B, R] gives R ([B, R, ...])."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    if index.dim() == 2:
+        return x[rows.unsqueeze(1), index]
+    return x[rows, index].unsqueeze(1)
+
+
 class Embedding(nn.Embedding):
     """Token embedding table (kept as its own name so init and weight tying can find it)."""
 
