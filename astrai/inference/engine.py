@@ -18,7 +18,7 @@ import torch
 
 from astrai.errors import RequestError
 from astrai.inference.handle import RequestHandle
-from astrai.inference.scheduler import GREEDY_RUN_STEPS, InferenceScheduler
+from astrai.inference.scheduler import GREEDY_RUN_SECONDS, GREEDY_RUN_STEPS, InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
 from astrai.inference.weight_layout import lay_out_linears
 from astrai.model.components.packed_weights import pack_linears
@@ -33,7 +33,8 @@ class InferenceEngine:
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
                  prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
                  default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None,
-                 pack_weights: bool = True, greedy_run_steps: int = GREEDY_RUN_STEPS):
+                 pack_weights: bool = True, greedy_run_steps: int = GREEDY_RUN_STEPS,
+                 greedy_run_seconds: float = GREEDY_RUN_SECONDS):
         tune_allocator()  # see astrai/runtime.py: prefill activations are re-allocated every step
         model.eval()
         lay_out_linears(model)  # decode streams the weights faster this way (see weight_layout.py)
@@ -46,7 +47,7 @@ class InferenceEngine:
                                             max_prompt_len=max_prompt_len, page_size=page_size, num_pages=num_pages,
                                             prefill_chunk_size=prefill_chunk_size, max_queue=max_queue,
                                             prefix_cache=prefix_cache, stop_ids=stop_ids,
-                                            greedy_run_steps=greedy_run_steps)
+                                            greedy_run_steps=greedy_run_steps, greedy_run_seconds=greedy_run_seconds)
         self.scheduler.start()
 
     @classmethod

@@ -111,14 +111,17 @@ class Executor:
                 and not p.logprobs and not p.top_logprobs)
 
     @torch.inference_mode()
-    def execute_greedy_steps(self, task: Task, steps: int, stop_ids: Iterable[int]) -> list[Sampled]:
+    def execute_greedy_steps(self, task: Task, steps: int, stop_ids: Iterable[int],
+                             max_seconds: float = float("inf")) -> list[Sampled]:
         """Up to ``steps`` tokens of a lone greedy task (``runs_greedy_steps``) from one call into
-        the fused step, fewer when one is in ``stop_ids``; the task's pages must cover them
-        (``KVCache.task_extend``). One token through the usual step when the call does not qualify."""
+        the fused step, fewer when one is in ``stop_ids`` or once the steps have taken
+        ``max_seconds``; the task's pages must cover them (``KVCache.task_extend``). One token
+        through the usual step when the call does not qualify."""
         if self.fused_decode.ready():
             target = self.page_cache.decode_target(task.task_id, task.num_computed, steps)
             if target is not None:
-                tokens = self.fused_decode.greedy_steps(task.context[task.num_computed], target, sorted(stop_ids))
+                tokens = self.fused_decode.greedy_steps(task.context[task.num_computed], target, sorted(stop_ids),
+                                                        max_seconds)
                 if tokens:
                     task.num_computed += len(tokens)
                     return [(token, None) for token in tokens]

@@ -88,17 +88,21 @@ class FusedDecode:
         logits, best = decode_step(plan, token, target.pos, (target.slot * k_stride, target.slot * v_stride))
         return logits.view(1, -1), best
 
-    def greedy_steps(self, token: int, target: RowTarget, stop_ids: Sequence[int]) -> Optional[list[int]]:
+    def greedy_steps(self, token: int, target: RowTarget, stop_ids: Sequence[int],
+                     max_seconds: float = float("inf")) -> Optional[list[int]]:
         """``len(target.slots)`` greedy steps in one call, each taking the last one's argmax as
         its token (``native_kernels.decode_steps``): the tokens, fewer when one is in
-        ``stop_ids``; None when the steps do not qualify (the caller takes single steps). Call
-        when ``ready()`` has just said True."""
+        ``stop_ids`` or once the steps have taken ``max_seconds``; None when the steps do not
+        qualify (the caller takes single steps). Call when ``ready()`` has just said True."""
         plan = self._checked_plan(token, target)
         if plan is None:
             return None
         k_stride, v_stride = self._slot_strides
-        return decode_steps(plan, token, target.pos, [(slot * k_stride, slot * v_stride) for slot in target.slots],
-                            stop_ids, self._vocab)
+        tokens = decode_steps(plan, token, target.pos, [(slot * k_stride, slot * v_stride) for slot in target.slots],
+                              stop_ids, self._vocab, max_seconds)
+        if len(tokens) < len(target.slots):
+            target.ran(len(tokens))
+        return tokens
 
     def _checked_plan(self, token: int, target: RowTarget) -> Optional[DecodePlan]:
         """``_plan_for(target)``, or None when the token has no embedding row or a step's position

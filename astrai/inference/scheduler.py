@@ -10,10 +10,13 @@ the sampled tokens into events, finishing and releasing tasks as they end.
 A lone greedy request whose model the fused C step serves decodes up to
 ``greedy_run_steps`` (default 8) tokens per step instead of one, each the argmax the last one gave
 (Executor.execute_greedy_steps): the loop's own work and the executor's checks, some
-0.1-0.3 ms, then come once per run instead of once per token. A request that arrives
-during a run is admitted after it, at most seven steps later; runs never pass max_tokens
-or the context limit, and the tokens after a stop string are the only ones computed and
-thrown away.
+0.1-0.3 ms, then come once per run instead of once per token. A run also ends after the
+step that brings it to ``greedy_run_seconds`` (default 0.05): a streamed token, and a
+request arriving meanwhile (admitted after the run), wait that long at most, on a large
+model as on a small one - where a step takes longer than that, each run is one step, and
+the saving, a fraction of a millisecond per step, would be lost in it anyway. Runs never
+pass max_tokens or the context limit, and the tokens after a stop string are the only ones
+computed and thrown away.
 
 When decoding needs a page and none is left, the newest running task is preempted:
 its pages are released (full ones stay in the prefix cache) and it goes back to the
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 RATE_WINDOW_S = 10.0
 GREEDY_RUN_STEPS = 8  # default: decode steps a lone greedy request takes per loop step (see above)
+GREEDY_RUN_SECONDS = 0.05  # default: a run ends after the step that brings it to this long (see above)
 
 
 def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len: int, page_size: int,
@@ -62,12 +66,17 @@ class InferenceScheduler:
     def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
                  prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
-                 stop_ids: Optional[Iterable[int]] = None, greedy_run_steps: int = GREEDY_RUN_STEPS):
+                 stop_ids: Optional[Iterable[int]] = None, greedy_run_steps: int = GREEDY_RUN_STEPS,
+                 greedy_run_seconds: float = GREEDY_RUN_SECONDS):
         for name, value in (("max_batch_size", max_batch_size), ("page_size", page_size),
                             ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue),
                             ("greedy_run_steps", greedy_run_steps)):
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(greedy_run_seconds, bool) or not isinstance(greedy_run_seconds, (int, float)) \
+                or not greedy_run_seconds >= 0:
+            raise RequestError(f"greedy_run_seconds must be a number of seconds >= 0 (inf: no limit), "
+                               f"got {greedy_run_seconds!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
@@ -78,6 +87,7 @@ class InferenceScheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.max_queue = max_queue
         self.greedy_run_steps = greedy_run_steps
+        self.greedy_run_seconds = float(greedy_run_seconds)
         if stop_ids is None and tokenizer is not None:
             stop_ids = getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id]
         self.stop_ids = frozenset(int(i) for i in (stop_ids or ()) if i is not None)
@@ -214,7 +224,7 @@ class InferenceScheduler:
                 elif kind == "greedy":
                     stops = self.stop_ids if not batch[0].params.ignore_eos else frozenset()
                     stops = stops.union(batch[0].params.stop_token_ids)
-                    results = [self._executor.execute_greedy_steps(batch[0], n_new[0], stops)]
+                    results = [self._executor.execute_greedy_steps(batch[0], n_new[0], stops, self.greedy_run_seconds)]
                 else:
                     results = [[r] for r in self._executor.execute_decode(batch)]
         except Exception as exc:  # a bug or out-of-memory must end the requests, not hang them

@@ -14,6 +14,7 @@ from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference import fused_decode as fused_module
 from astrai.inference.cache.decode_buffers import DecodeBuffers
+from astrai.inference.scheduler import GREEDY_RUN_SECONDS
 from astrai.model.components.native_kernels import kernels_available
 from inference_helpers import greedy_reference, make_model, with_uneven_norms
 
@@ -28,8 +29,8 @@ def runs(monkeypatch):
     calls = []
     real = fused_module.decode_steps
 
-    def recording(plan, token, pos, kv_offsets, stop_ids, embedding_rows):
-        tokens = real(plan, token, pos, kv_offsets, stop_ids, embedding_rows)
+    def recording(plan, token, pos, kv_offsets, stop_ids, embedding_rows, max_seconds):
+        tokens = real(plan, token, pos, kv_offsets, stop_ids, embedding_rows, max_seconds)
         calls.append((len(kv_offsets), len(tokens)))
         return tokens
 
@@ -38,7 +39,10 @@ def runs(monkeypatch):
 
 
 def _engine(model, **settings):
-    return InferenceEngine(model, None, **{"max_batch_size": 1, "page_size": 4, "num_pages": 96, **settings})
+    """An engine whose runs end by steps only (unless told otherwise), so their lengths do
+    not hang on how fast this machine runs them."""
+    return InferenceEngine(model, None, **{"max_batch_size": 1, "page_size": 4, "num_pages": 96,
+                                           "greedy_run_seconds": float("inf"), **settings})
 
 
 def _greedy(max_tokens=20, **fields):
@@ -196,3 +200,35 @@ def test_the_run_length_is_an_engine_setting(runs):
     for bad in (0, -2, 2.5, "8"):
         with pytest.raises(RequestError, match="greedy_run_steps"):
             _engine(model, greedy_run_steps=bad)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_ends_once_it_has_taken_greedy_run_seconds(runs, monkeypatch):
+    """The C loop checks the run's time after each step: with no time to spare every run is
+    one step, the tokens stay exact, and the decode buffers, told how many steps ran, keep
+    the row in place (copied from the pages once, after the prefill)."""
+    refills = []
+    real_fill = DecodeBuffers.fill_row
+    monkeypatch.setattr(DecodeBuffers, "fill_row", lambda self, row, slots: refills.append(row) or real_fill(self, row, slots))
+    model = make_model("tiny")
+    with _engine(model, greedy_run_seconds=0) as engine:
+        result = engine.submit(PROMPT, _greedy(20)).result(timeout=60)
+        assert engine.get_stats()["pages_used"] == 0
+    assert result.token_ids == greedy_reference(model, PROMPT, 20)
+    assert len(runs) == 18 and all(asked == min(8, 19 - i) and done == 1 for i, (asked, done) in enumerate(runs))
+    assert refills == [0]
+
+
+def test_runs_are_bounded_by_greedy_run_seconds_by_default(monkeypatch):
+    seen = []
+    real = fused_module.decode_steps
+    monkeypatch.setattr(fused_module, "decode_steps", lambda *args: seen.append(args[-1]) or real(*args))
+    with InferenceEngine(make_model("tiny"), None, max_batch_size=1) as engine:
+        engine.submit(PROMPT, _greedy(12)).result(timeout=60)
+    assert seen and set(seen) == {GREEDY_RUN_SECONDS} and GREEDY_RUN_SECONDS == 0.05
+
+
+@pytest.mark.parametrize("bad", [-0.01, float("nan"), "0.05", True, None])
+def test_a_bad_run_time_is_refused_by_name(bad):
+    with pytest.raises(RequestError, match="greedy_run_seconds"):
+        _engine(make_model("tiny"), greedy_run_seconds=bad)

@@ -73,6 +73,13 @@ class DecodeBuffers:
         self.task_ids, self.lens, self.valid = ids, [s + steps for s in start], True
         return refill
 
+    def shorten(self, row: int, length: int) -> None:
+        """Row ``row`` holds ``length`` tokens, not the count its ``plan`` gave it: a run of
+        decode steps that ended before its last step."""
+        if not 0 <= length <= self.lens[row]:
+            raise ValueError(f"row {row} holds {self.lens[row]} tokens at most, not {length}")
+        self.lens[row] = length
+
     def _fits(self, rows: int, capacity: int) -> bool:
         return 2 * rows * capacity * self._storage.bytes_per_token() <= self._budget
 

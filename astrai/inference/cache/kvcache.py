@@ -43,6 +43,11 @@ class RowTarget:
     def slot(self) -> int:
         return self.slots[0]
 
+    def ran(self, steps: int) -> None:
+        """Only the first ``steps`` of the target's steps ran (a run ended early): the buffers
+        then count the row as ``pos + steps`` tokens, so the next step finds it in place."""
+        self.buffers.shorten(0, self.pos + steps)
+
 
 class KvcacheView:
     """What one forward's attention layers read and write (the model's ``paged_cache``).

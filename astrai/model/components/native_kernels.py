@@ -128,7 +128,8 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_row_product_argmax_f32.restype = i64
     library.astrai_decode_step_f32.argtypes = [ctypes.POINTER(DecodePlan)] + [i64] * 4 + [ptr]
     library.astrai_decode_step_f32.restype = i64
-    library.astrai_decode_steps_f32.argtypes = [ctypes.POINTER(DecodePlan)] + [i64] * 2 + [ptr] * 2 + [i64] + [ptr] + [i64] * 2 + [ptr] * 2
+    library.astrai_decode_steps_f32.argtypes = ([ctypes.POINTER(DecodePlan)] + [i64] * 2 + [ptr] * 2 + [i64] + [ptr]
+                                                 + [i64] * 2 + [ctypes.c_double] + [ptr] * 2)
     library.astrai_decode_steps_f32.restype = i64
     for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32):
         function.restype = None
@@ -267,13 +268,14 @@ def decode_step(plan: DecodePlan, token: int, pos: int, kv_offsets: tuple[int, i
 
 
 def decode_steps(plan: DecodePlan, token: int, pos: int, kv_offsets: Sequence[tuple[int, int]],
-                 stop_ids: Sequence[int], embedding_rows: int) -> list[int]:
+                 stop_ids: Sequence[int], embedding_rows: int, max_seconds: float = float("inf")) -> list[int]:
     """Greedy decode steps of one row in one call through ``native/decode_step.c``: step i
     takes position ``pos + i``, writes its K/V at ``kv_offsets[i]`` (as ``decode_step``) and
     gives the argmax that step i + 1 takes as its token. Returns the tokens, one per step run:
-    all ``len(kv_offsets)`` of them, or fewer when one is in ``stop_ids`` (it is the last) or
-    is not below ``embedding_rows``. Positions up to ``pos + len(kv_offsets) - 1`` must be
-    below the plan's capacity. Call only when ``kernels_available()``.
+    all ``len(kv_offsets)`` of them, or fewer when one is in ``stop_ids`` (it is the last), is
+    not below ``embedding_rows``, or when the steps so far have taken ``max_seconds``.
+    Positions up to ``pos + len(kv_offsets) - 1`` must be below the plan's capacity. Call
+    only when ``kernels_available()``.
     """
     n = len(kv_offsets)
     k_offsets = (ctypes.c_int64 * n)(*(k for k, _ in kv_offsets))
@@ -282,5 +284,5 @@ def decode_steps(plan: DecodePlan, token: int, pos: int, kv_offsets: Sequence[tu
     tokens = (ctypes.c_int64 * n)()
     logits = torch.empty(plan.vocab, dtype=torch.float32)
     done = _library().astrai_decode_steps_f32(plan, token, pos, k_offsets, v_offsets, n, stops, len(stop_ids),
-                                              embedding_rows, tokens, logits.data_ptr())
+                                              embedding_rows, max_seconds, tokens, logits.data_ptr())
     return tokens[:done]

@@ -35,6 +35,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* Filled by astrai/model/components/native_kernels.py (a ctypes Structure of the same fields). */
 struct astrai_decode_plan {
@@ -187,11 +188,19 @@ static void team_step(const struct astrai_decode_plan *plan, int64_t token, int6
     #pragma omp barrier
 }
 
+static double seconds_now(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
 /* Up to `n_steps` steps in one parallel region (see astrai_decode_steps_f32); returns how many ran. */
 static int64_t run_steps(const struct astrai_decode_plan *plan, int64_t token, int64_t pos, const int64_t *k_offsets,
                          const int64_t *v_offsets, int64_t n_steps, const int64_t *stop_ids, int64_t n_stop,
-                         int64_t embedding_rows, int64_t *tokens, float *logits)
+                         int64_t embedding_rows, double max_seconds, int64_t *tokens, float *logits)
 {
+    const double start = seconds_now();
     int64_t best[MAX_TEAM];
     float top[MAX_TEAM];
     int64_t done = 0;
@@ -204,7 +213,7 @@ static int64_t run_steps(const struct astrai_decode_plan *plan, int64_t token, i
         {
             token = astrai_team_argmax(best, top, omp_get_num_threads());
             tokens[done++] = token;
-            stop = done >= n_steps || token < 0 || token >= embedding_rows;
+            stop = done >= n_steps || token < 0 || token >= embedding_rows || seconds_now() - start >= max_seconds;
             for (int64_t i = 0; i < n_stop && !stop; ++i) stop = token == stop_ids[i];
         }  /* its barrier: every thread sees the new token and `stop` */
     }
@@ -215,7 +224,7 @@ int64_t astrai_decode_step_f32(const struct astrai_decode_plan *plan, int64_t to
                                int64_t k_offset, int64_t v_offset, float *logits)
 {
     int64_t answer;
-    run_steps(plan, token, pos, &k_offset, &v_offset, 1, 0, 0, INT64_MAX, &answer, logits);
+    run_steps(plan, token, pos, &k_offset, &v_offset, 1, 0, 0, INT64_MAX, INFINITY, &answer, logits);
     return answer;
 }
 
@@ -229,12 +238,14 @@ int64_t astrai_decode_step_f32(const struct astrai_decode_plan *plan, int64_t to
  * layer's page store (and into the decode buffers, whose capacity the caller made room
  * in); tokens[i] is its argmax. The loop ends early, after recording it, at a token in
  * `stop_ids`, or at one the embedding has no row for (`embedding_rows`), which the caller's
- * own step then reports. Returns how many steps ran; `logits` holds the last one's. */
+ * own step then reports; and after the step that brings the run's time to `max_seconds`
+ * (INFINITY: no limit), so that a streamed token never waits long behind its run. Returns
+ * how many steps ran; `logits` holds the last one's. */
 int64_t astrai_decode_steps_f32(const struct astrai_decode_plan *plan, int64_t token, int64_t pos,
                                 const int64_t *k_offsets, const int64_t *v_offsets, int64_t n_steps,
                                 const int64_t *stop_ids, int64_t n_stop, int64_t embedding_rows,
-                                int64_t *tokens, float *logits)
+                                double max_seconds, int64_t *tokens, float *logits)
 {
     return n_steps > 0 ? run_steps(plan, token, pos, k_offsets, v_offsets, n_steps, stop_ids, n_stop, embedding_rows,
-                                   tokens, logits) : 0;
+                                   max_seconds, tokens, logits) : 0;
 }
