@@ -8,8 +8,9 @@ race, one generator per seeded request). The reference is the step `transformers
 ``generate`` runs when sampling: its Temperature/TopK/TopP warpers, a softmax and
 ``torch.multinomial``, with one setting for the whole batch (it has no per-row settings).
 Both sides get the same logits, threads and settings; best of ``--repeats`` timings each,
-alternating sides. Two settings: temperature 1 alone (GRPO's default), and temperature 0.8
-with top-k 50 and top-p 0.95 (a common chat setting).
+alternating sides. Three settings: temperature 1 alone (GRPO's default), temperature 0.8
+with top-k 50 and top-p 0.95 (a common chat setting), and temperature 0.7 with top-p 0.95
+alone (the chat page's default), where top-p has the whole vocabulary to rank.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/sampling.py
 """
@@ -30,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from astrai.inference.sampling import SamplingPipeline, draw  # noqa: E402
 
 SETTINGS = {"temperature 1": dict(temperature=1.0, top_k=0, top_p=1.0),
-            "T 0.8, top-k 50, top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95)}
+            "T 0.8, top-k 50, top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
+            "T 0.7, top-p 0.95": dict(temperature=0.7, top_k=0, top_p=0.95)}
 
 
 def astrai_step(logits: torch.Tensor, setting: dict, generators: list) -> torch.Tensor:

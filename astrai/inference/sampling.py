@@ -64,6 +64,10 @@ class TopKStrategy(BaseSamplingStrategy):
         return logits.masked_fill(logits < kth, filter_value)
 
 
+FIRST_RANKS = 256  # tokens top-p ranks first (see TopPStrategy)
+RANKS_GROWTH = 16  # and how many times more each time those fall short
+
+
 class TopPStrategy(BaseSamplingStrategy):
     """Keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all),
     and every token tied with the least likely of them, as top-k keeps ties at the k-th value.
@@ -71,26 +75,45 @@ class TopPStrategy(BaseSamplingStrategy):
     Keeping the ties makes the kept set a function of the row's values alone: which of two equal
     logits a sort puts first depends on the sort (a partial ``topk`` or a full sort, chosen by what
     the other rows of the batch left in), so cutting between them could let a seeded request's
-    tokens depend on its batch mates."""
+    tokens depend on its batch mates.
+
+    Only the ``FIRST_RANKS`` most likely tokens are ranked first (a partial ``topk``), their
+    probabilities taken against the whole row's normaliser: when they reach top_p in every row
+    that cuts, the cut lies among them and the rest need no order; otherwise 16 times as many
+    are ranked, and so on up to all of them. Sorting the whole vocabulary took 2.2 ms a step
+    for one row of 32,000 logits on the 2-vCPU VM (the chat page asks for top_p 0.95 by
+    default), against 0.2 ms with a peaked row (top_p 0.95 kept 15 tokens) and 0.4 ms with a
+    broader one (3,123 kept); a flat row, whose cut lies tens of thousands of tokens down,
+    ranks them all after the partial attempts, some 0.3 ms more than a sort alone."""
 
     def __init__(self, top_p: Param):
         self.top_p = top_p
 
     def apply(self, logits, filter_value=NEG_INF):
         p = _per_row(self.top_p, logits).to(torch.float32)
+        keeps_all = p >= 1  # even where rounding sums past 1
         # Only tokens an earlier filter (top-k) left in can be kept, so only they are ranked: the
         # largest count of them in any row, every one of them in each row, the rest already filtered.
-        candidates = int(torch.isfinite(logits).sum(dim=-1).max())
-        if candidates < logits.shape[-1]:
-            sorted_logits, _ = logits.topk(max(candidates, 1), dim=-1)
-        else:
-            sorted_logits, _ = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.float().softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # p = 1 keeps every token, even where rounding sums past 1; the most likely token always stays.
-        # The kept tokens are a prefix of the sorted row (the mass before each only grows).
-        kept = ((mass_before < p) | (p >= 1)).sum(dim=-1, keepdim=True).clamp_min(1)
-        least_kept = sorted_logits.gather(1, kept - 1)
+        candidates = max(int(torch.isfinite(logits).sum(dim=-1).max()), 1)
+        ranks = min(candidates, FIRST_RANKS)
+        # the rows' normaliser: from the ranked tokens when they are all the row holds (after top-k)
+        log_total = None if ranks == candidates else torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        while True:
+            if ranks < logits.shape[-1]:
+                ranked = logits.topk(ranks, dim=-1).values
+            else:
+                ranked = logits.sort(dim=-1, descending=True).values
+            if log_total is None:
+                log_total = torch.logsumexp(ranked.float(), dim=-1, keepdim=True)
+            probs = (ranked.float() - log_total).exp()
+            reached = probs.cumsum(dim=-1)
+            if ranks == candidates or bool(((reached[:, -1:] >= p) | keeps_all).all()):
+                break
+            ranks = min(candidates, ranks * RANKS_GROWTH)
+        mass_before = reached - probs
+        # the most likely token always stays; the kept tokens are a prefix of the ranked row
+        kept = (mass_before < p).sum(dim=-1, keepdim=True).clamp_min(1)
+        least_kept = ranked.gather(1, kept - 1).masked_fill(keeps_all, NEG_INF)
         return logits.masked_fill(logits < least_kept, filter_value)
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams, SamplingPipeline, StopChecker
-from astrai.inference.sampling import MinPStrategy, TopKStrategy, TopPStrategy, apply_penalties, draw
+from astrai.inference.sampling import (FIRST_RANKS, RANKS_GROWTH, MinPStrategy, TopKStrategy, TopPStrategy,
+                                      apply_penalties, draw)
 from inference_helpers import greedy_reference
 
 
@@ -98,6 +99,30 @@ def test_top_k_and_top_p_match_their_full_sort_definitions(seed):
     assert torch.equal(torch.isfinite(both), torch.isfinite(reference_top_p(top_k, p)))
     alone = TopPStrategy(torch.tensor(p)).apply(logits.clone())
     assert torch.equal(torch.isfinite(alone), torch.isfinite(reference_top_p(logits, p)))
+
+
+def test_top_p_ranks_the_whole_vocabulary_only_when_the_first_ranks_fall_short(monkeypatch):
+    """A peaked row's cut lies among its FIRST_RANKS most likely tokens, a broader one's among 16
+    times as many: no full sort. A flat row (the cut thousands of tokens down) and a batch
+    holding a flat and a peaked row still get the exact cut."""
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sorts.append(self.shape) or real_sort(self, *a, **k))
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(1, 8192, generator=gen) * 6
+    broad = torch.randn(1, 8192, generator=gen) * 1.5
+    flat = torch.randn(1, 8192, generator=gen) * 0.1
+    kept = [int(reference_top_p(x, [0.9]).isfinite().sum()) for x in (peaked, broad, flat)]
+    assert kept[0] < FIRST_RANKS < kept[1] < FIRST_RANKS * RANKS_GROWTH < kept[2]
+    for logits in (peaked, broad):
+        sorts.clear()
+        out = TopPStrategy(0.9).apply(logits.clone())
+        assert sorts == [] and torch.equal(out.isfinite(), reference_top_p(logits, [0.9]).isfinite())
+    for logits in (flat, torch.cat([peaked, flat]), torch.cat([flat, peaked])):
+        p = [0.9] * logits.shape[0]
+        sorts.clear()
+        out = TopPStrategy(torch.tensor(p)).apply(logits.clone())
+        assert len(sorts) == 1 and torch.equal(out.isfinite(), reference_top_p(logits, p).isfinite())
 
 
 def test_top_p_keeps_ties_at_the_cut_whatever_the_batch_mates():
