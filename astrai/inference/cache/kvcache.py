@@ -337,8 +337,9 @@ class KVCache:
         Meant for the engine's fused step (fp32 CPU storage): it skips the view, whose tensors
         of indices cost a tenth of a millisecond a step that the kernel does not need. The
         buffers count the row as ``pos + steps`` tokens long afterwards; a run of steps that
-        ends early leaves them counting too many, so the next step refills the row from the
-        pages (which the kernel wrote as well) instead of trusting it."""
+        ends early says how many ran (``RowTarget.ran``), so the next step finds the row in
+        place. Were it not told, the next step would refill the row from the pages (which the
+        kernel wrote as well) instead of trusting it."""
         try:
             pages, ps = self._table.get(task_id), self.page_size
         except KeyError:  # aborted meanwhile (from another thread): the usual view writes it to the sink
