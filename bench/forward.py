@@ -14,14 +14,14 @@ reported beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 
 def step(forward, ids: torch.Tensor, model: torch.nn.Module) -> None:
@@ -38,7 +38,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per model (interleaved)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "forward.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
 
     import transformers
@@ -78,9 +78,7 @@ def main() -> int:
         "ratio": paired, "best_step_ratio": best_tps["astrai"] / best_tps["transformers"],
         "median_step_ratio": tps["astrai"] / tps["transformers"], "step_seconds": times,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result("forward", result, args.out)
     print(f"{args.preset} ({result['parameters'] / 1e6:.1f}M params), batch {args.batch}x{args.seq}, "
           f"{args.threads} threads, logit gap {gap:.2e}")
     print(f"astrai        {tps['astrai']:9.1f} tokens/s (forward+backward, median step)")

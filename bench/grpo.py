@@ -28,6 +28,7 @@ from astrai.inference import SamplingParams  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.tokenize import AutoTokenizer  # noqa: E402
 from astrai.trainer.strategies.grpo import GRPOStrategy  # noqa: E402
+from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 
 def corpus(limit: int = 600):
@@ -56,7 +57,7 @@ def main() -> int:
     parser.add_argument("--group_size", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "grpo.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.train(corpus(), 1000, show_progress=False)
@@ -108,10 +109,8 @@ def main() -> int:
         "engine_tokens_per_s": median("engine_tokens_per_s"), "rollout_vs_engine": ratio, "target": 0.8,
         "per_step": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"rollout at {ratio:.0%} of the standalone engine's throughput (target >= 80%); wrote {out}")
+    write_result("grpo", result, args.out)
+    print(f"rollout at {ratio:.0%} of the standalone engine's throughput (target >= 80%)")
     return 0
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -73,7 +75,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "preprocess.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
 
     from astrai.dataset import DatasetFactory, PreprocessOptions, run_preprocess
@@ -122,8 +124,7 @@ def main() -> int:
         "sft_getitem_vs_need": round(sft_rate / needed, 1),
         "target_getitem_vs_need": 10,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_result("preprocess", results, args.out)
     print(json.dumps(results, indent=2))
     print(f"preprocess / bare encode_batch = {results['preprocess_vs_bare_ratio']:.2f}x, / encode_batch_fast = "
           f"{results['preprocess_vs_bare_fast_ratio']:.2f}x (target >= 0.7); "

@@ -18,7 +18,6 @@ alone (the chat page's default), where top-p has the whole vocabulary to rank.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from astrai.inference.sampling import SamplingPipeline, draw  # noqa: E402
+from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 SETTINGS = {"temperature 1": dict(temperature=1.0, top_k=0, top_p=1.0),
             "T 0.8, top-k 50, top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
@@ -77,7 +77,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, nargs="+", default=[4096, 32000])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--inner", type=int, default=20)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "sampling.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -104,10 +104,7 @@ def main() -> int:
             results.append({"batch": args.batch, "vocab": vocab, "setting": name,
                             "ms": {side: t * 1e3 for side, t in times.items()},
                             "speedup_seeded": ratio_seeded, "speedup_unseeded": ratio_unseeded})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result("sampling", {"rows": results}, args.out)
     return 0
 
 

@@ -19,7 +19,7 @@ generates exactly ``--max-tokens`` tokens (``ignore_eos``), so both sides do equ
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python bench/serve.py [--model DIR] [--quick]
 Without --model a random-weight model of the ``tiny`` preset is built with a tokenizer
-trained on the bundled corpus. Writes bench/results/serve.json.
+trained on the bundled corpus. Writes a dated JSON file to bench/results/.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from astrai.parallel.setup import free_port  # noqa: E402
+from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-RESULTS = ROOT / "bench" / "results" / "serve.json"
 MODEL_NAME = "bench"
 PROMPTS = ["Tell me about the sea.", "讲一个关于月亮的故事。", "List three prime numbers.", "What is a transformer?"]
 
@@ -337,9 +337,7 @@ def main() -> None:
         results["target_overhead_at_32"] = 0.10
         results["meets_target_throughput"] = top["http_overhead"] <= 0.10
         results["meets_target_cpu"] = results["http_layer"].get("http_cpu_share", 1.0) <= 0.10
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
-    print(f"wrote {RESULTS}")
+    write_result("serve", results)
 
 
 if __name__ == "__main__":

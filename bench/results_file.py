@@ -1,0 +1,54 @@
+"""Where every benchmark writes its figures: one dated JSON file per run in bench/results/.
+
+Each file records when it was measured, on what machine (CPU model, cores, the vector
+features that decide which kernels run, memory) and with which command, so a figure in
+docs/benchmarks.md can always be traced to the run that produced it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def describe_machine() -> dict:
+    """The CPU model, logical cores, memory and the vector features found at run time."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    memory_gib = None
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        memory_gib = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
+    import torch
+
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib,
+            "features": [f for f in FEATURES if f in flags], "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def write_result(name: str, results: dict, out: str | os.PathLike | None = None) -> Path:
+    """Write ``results`` with the date, the machine and the command to
+    ``bench/results/<name>-<UTC timestamp>.json`` (or ``out``); returns the path."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    path = Path(out) if out else RESULTS_DIR / f"{name}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "machine": describe_machine(),
+              "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+              "results": results}
+    path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return path
