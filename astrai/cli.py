@@ -14,6 +14,9 @@ import sys
 
 from astrai.errors import AstraiError
 
+# the verbs that run a model: they tune the process for it first (astrai/backends/cpu/tuning.py)
+COMPUTE_VERBS = frozenset({"quickstart", "train", "generate", "chat", "serve", "eval"})
+
 VERBS: dict[str, tuple[str, str]] = {
     "quickstart": ("astrai.quickstart", "train a bilingual tiny model end to end (tokenizer → PT → SFT → DPO → GRPO) with a report"),
     "tokenizer": ("astrai.tokenize.cli", "train or inspect a byte-level BPE tokenizer"),
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv else 2
     try:
+        if args.verb in COMPUTE_VERBS:
+            from astrai.backends.cpu import tune_process
+
+            tune_process()
         return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
     except AstraiError as exc:
         print(f"astrai {args.verb}: error: {exc}", file=sys.stderr)

@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from astrai.config import preset  # noqa: E402
-from astrai.huge_pages import huge_page_empty  # noqa: E402
+from astrai.backends.cpu import tune_process  # noqa: E402
+from astrai.backends.cpu.huge_pages import huge_page_empty  # noqa: E402
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.model.hf import export_llama  # noqa: E402
@@ -347,6 +348,7 @@ def main() -> None:
     if args.bound_rounds < 1 or args.bound_repeats < 1:
         parser.error("--bound-rounds and --bound-repeats must be at least 1")
     torch.set_num_threads(args.threads)
+    tune_process()  # as the CLI verbs do; it applies to both sides of every comparison
     parts = set(args.parts.split(","))
     results = {"threads": args.threads, "torch": torch.__version__}
     n_new = 32 if args.quick else 128

@@ -40,12 +40,12 @@ class RandomTokens(Dataset):
 
 def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 20) -> float:
     """This machine's best FLOP/s for a size² matmul: PyTorch's own (MKL for fp32, oneDNN for
-    bf16) or, for fp32, oneDNN's, which astrai trains with where it is faster (on the
-    twentieth session's AMD VM about twice MKL's), so the fraction of peak stays below one."""
+    bf16) or, for fp32, oneDNN's, which astrai trains with where it is faster, so the fraction
+    of peak stays below one."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     kernels = [lambda: a @ b]
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        from astrai.model.components.onednn_linear import onednn_product
+        from astrai.backends.cpu.training import onednn_product
 
         kernels.append(lambda: onednn_product(a, b))
     best = float("inf")
@@ -184,6 +184,9 @@ def main() -> int:
     args = parser.parse_args()
     args.compile = [] if args.compile is None else args.compile or args.precisions
     torch.set_num_threads(args.threads)
+    from astrai.backends.cpu import tune_process
+
+    tune_process()  # as the CLI verbs do; it applies to both sides of every comparison
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s", flush=True)
     results = [bench_one(p, prec, args, peaks) for p in args.presets for prec in args.precisions]

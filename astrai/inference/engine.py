@@ -5,6 +5,10 @@
 ids, and returns text, a list of texts, or a generator of text pieces that never
 split a UTF-8 character. The scheduler thread starts with the engine and stops on
 ``shutdown`` (or leaving the ``with`` block).
+
+Building an engine changes nothing outside it: it serves its own copy of the model
+(``in_place=True`` consents to preparing the given object instead) and sets no process-wide
+option; ``astrai.backends.cpu.tune_process`` is the explicit call for those.
 """
 
 from __future__ import annotations
@@ -18,36 +22,23 @@ import torch
 
 from astrai.errors import RequestError
 from astrai.inference.handle import RequestHandle
-from astrai.inference.scheduler import GREEDY_RUN_SECONDS, GREEDY_RUN_STEPS, InferenceScheduler
+from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
-from astrai.inference.weight_layout import lay_out_linears
-from astrai.model.components.packed_weights import pack_linears
-from astrai.runtime import tune_allocator
 
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 Prompt = Union[str, list[int], list[dict]]
 
 
 class InferenceEngine:
-    def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
-                 max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
-                 prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
-                 default_params: Optional[SamplingParams] = None, stop_ids: Optional[list[int]] = None,
-                 pack_weights: bool = True, greedy_run_steps: int = GREEDY_RUN_STEPS,
-                 greedy_run_seconds: float = GREEDY_RUN_SECONDS):
-        tune_allocator()  # see astrai/runtime.py: prefill activations are re-allocated every step
-        model.eval()
-        lay_out_linears(model)  # decode streams the weights faster this way (see weight_layout.py)
-        if pack_weights:  # products of several rows run faster from oneDNN-packed copies (see packed_weights.py)
-            pack_linears(model)
-        self.model = model
+    """Serves ``model`` with continuous batching. ``settings`` are ``InferenceScheduler``'s
+    (max_batch_size, max_seq_len, page_size, num_pages, prefix_cache, in_place, ...), given
+    to it as they are; ``default_params`` fill the sampling fields a request leaves out."""
+
+    def __init__(self, model, tokenizer=None, default_params: Optional[SamplingParams] = None, **settings: Any):
         self.tokenizer = tokenizer
         self.default_params = default_params or SamplingParams()
-        self.scheduler = InferenceScheduler(model, tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                            max_prompt_len=max_prompt_len, page_size=page_size, num_pages=num_pages,
-                                            prefill_chunk_size=prefill_chunk_size, max_queue=max_queue,
-                                            prefix_cache=prefix_cache, stop_ids=stop_ids,
-                                            greedy_run_steps=greedy_run_steps, greedy_run_seconds=greedy_run_seconds)
+        self.scheduler = InferenceScheduler(model, tokenizer, **settings)
+        self.model = self.scheduler.model
         self.scheduler.start()
 
     @classmethod
@@ -60,6 +51,7 @@ class InferenceEngine:
         model = AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         limits.setdefault("default_params", _read_generation_config(Path(model_dir)))
+        limits.setdefault("in_place", True)  # the model was loaded for this engine alone
         return cls(model, tokenizer, **limits)
 
     # --- token level ----------------------------------------------------------------
@@ -131,13 +123,11 @@ class InferenceEngine:
         return self.scheduler.get_stats()
 
     def update_weights(self, model_or_state_dict) -> None:
-        """Load new weights (e.g. a GRPO policy update) between steps; the prefix cache is dropped,
-        since cached K/V came from the old weights. Running requests continue with the new weights."""
+        """The one way to change the served weights (e.g. a GRPO policy update): copied in between
+        steps, into the engine's model as it was prepared; the prefix cache is dropped, since
+        cached K/V came from the old weights. Running requests continue with the new weights."""
         state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) else model_or_state_dict
-        with self.scheduler.model_lock:
-            with torch.no_grad():
-                self.model.load_state_dict(state)
-            self.scheduler.clear_prefix_cache()
+        self.scheduler.load_weights(state)
 
     def shutdown(self) -> None:
         self.scheduler.stop()

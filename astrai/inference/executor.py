@@ -1,13 +1,9 @@
-"""Executor: runs one forward for all tasks of a step and samples their next tokens.
+"""Executor: runs one step for its tasks through the model runner and samples their next tokens.
 
-Each row is one task feeding its uncomputed tokens (a prefill chunk, or the last
-sampled token when decoding), padded to the longest row. Positions come from the
-cache view (absolute positions, so cached prefixes and preempted tasks line up), and
-``logits_index`` asks the model for each row's last real position only, so the
-vocabulary projection (and the last block's output projection and feed-forward) costs
-one row per task. A GQA model on CPU whose prefill step
-has rows of different lengths gets them packed instead: one row of every task's
-chunk after the other, no padding, with attention run per task (see KvcacheView).
+Each row is one task feeding its uncomputed tokens (a prefill chunk, or the last sampled
+token when decoding). The executor turns tasks into the runner's plain rows, advances
+each task's ``num_computed`` by what the step computed, and samples every row that has
+reached the end of its context from the logits the runner returns.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from astrai.inference.cache import KVCache
-from astrai.inference.fused_decode import FusedDecode
+from astrai.inference.runner import GreedyRun, ModelRunner, Row
 from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw, row_argmax
 from astrai.inference.task import Task
 from astrai.inference.types import TokenLogprob
@@ -26,60 +21,29 @@ Sampled = tuple[int, Optional[TokenLogprob]]  # a token id and, when asked for, 
 
 
 class Executor:
-    def __init__(self, model, page_cache: KVCache, tokenizer=None):
-        self.model = model
+    def __init__(self, runner: ModelRunner, tokenizer=None):
+        self.runner = runner
         self.tokenizer = tokenizer
-        self.page_cache = page_cache
-        self.device = next(model.parameters()).device
-        self.generator = torch.Generator(device=self.device)  # unseeded requests' draws (seeded ones bring their own)
+        self.generator = torch.Generator(device=runner.device)  # unseeded requests' draws (seeded ones bring their own)
         self.generator.seed()
-        config = getattr(model, "config", None)
-        # the attention that reads the view's row_spans; on CPU, where SDPA's causal kernel
-        # per row beat the masked kernel over padded rows
-        self.packs_prefill = getattr(config, "attn_type", None) == "gqa" and self.device.type == "cpu"
-        # a single request's decode step in one C call when the model fits (fused_decode.py)
-        self.fused_decode = FusedDecode.for_model(model) if self.device.type == "cpu" else None
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @property
+    def page_cache(self):
+        return self.runner.cache
 
     @torch.inference_mode()
     def forward(self, tasks: Sequence[Task], n_new: Sequence[int]) -> tuple[torch.Tensor, Optional[list[int]]]:
         """Feed ``n_new[i]`` uncomputed tokens of each task; return last-position logits [B, V]
-        and each row's argmax when the step found it with them (the fused one-row step does, in
-        the head's product), else None."""
-        fused = self._fused_logits(tasks, n_new) if self.fused_decode is not None else None
-        if fused is not None:
-            logits, argmax = fused[0], [fused[1]]
-        else:
-            starts = [t.num_computed for t in tasks]
-            ids = [t.task_id for t in tasks]
-            table = self.page_cache.make_table_tensor(ids, self.device, n_tokens=max(s + n for s, n in zip(starts, n_new)))
-            view = self.page_cache.bind(table, starts, n_new, task_ids=ids, packed=self.packs_prefill)
-            logits = self._model_logits(view, [t.context[s:s + n] for t, s, n in zip(tasks, starts, n_new)], n_new)
-            argmax = None
+        and each row's argmax when the runner found it on the way, else None."""
+        rows = [Row(t.task_id, t.context[t.num_computed:t.num_computed + n], t.num_computed) for t, n in zip(tasks, n_new)]
+        logits, argmax = self.runner.forward(rows)
         for t, n in zip(tasks, n_new):
             t.num_computed += n
         return logits, argmax
-
-    def _fused_logits(self, tasks: Sequence[Task], n_new: Sequence[int]) -> Optional[tuple[torch.Tensor, int]]:
-        """A single request's decode step through the C step (fused_decode.py): its logits [1, V]
-        and their argmax, or None when it does not qualify."""
-        if len(tasks) != 1 or n_new[0] != 1 or not self.fused_decode.ready():
-            return None
-        task = tasks[0]
-        target = self.page_cache.decode_target(task.task_id, task.num_computed)
-        return None if target is None else self.fused_decode(task.context[task.num_computed], target)
-
-    def _model_logits(self, view, chunks: list[list[int]], n_new: Sequence[int]) -> torch.Tensor:
-        """The model's forward over the step's new tokens; each row's last position's logits [B, V]."""
-        if view.packed:
-            input_ids = torch.tensor([[token for chunk in chunks for token in chunk]], device=self.device)
-            ends = torch.tensor(n_new, device=self.device).cumsum(0) - 1
-            out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=ends.view(1, -1))
-            return out["logits"][0]
-        T = max(n_new)
-        input_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], device=self.device)
-        logits_index = None if T == 1 else torch.tensor([n - 1 for n in n_new], device=self.device)
-        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
-        return out["logits"][:, -1]
 
     def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[Sampled]]:
         """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""
@@ -93,9 +57,8 @@ class Executor:
         return tokens
 
     def execute_decode(self, tasks: Sequence[Task]) -> list[Sampled]:
-        """One token for each task; rows ordered as the cache's decode buffers hold them, so a
-        changed batch costs a few row copies instead of a re-gather. Results are in ``tasks`` order."""
-        order = self.page_cache.decode_order([t.task_id for t in tasks], [t.num_computed for t in tasks])
+        """One token for each task, the rows in the order the runner prefers; results in ``tasks`` order."""
+        order = self.runner.decode_order([Row(t.task_id, [], t.num_computed) for t in tasks])
         ordered = [tasks[i] for i in order]
         sampled = self.sample(ordered, *self.forward(ordered, [1] * len(ordered)))
         results: list[Sampled] = [None] * len(tasks)  # type: ignore[list-item]
@@ -105,26 +68,22 @@ class Executor:
 
     def runs_greedy_steps(self, task: Task) -> bool:
         """Whether ``task``'s decode steps may run several to one call (``execute_greedy_steps``):
-        a greedy request without penalties or log-probabilities, on a model the fused step serves."""
+        a greedy request without penalties or log-probabilities, on a runner that takes such runs."""
         p = task.params
-        return (self.fused_decode is not None and p.temperature == 0 and not _has_penalty(p)
+        return (self.runner.runs_greedy and p.temperature == 0 and not _has_penalty(p)
                 and not p.logprobs and not p.top_logprobs)
 
     @torch.inference_mode()
     def execute_greedy_steps(self, task: Task, steps: int, stop_ids: Iterable[int],
                              max_seconds: float = float("inf")) -> list[Sampled]:
-        """Up to ``steps`` tokens of a lone greedy task (``runs_greedy_steps``) from one call into
-        the fused step, fewer when one is in ``stop_ids`` or once the steps have taken
-        ``max_seconds``; the task's pages must cover them (``KVCache.task_extend``). One token
-        through the usual step when the call does not qualify."""
-        if self.fused_decode.ready():
-            target = self.page_cache.decode_target(task.task_id, task.num_computed, steps)
-            if target is not None:
-                tokens = self.fused_decode.greedy_steps(task.context[task.num_computed], target, sorted(stop_ids),
-                                                        max_seconds)
-                if tokens:
-                    task.num_computed += len(tokens)
-                    return [(token, None) for token in tokens]
+        """Up to ``steps`` tokens of a lone greedy task (``runs_greedy_steps``) from one run, fewer
+        when one is in ``stop_ids`` or once the steps have taken ``max_seconds``; the task's pages
+        must cover them. One token through the usual step when the runner cannot take the run."""
+        row = Row(task.task_id, [task.context[task.num_computed]], task.num_computed)
+        tokens = self.runner.greedy_run(GreedyRun(row, steps, tuple(sorted(stop_ids)), max_seconds))
+        if tokens:
+            task.num_computed += len(tokens)
+            return [(token, None) for token in tokens]
         return self.execute_decode([task])
 
     @torch.inference_mode()

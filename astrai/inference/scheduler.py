@@ -7,16 +7,13 @@ with exactly one uncomputed token), alternating when both kinds wait so a long p
 never stalls the running decodes, (3) runs that step in one forward, and (4) turns
 the sampled tokens into events, finishing and releasing tasks as they end.
 
-A lone greedy request whose model the fused C step serves decodes up to
-``greedy_run_steps`` (default 8) tokens per step instead of one, each the argmax the last one gave
-(Executor.execute_greedy_steps): the loop's own work and the executor's checks, some
-0.1-0.3 ms, then come once per run instead of once per token. A run also ends after the
-step that brings it to ``greedy_run_seconds`` (default 0.05): a streamed token, and a
-request arriving meanwhile (admitted after the run), wait that long at most, on a large
-model as on a small one - where a step takes longer than that, each run is one step, and
-the saving, a fraction of a millisecond per step, would be lost in it anyway. Runs never
-pass max_tokens or the context limit, and the tokens after a stop string are the only ones
-computed and thrown away.
+A lone greedy request, on a runner that takes runs of greedy steps, is given up to
+``greedy_run_steps`` (default 8) tokens per step instead of one, each the argmax the last
+one gave: the loop's bookkeeping then comes once per run instead of once per token. A run
+also ends after the step that brings it to ``greedy_run_seconds`` (default 0.05), so a
+streamed token, and a request arriving meanwhile, wait that long at most whatever the
+model's size. Runs never pass max_tokens or the context limit, and the tokens after a stop
+string are the only ones computed and thrown away.
 
 When decoding needs a page and none is left, the newest running task is preempted:
 its pages are released (full ones stay in the prefix cache) and it goes back to the
@@ -40,7 +37,7 @@ import torch
 from astrai.errors import OverloadedError, RequestError
 from astrai.inference.cache import KVCache
 from astrai.inference.executor import Executor
-from astrai.inference.openmp import release_thread_pool
+from astrai.inference.runner import create_runner
 from astrai.inference.task import Task, TaskManager, TaskStatus
 from astrai.inference.types import SamplingParams, StreamEvent
 from astrai.inference.validation import check_fits, check_params, check_prompt
@@ -63,11 +60,17 @@ def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len:
 
 
 class InferenceScheduler:
+    """Continuous batching over a model runner (see the module's docstring).
+
+    ``in_place=True`` lets the runner prepare ``model`` itself for serving instead of a copy
+    of it (astrai/inference/runner.py): for a caller that has no further use for the object.
+    """
+
     def __init__(self, model, tokenizer=None, max_batch_size: int = 16, max_seq_len: Optional[int] = None,
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
                  prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
                  stop_ids: Optional[Iterable[int]] = None, greedy_run_steps: int = GREEDY_RUN_STEPS,
-                 greedy_run_seconds: float = GREEDY_RUN_SECONDS):
+                 greedy_run_seconds: float = GREEDY_RUN_SECONDS, in_place: bool = False):
         for name, value in (("max_batch_size", max_batch_size), ("page_size", page_size),
                             ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue),
                             ("greedy_run_steps", greedy_run_steps)):
@@ -77,7 +80,6 @@ class InferenceScheduler:
                 or not greedy_run_seconds >= 0:
             raise RequestError(f"greedy_run_seconds must be a number of seconds >= 0 (inf: no limit), "
                                f"got {greedy_run_seconds!r}")
-        self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_batch_size = max_batch_size
@@ -96,7 +98,9 @@ class InferenceScheduler:
             probe = KVCache.for_model(model, num_pages=1, page_size=page_size, prefix_cache=False)
             num_pages = default_num_pages(probe.storage.bytes_per_token(), max_batch_size, self.max_seq_len, page_size)
         self._page_cache = KVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_cache=prefix_cache)
-        self._executor = Executor(model, self._page_cache, tokenizer)
+        self._runner = create_runner(model, self._page_cache, in_place)
+        self.model = self._runner.model
+        self._executor = Executor(self._runner, tokenizer)
         self._task_mgr = TaskManager()
         self._lock = threading.RLock()  # reentrant: a stream callback may abort its own task
         self._wake = threading.Condition(self._lock)
@@ -131,7 +135,7 @@ class InferenceScheduler:
         if params.temperature > 0 and params.seed is not None:  # reproducible whoever shares the batch
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         task = Task(task_id or uuid.uuid4().hex, ids, params, stream_callback, self.tokenizer, generator)
-        release_thread_pool()  # the caller's idle OpenMP workers would slow every op of the loop (see openmp.py)
+        self._runner.release_threads()  # the caller's idle compute threads would slow the loop's
         with self._lock:
             if not self._running:
                 raise RequestError("the engine is not running (it was shut down or never started)")
@@ -197,6 +201,12 @@ class InferenceScheduler:
                 "output_tokens": s["output_tokens"],
             }
 
+    def load_weights(self, state: dict) -> None:
+        """New weights for the served model, between steps; the prefix cache goes with the old ones."""
+        with self.model_lock:
+            self._runner.load_weights(state)
+            self.clear_prefix_cache()
+
     def clear_prefix_cache(self) -> None:
         with self._lock:
             self._page_cache.clear_prefix()
@@ -206,7 +216,7 @@ class InferenceScheduler:
         while True:
             with self._lock:
                 if self._running and not self._task_mgr.waiting and not self._task_mgr.running:
-                    release_thread_pool()  # idle: let other threads' torch work run unthrottled
+                    self._runner.release_threads()  # idle: let other threads' work run unthrottled
                 while self._running and not self._task_mgr.waiting and not self._task_mgr.running:
                     self._wake.wait()
                 if not self._running:
@@ -330,7 +340,7 @@ class InferenceScheduler:
         the executor packs prefill rows (no padding), the budget counts real tokens."""
         batch, n_new, width = [], [], 0
         budget = self.prefill_chunk_size
-        if self._executor.packs_prefill:
+        if self._runner.packs_prefill:
             for task in prefill:
                 n = min(task.remaining, budget - sum(n_new))
                 if n < 1:

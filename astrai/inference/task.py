@@ -119,15 +119,16 @@ class Task:
             reason = "stop"
         else:
             if self._decoder is not None:
-                text, self.matched_stop = self._stopper.push(self._decoder.push(token_id))
+                text = self._stopper.push(self._decoder.push(token_id))
+                self.matched_stop = self._stopper.matched
                 if self.matched_stop is not None:
                     reason = "stop"
             if reason is None and (len(self.output_ids) >= p.max_tokens or len(self.context) >= max_seq_len):
                 reason = "length"
         if reason is not None:
             if self.matched_stop is None and self._decoder is not None:
-                tail, self.matched_stop = self._stopper.push(self._decoder.flush())
-                text += tail + (self._stopper.flush() if self.matched_stop is None else "")
+                text += self._stopper.push(self._decoder.flush()) + self._stopper.flush()
+                self.matched_stop = self._stopper.matched
             self.finish(reason)
         self.text += text
         return StreamEvent(text=text, token_ids=[token_id], logprobs=[logprob] if logprob is not None else [],

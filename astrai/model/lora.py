@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from astrai.errors import CheckpointError, ConfigError
-from astrai.model.components.layers import Linear, linear
+from astrai.model.components.layers import Linear
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -74,7 +74,7 @@ class LoRALinear(nn.Linear):
         self.adapter_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias)  # the base product as astrai's Linear runs it
+        out = F.linear(x, self.weight, self.bias)
         if self.adapter_enabled:
             out = out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
         return out

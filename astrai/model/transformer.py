@@ -117,9 +117,11 @@ class Transformer(AutoModel):
         x = self.norm(x)
         if target_ids is None:
             out = {"logits": self.lm_head(x), "hidden_states": x}
-        elif type(self.lm_head) is Linear and self.lm_head.bias is None:
-            out = {"loss": linear_cross_entropy(x, self.lm_head.weight, target_ids, IGNORE_INDEX, label_smoothing),
-                   "hidden_states": x}
+        elif isinstance(self.lm_head, Linear) and self.lm_head.bias is None:
+            # a head that brings its own matrix product (a training opt-in) lends it to the loss
+            loss = linear_cross_entropy(x, self.lm_head.weight, target_ids, IGNORE_INDEX, label_smoothing,
+                                        product=getattr(self.lm_head, "product", None))
+            out = {"loss": loss, "hidden_states": x}
         else:  # a wrapped head (LoRA, tensor parallel): its own forward, then the plain loss
             logits = self.lm_head(x).flatten(0, 1).float()
             out = {"loss": F.cross_entropy(logits, target_ids.flatten(), ignore_index=IGNORE_INDEX,

@@ -13,10 +13,10 @@ from torch.utils.data import Dataset
 
 from astrai.config import TrainConfig
 from astrai.errors import ConfigError
+from astrai.backends.cpu import fast_training_products
 from astrai.parallel import is_distributed, setup_parallel, spawn_parallel_fn, torchrun_env, unwrap_model
 from astrai.parallel.setup import default_device_type
 from astrai.parallel.wrap import no_sync
-from astrai.runtime import tune_allocator
 from astrai.serialization import Checkpoint
 from astrai.trainer.builder import TrainContextBuilder, resolve_device
 from astrai.trainer.callbacks import CallbackFactory, TrainCallback
@@ -42,7 +42,6 @@ class Trainer:
     def __init__(self, train_config: TrainConfig, callbacks: Optional[list[TrainCallback]] = None,
                  model: Optional[nn.Module] = None, train_dataset: Optional[Dataset] = None,
                  val_dataset: Optional[Dataset] = None, tokenizer: Any = None, strategy_extra: Optional[dict] = None):
-        tune_allocator()  # see astrai/runtime.py: re-faulting freed activations costs more than the math
         self.train_config = train_config
         self.callbacks = list(callbacks or [])
         self.model, self.train_dataset, self.val_dataset, self.tokenizer = model, train_dataset, val_dataset, tokenizer
@@ -97,8 +96,10 @@ class Trainer:
 
         try:
             fire("on_train_begin")
-            while not context.done and not context.stop_requested:
-                self._run_epoch(context, fire)
+            # the CPU's faster fp32 products, for this run only (astrai/backends/cpu/training.py)
+            with fast_training_products(unwrap_model(context.model)):
+                while not context.done and not context.stop_requested:
+                    self._run_epoch(context, fire)
             fire("on_train_end")
         except BaseException as exc:
             context.error = exc

@@ -71,16 +71,16 @@ def test_prefix_sharing_gives_identical_output(kind):
 def test_concurrent_shared_prefix_waits_for_cache(gqa_model, monkeypatch):
     """Requests sharing a prefix that arrive together compute it once and still match; their
     suffixes are prefilled together, reading the shared pages once (cascade attention)."""
-    from astrai.model.components import attention
+    from astrai.backends.cpu import attention
 
     split_rows = []
-    real_split = attention._attend_shared_prefix
+    real_split = attention.attend_shared_prefix
 
     def spy(q, shared, suffix, suffix_mask):
         split_rows.append((q.shape[0], shared[0].shape[0]))
         return real_split(q, shared, suffix, suffix_mask)
 
-    monkeypatch.setattr(attention, "_attend_shared_prefix", spy)
+    monkeypatch.setattr(attention, "attend_shared_prefix", spy)
     system = _prompts(5, [32])[0]
     prompts = [system + [i, i + 1] for i in range(6)]
     expected = [greedy_reference(gqa_model, p, 5) for p in prompts]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai.inference import InferenceEngine, SamplingParams, SamplingPipeline, StopChecker
+from astrai.inference import InferenceEngine, SamplingParams, SamplingPipeline
 from astrai.inference.sampling import (FIRST_RANKS, RANKS_GROWTH, MinPStrategy, TopKStrategy, TopPStrategy,
                                       apply_penalties, draw)
 from inference_helpers import greedy_reference
@@ -172,15 +172,6 @@ def test_penalties():
     row = torch.tensor([2.0, -2.0, 1.0, 0.5])
     apply_penalties(row, context_ids=[0, 1], output_ids=[2, 2], repetition=2.0, frequency=0.5, presence=0.25)
     assert row.tolist() == [1.0, -4.0, 1.0 - 1.0 - 0.25, 0.5]
-
-
-def test_stop_checker_holds_back_partial_matches():
-    s = StopChecker(["</a>", "END"])
-    out = [s.push(p) for p in ["hel", "lo <", "/", "a> tail"]]
-    assert "".join(t for t, _ in out) == "hello "
-    assert out[-1][1] == "</a>"
-    s = StopChecker(["</a>"])
-    assert s.push("x <") == ("x ", None) and s.push("b") == ("<b", None) and s.flush() == ""
 
 
 @pytest.mark.timeout(60)

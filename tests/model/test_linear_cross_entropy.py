@@ -17,14 +17,16 @@ def reference(hidden, weight, targets, smoothing=0.0):
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=-100, label_smoothing=smoothing)
 
 
-@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, onednn):
-    """fp32 on either kernel: MKL's products written in place per chunk, or oneDNN's with
-    the weight gradient taken per group of chunks (here 2 chunks: 32 + 32 + 11 rows)."""
+def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, given):
+    """fp32 with either product: torch.mm's written in place per chunk, or a given ``product``
+    (a training head's) with the weight gradient taken per group of chunks (here 2 chunks:
+    32 + 32 + 11 rows)."""
     monkeypatch.setattr(lce, "CHUNK_ROWS", 16)  # 3 x 25 rows: several chunks, the last one partial
     monkeypatch.setattr(lce, "GRADIENT_ROWS_BYTES", 50 * 4 * 32)
-    monkeypatch.setattr(lce, "use_onednn", lambda *args: onednn)
+    calls = []
+    product = (lambda a, b: calls.append(a.shape) or a @ b.t()) if given else None
     torch.manual_seed(0)
     hidden = torch.randn(3, 25, 32, requires_grad=True)
     weight = (torch.randn(50, 32) * 0.3).requires_grad_()
@@ -32,8 +34,9 @@ def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, o
     targets[0, :7] = -100  # ignored tokens: no loss, no gradient
     want = reference(hidden, weight, targets, smoothing)
     want_h, want_w = torch.autograd.grad(want * 3.0, (hidden, weight))
-    got = lce.linear_cross_entropy(hidden, weight, targets, label_smoothing=smoothing)
+    got = lce.linear_cross_entropy(hidden, weight, targets, label_smoothing=smoothing, product=product)
     got_h, got_w = torch.autograd.grad(got * 3.0, (hidden, weight))
+    assert len(calls) == (5 + 3 if given else 0)  # 5 chunks' logits, 3 groups' weight gradients
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
     torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)

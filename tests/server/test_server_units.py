@@ -9,7 +9,7 @@ import pytest
 from astrai.inference.server.errors import APIError, error_body
 from astrai.inference.server.schemas import ChatCompletionRequest, MessagesRequest
 from astrai.inference.server.sse import sse_event
-from astrai.inference.server.stop import StopChecker
+from astrai.inference.stop import StopChecker
 from astrai.inference.server.toolcalls import ParsedToolCall, ToolCallStreamParser, parse_tool_calls, render_tool_call
 
 

@@ -13,7 +13,7 @@ from .openai_handler import OpenAICompletionHandler, OpenAIHandler
 from .protocol import ProtocolHandler
 from .runner import run_server
 from .schemas import AnthropicMessage, ChatCompletionRequest, ChatMessage, CompletionRequest, MessagesRequest
-from .stop import StopChecker
+from astrai.inference.stop import StopChecker
 
 __all__ = ["create_app", "run_server", "ProtocolHandler", "OpenAIHandler", "OpenAICompletionHandler",
            "AnthropicHandler", "StreamContext", "StopChecker", "ChatMessage", "ChatCompletionRequest",

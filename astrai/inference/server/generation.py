@@ -18,7 +18,7 @@ from astrai.errors import OverloadedError, RequestError
 from astrai.inference.types import SamplingParams, TokenLogprob
 
 from .errors import APIError
-from .stop import StopChecker
+from astrai.inference.stop import StopChecker
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from astrai.config import ModelConfig
 from astrai.factory import BaseFactory
-from astrai.model.components.layers import Linear, linear_group
+from astrai.model.components.layers import Linear
 
 
 class FFNFactory(BaseFactory[nn.Module]):
@@ -27,12 +27,15 @@ class MLP(nn.Module):
         self.up = Linear(dim, dim_ffn)
         self.down = Linear(dim_ffn, dim)
 
-    def joint_linears(self) -> list[tuple[nn.Module, ...]]:
-        """gate and up read the same input: ``linear_group`` reads them together."""
-        return [(self.gate, self.up)]
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The linears that read the input, in the order ``project`` returns them."""
+        return (self.gate, self.up)
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m(x) for m in self.input_projections()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear_group(x, self.joint_linears()[0])
+        gate, up = self.project(x)
         return self.down(F.silu(gate) * up)
 
 

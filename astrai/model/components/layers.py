@@ -7,12 +7,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-import torch.nn.functional as F
-
-from astrai.model.components.joint_weights import joint_weight
-from astrai.model.components.native_kernels import kernels_available, row_major, row_product
-from astrai.model.components.packed_weights import packed_joint_weight, packed_linear, packed_weight
-from astrai.model.components.onednn_linear import OneDnnLinear, use_onednn
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +21,7 @@ class RMSNorm(nn.Module):
         weight = self.weight
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _RMSNormFunction.apply(x, weight, self.norm_eps)
-        if x.dtype == weight.dtype == torch.float32:  # no casts to call: 13 against 27 µs for one row
+        if x.dtype == weight.dtype == torch.float32:  # no casts to make
             return _rms_norm(x, weight, self.norm_eps)[0]
         return _rms_norm(x.float(), weight.float(), self.norm_eps)[0].to(x.dtype)
 
@@ -40,10 +34,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a hand-written backward: autograd's own graph of the composite norm
-    (pow, mean, rsqrt, two products, and a weight gradient reduced over every token)
-    cost about 2.5 ms per call on a [4, 256, 256] batch on CPU; this one a few
-    hundred µs. Only x and 1/rms are saved.
+    """RMSNorm with a hand-written backward: autograd's graph of the composite norm
+    (pow, mean, rsqrt, two products, a weight gradient reduced over every token) keeps
+    several activation-sized intermediates and runs many small kernels; this one saves
+    only x and 1/rms.
 
     With y = x̂·w and x̂ = x·r (r = 1/rms): dL/dw = Σ g·x̂ and
     dL/dx = r·(g·w − x̂·mean(g·w·x̂)).
@@ -66,100 +60,11 @@ class _RMSNormFunction(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
 
-SPLIT_MAX_ROWS = 64  # products of at most this many rows are split in two (see Linear)
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` without a bias unless asked (the usual LLM convention).
-
-    Without autograd, a product of a few rows on the CPU - a decode step - runs faster
-    than ``F.linear`` does it:
-
-    - one row through astrai's C kernel when it is built (native_kernels.py), which
-      reads each thread's stretch of the weight's rows as one stream;
-    - two or more rows from the weight's oneDNN-packed copy, which the inference engine
-      makes by default (packed_weights.py);
-    - otherwise, up to 64 rows, split into two halves of the outputs run as one batched
-      product. The CPU BLAS runs a one-row product on a single thread and uses its
-      second thread poorly for a few rows, while ``bmm`` gives each half a thread of its
-      own. Over the ~125M model's weights on the AMD VM (2 threads): 1 row 16 against
-      36 ms for ``F.linear``, 4 rows 21 against 60, 16 rows 51 against 67, 64 rows 107
-      against 129.
-
-    Training (with gradients) takes ``OneDnnLinear`` for fp32 on a CPU where oneDNN's
-    matmul measured faster than MKL's (onednn_linear.py), else the plain product.
-    """
+    """``nn.Linear`` without a bias unless asked (the usual LLM convention)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kwargs):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``; without autograd on the CPU, one row through the C kernel, several
-    from the weight's oneDNN-packed copy when the inference engine made one (see
-    packed_weights.py), else a few rows split in two (see ``Linear``); with autograd, fp32
-    on a CPU through oneDNN where it pays (onednn_linear.py)."""
-    if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
-        if x.numel() != x.shape[-1]:  # one row streams the plain weight faster than the packed copy
-            packed = packed_weight(weight)
-            if packed is not None:
-                return packed_linear(x, packed, bias)
-        elif (weight.dtype == torch.float32 and x.is_contiguous() and row_major(weight)
-              and (bias is None or bias.dtype == torch.float32) and kernels_available()):
-            return row_product(x, weight, None if bias is None else bias.contiguous())
-        if (x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.is_contiguous()
-                and weight.shape[0] % 2 == 0 and torch.get_num_threads() > 1):
-            return _split_product(x, weight, bias)
-    elif torch.is_grad_enabled() and use_onednn(x, weight, bias):
-        return OneDnnLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def linear_group(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> list[torch.Tensor]:
-    """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
-
-    When the inference engine has stacked their weights in one buffer (see
-    astrai/inference/weight_layout.py), the group runs as one product over the joint
-    weight: for one row (a single request's decode step) through the C kernel, one
-    longer stretch of memory per thread instead of two or three short ones, which
-    streamed the ~125M model's weights at 30.8 against 28.0 GB/s on the AMD VM (a ``sum``
-    over the same bytes: 32.7); for more rows from the joint weight's oneDNN-packed copy,
-    one call instead of two or three (each costs some 25 µs beyond its arithmetic).
-    Anything else (autograd, other layouts, LoRA layers) takes each module's own forward.
-    """
-    if (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and len(modules) > 1 and all(type(m).forward is Linear.forward for m in modules)):
-        weights = [m.weight for m in modules]
-        joint = joint_weight(weights)
-        out = None if joint is None else _joint_product(x, joint, weights)
-        if out is not None:
-            parts = out.split([m.out_features for m in modules], dim=-1)
-            return [part if m.bias is None else part + m.bias for part, m in zip(parts, modules)]
-    return [m(x) for m in modules]
-
-
-def _joint_product(x: torch.Tensor, joint: torch.Tensor, weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``x`` times the joint weight: one row by the C kernel, more from the packed copy;
-    None when neither is at hand."""
-    if x.numel() == x.shape[-1]:
-        return row_product(x, joint) if x.is_contiguous() and kernels_available() else None
-    packed = packed_joint_weight(joint, weights)
-    return None if packed is None else packed_linear(x, packed, None)
-
-
-def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a contiguous ``weight`` with an even number of
-    outputs, as one ``bmm`` over its two halves of rows (one thread each)."""
-    n_out, n_in = weight.shape
-    rows = x.reshape(-1, n_in)
-    halves = torch.bmm(weight.view(2, n_out // 2, n_in), rows.t().expand(2, n_in, rows.shape[0]))  # [2, out/2, R]
-    out = halves.permute(2, 0, 1).reshape(rows.shape[0], n_out)
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], n_out)
 
 
 def select_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -2,40 +2,32 @@
 
 The usual way - logits = h @ Wᵀ for every token, then ``F.cross_entropy`` - builds the
 [tokens, vocab] logits, their log-softmax and, in backward, a zeroed gradient of the
-same size: for a 32k vocabulary and 1k tokens that is 131 MB each, fresh from the
-allocator every step (page faults included) and streamed through memory several
-times. On a CPU the projection and its loss took about half of the `tiny` preset's
-training step. Here the rows are processed in chunks of 256 tokens: each
-chunk's logits become the loss and, at once, the gradient with respect to them
-(softmax − target distribution), which is pushed straight into the gradients of the
-hidden states and the weight. Backward then only scales those by the incoming
-gradient. The arithmetic is the same; only the memory traffic is gone.
+same size, each streamed through memory several times. Here the rows are processed in
+chunks of 256 tokens: each chunk's logits become the loss and, at once, the gradient
+with respect to them (softmax − target distribution), which is pushed straight into the
+gradients of the hidden states and the weight. Backward then only scales those by the
+incoming gradient. The arithmetic is the same; only the memory traffic is gone.
 
-Each chunk's logits are computed transposed, ``weight @ hidden.T`` = [vocab, rows]. With
-the vocabulary as the product's long (M) side the CPU BLAS ran it 15-35% faster than
-``hidden @ weight.T`` (for 128-512 rows of width 256 against 8k words: 115-142 against
-85-108 GFLOP/s on the AMD VM), and the two gradient products then take the transposed
-chunk as it lies. The whole projection + loss + gradients of 1,024 tokens took 89
-against 105 ms (8k words, width 256) and 664 against 759 ms (32k, width 512).
+Each chunk's logits are computed transposed, ``weight @ hidden.T`` = [vocab, rows]: with
+the vocabulary as the product's long side the CPU BLAS runs it faster, and the two
+gradient products then take the transposed chunk as it lies.
 
-Which kernel runs each product is ``HeadProducts``' choice: in fp32 on a CPU where
-oneDNN's matmul beats MKL's (onednn_linear.py) the forward product and the weight
-gradient go to oneDNN, the latter as one product per group of chunks. In bf16 the
-weight gradient is grouped the same way, because it has to end in fp32: a bf16 product
-per chunk added into the fp32 gradient cost a widening pass and a fresh weight-sized
-temporary each time (the `small` preset's head with 1,024 tokens: 208 against 249 ms
-in bf16, 417 against 436 ms in fp32, on the twentieth session's AMD VM).
+The products run on ``torch.mm`` unless the caller passes ``product`` (a function giving
+``a @ bᵀ``, such as a faster product a training head may bring): then the forward
+product and the weight gradient take it, the latter as one product per group of chunks.
+In bf16 the weight gradient is grouped the same way, because it has to end in fp32: a
+bf16 product per chunk added into the fp32 gradient would cost a widening pass and a
+weight-sized temporary each time.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from astrai.model.components.onednn_linear import onednn_product, use_onednn
 
 IGNORE_INDEX = -100
 CHUNK_ROWS = 256  # tokens per chunk: fewer rows starve the matmuls, more buy little (measured, 8k and 32k vocabularies)
@@ -46,7 +38,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``ignore_index`` skipped)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, compute_dtype):
+    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, compute_dtype, product):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, vocab = hidden.shape[0], weight.shape[0]
         valid = targets != ignore_index
@@ -55,11 +47,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         row_weight = valid.to(torch.float32) / count.clamp_min(1)
         w = weight.to(compute_dtype)
         h_all = hidden.to(compute_dtype)
-        products = HeadProducts(w, h_all)
+        products = HeadProducts(w, product)
         chunk = min(CHUNK_ROWS, max(n, 1))
         group = products.gradient_group_rows(chunk) if need_weight else chunk
-        # the chunks' fp32 logits, reused; oneDNN's product returns its own
-        workspace = None if products.onednn else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
+        # the chunks' fp32 logits, reused; a given product returns its own
+        workspace = None if products.product is not None else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
         need_gradients = need_hidden or need_weight
         # a group's logit gradients; ungrouped (fp32 on MKL) each chunk's go in place of its logits
         gradients = (torch.empty(vocab, min(group, n), dtype=compute_dtype, device=hidden.device)
@@ -114,27 +106,27 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 class HeadProducts:
     """The projection's three products for one call, each on the kernel that runs it fastest.
 
-    In fp32 the forward product ``W @ hᵀ`` and the weight gradient ``G @ h`` take oneDNN
-    where ``onednn_fp32_pays`` (onednn_linear.py), else MKL, writing in place. In
-    bf16 every product is oneDNN's already; there the logits come out in bf16 and are
+    In fp32 the forward product ``W @ hᵀ`` and the weight gradient ``G @ h`` take
+    ``product`` when one is given, else ``torch.mm`` writing in place. In bf16 every product
+    is the BLAS's; there the logits come out in bf16 and are
     widened into the fp32 workspace, and the weight gradient, which has to end in fp32,
     is one product over a whole group of chunks (``gradient_group_rows``) instead of a
     bf16 product per chunk added into fp32, which cost a widening pass and a fresh
     temporary of the weight's size each time.
     """
 
-    def __init__(self, weight: torch.Tensor, hidden: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, product: Optional[Callable] = None):
         self.weight = weight
         fp32 = weight.dtype == torch.float32
-        self.onednn = fp32 and use_onednn(hidden, weight, None)
-        # a weight gradient product per chunk, accumulated in place, is free in fp32 on MKL
-        self.grouped = not fp32 or self.onednn
+        self.product = product if fp32 else None
+        # a weight gradient product per chunk, accumulated in place, is free in fp32 on the BLAS
+        self.grouped = not fp32 or self.product is not None
 
     def gradient_group_rows(self, chunk: int) -> int:
         """Rows per weight-gradient product: a multiple of ``chunk`` whose gradients fit
@@ -145,17 +137,16 @@ class HeadProducts:
         return max(1, GRADIENT_ROWS_BYTES // (per_row * chunk)) * chunk
 
     def logits(self, h: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-        """fp32 ``W @ hᵀ`` [vocab, rows]: in ``out``, or a fresh tensor from oneDNN (``out`` None)."""
-        if self.onednn:
-            return onednn_product(self.weight, h)
+        """fp32 ``W @ hᵀ`` [vocab, rows]: in ``out``, or a fresh tensor from ``product`` (``out`` None)."""
+        if self.product is not None:
+            return self.product(self.weight, h)
         if self.weight.dtype == torch.float32:
             return torch.mm(self.weight, h.t(), out=out)
         return out.copy_(self.weight @ h.t())
 
     def hidden_gradient(self, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` = ``gradᵀ @ W`` [rows, dim]: the BLAS's product in either precision (with
-        the vocabulary as its inner dimension oneDNN's fp32 kernel ran it no faster than MKL,
-        and at half the speed on a column slice of the gradient rows)."""
+        """``out`` = ``gradᵀ @ W`` [rows, dim]: the BLAS's product in either precision, written in
+        place (with the vocabulary as its inner dimension a given product gains nothing here)."""
         if self.weight.dtype == out.dtype:
             torch.mm(grad.t(), self.weight, out=out)
         else:
@@ -166,21 +157,23 @@ class HeadProducts:
         if not self.grouped:
             torch.addmm(out, grad, h, beta=1 if accumulate else 0, out=out)
             return
-        product = onednn_product(grad, h.t()) if self.onednn else grad @ h
+        product = self.product(grad, h.t()) if self.product is not None else grad @ h
         out.add_(product) if accumulate else out.copy_(product)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
+                         product: Optional[Callable] = None) -> torch.Tensor:
     """Same value and gradients as ``F.cross_entropy(hidden @ weight.T, targets)`` (fp32 loss).
 
     ``hidden`` [..., D] and ``targets`` [...] are flattened. The projections run in
-    ``projection_dtype``; softmax and the loss are always fp32.
+    ``projection_dtype``; softmax and the loss are always fp32. ``product(a, b)`` = ``a @ bᵀ``
+    replaces ``torch.mm`` for the fp32 products (see the module's docstring).
     """
     compute_dtype = projection_dtype(hidden.device.type, weight.dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                                        ignore_index, float(label_smoothing), compute_dtype)
+                                        ignore_index, float(label_smoothing), compute_dtype, product)
 
 
 def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
@@ -188,12 +181,10 @@ def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype
     except bf16 autocast on a CPU that multiplies bf16 matrices no faster than fp32 ones,
     where it stays in the weights' fp32.
 
-    CPUs differ here, and not by their flags: on this project's Xeon VMs (avx512_bf16,
-    no AMX) bf16 ran at 157 against 269 GFLOP/s for fp32 at 1024², on its AMD EPYC VMs
-    at 429 against 190. Where bf16 is slower, this largest matmul of a small model would
-    lose time, the precision of the logits the softmax over the whole vocabulary is most
-    sensitive to, and a recast of the (tied) embedding every step; where it is faster it
-    saved a fifth of a `tiny` bf16 training step (157 against 201 ms). So the CPU is asked
+    CPUs differ here, and not by their flags: some with bf16 instructions multiply bf16
+    matrices slower than fp32 ones. There this largest matmul of a small model would lose
+    time, the precision of the logits the softmax over the whole vocabulary is most
+    sensitive to, and a recast of the (tied) embedding every step. So the CPU is asked
     once per process (``cpu_bf16_matmul_pays``). The rest of the model follows autocast.
     """
     if not torch.is_autocast_enabled(device_type):

@@ -1,5 +1,6 @@
-"""fp32 training products through oneDNN: same values and gradients as ``F.linear``, taken
-only where they should be, and chosen by measuring this CPU."""
+"""fp32 training products through oneDNN (astrai/backends/cpu/training.py): same values and
+gradients as ``F.linear``, taken only where they should be, chosen by measuring this CPU, and
+switched on for a model only within ``fast_training_products``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch.nn.functional as F
 
 from astrai.config import preset
 from astrai.model import AutoModel
-from astrai.model.components import layers
-from astrai.model.components import linear_cross_entropy as lce
-from astrai.model.components import onednn_linear
+from astrai.backends.cpu import training as onednn_linear
+from astrai.backends.cpu.training import OneDnnLinear, fast_training_products, training_linear
+from astrai.model.components.layers import Linear
 
 pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
                                      and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
@@ -29,7 +30,6 @@ def onednn_calls(monkeypatch):
         return real(x, weight, bias)
 
     monkeypatch.setattr(onednn_linear, "onednn_product", counting)
-    monkeypatch.setattr(lce, "onednn_product", counting)
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: True)
     monkeypatch.setattr(onednn_linear, "onednn_weight_grad_pays", lambda: True)
     return calls
@@ -46,7 +46,7 @@ def test_values_and_gradients_match_f_linear(onednn_calls, monkeypatch, with_bia
     grad_out = torch.randn(24, 5, 3).permute(2, 1, 0)  # not contiguous either
     inputs = (x, weight) + ((bias,) if with_bias else ())
 
-    got = layers.linear(x, weight, bias)
+    got = training_linear(x, weight, bias)
     got_grads = torch.autograd.grad(got, inputs, grad_out)
     # the forward product and, in backward, the input's gradient, and the weight's where that pays
     assert len(onednn_calls) == (3 if weight_grad_pays else 2)
@@ -63,7 +63,7 @@ def test_frozen_weight_gets_no_gradient_and_input_still_does(onednn_calls):
     torch.manual_seed(1)
     x = torch.randn(7, 16, requires_grad=True)
     weight = torch.randn(12, 16)  # frozen (a LoRA base weight)
-    out = layers.linear(x, weight)
+    out = training_linear(x, weight)
     (grad_x,) = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(grad_x, torch.ones(7, 12) @ weight)
     assert weight.grad is None and onednn_calls
@@ -72,19 +72,19 @@ def test_frozen_weight_gets_no_gradient_and_input_still_does(onednn_calls):
 def test_only_fp32_products_with_autograd_take_onednn(onednn_calls):
     x, weight = torch.randn(6, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
     with torch.no_grad():
-        layers.linear(x, weight)  # inference keeps its own paths
+        training_linear(x, weight)  # inference keeps its own paths
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert layers.linear(x, weight).dtype == torch.bfloat16  # autocast's bf16 product
-    layers.linear(x.double(), weight.double())
+        assert training_linear(x, weight).dtype == torch.bfloat16  # autocast's bf16 product
+    training_linear(x.double(), weight.double())
     assert onednn_calls == []
-    layers.linear(x, weight)
+    training_linear(x, weight)
     assert onednn_calls == [((6, 16), (8, 16))]
 
 
 def test_without_the_measured_gain_training_keeps_f_linear(onednn_calls, monkeypatch):
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
     x, weight = torch.randn(6, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
-    layers.linear(x, weight).sum().backward()
+    training_linear(x, weight).sum().backward()
     assert onednn_calls == []
 
 
@@ -102,21 +102,25 @@ def test_a_training_step_matches_the_mkl_one(onednn_calls, monkeypatch):
         loss.backward()
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    got_loss, got_grads = step()
+    plain = step()
+    assert onednn_calls == []  # not opted in: the model's own products
+    with fast_training_products(model) as switched:
+        assert switched == 2 * 7 + 1 and type(model.lm_head) is OneDnnLinear
+        got_loss, got_grads = step()
+    assert type(model.lm_head) is Linear  # given back with its own classes
     # the head's forward W @ hᵀ ([vocab, rows], the vocabulary as the long side) and its weight
     # gradient G @ h over the rows' logit gradients G [vocab, rows]: the same operand shapes
     assert onednn_calls.count(((300, 64), (64, 64))) == 2
     # 2 layers x 7 linears (q, k, v, o, gate, up, down): forward, input and weight gradients; the head's two
     assert len(onednn_calls) == 2 * 7 * 3 + 2
-    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
-    want_loss, want_grads = step()
+    want_loss, want_grads = plain
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("mkl_s, onednn_s, forced, expected", [
-    (1.0, 0.8, None, True),  # oneDNN clearly faster (this project's AMD VMs)
+    (1.0, 0.8, None, True),  # oneDNN clearly faster
     (1.0, 0.97, None, False),  # within the 5% margin
     (1.0, 1.3, None, False),  # MKL faster
     (1.0, 0.8, "0", False),  # turned off
@@ -132,8 +136,8 @@ def test_onednn_is_chosen_by_measuring_this_cpu(monkeypatch, mkl_s, onednn_s, fo
 
 
 @pytest.mark.parametrize("forward_pays, transposed_s, expected", [
-    (True, (1.0, 0.6), True),  # the twentieth session's AMD VM: oneDNN wins the transposed layout too
-    (True, (1.0, 1.2), False),  # the earlier AMD VM: the forward layout only
+    (True, (1.0, 0.6), True),  # oneDNN wins the transposed layout too
+    (True, (1.0, 1.2), False),  # the forward layout only
     (False, (1.0, 0.6), False),  # no oneDNN for the forward product: none for its gradient
 ])
 def test_the_weight_gradient_layout_is_measured_on_its_own(monkeypatch, forward_pays, transposed_s, expected):
@@ -160,7 +164,7 @@ def test_no_rows_give_a_zero_weight_gradient(onednn_calls):
     """An expert that no token chose multiplies zero rows: its weight gradient is zero, not an error."""
     x = torch.randn(0, 16, requires_grad=True)
     weight = torch.randn(8, 16, requires_grad=True)
-    (grad_weight,) = torch.autograd.grad(layers.linear(x, weight).sum() + weight.sum() * 0, weight)
+    (grad_weight,) = torch.autograd.grad(training_linear(x, weight).sum() + weight.sum() * 0, weight)
     assert torch.equal(grad_weight, torch.zeros(8, 16))
 
 
@@ -183,12 +187,20 @@ def test_a_compiled_step_keeps_the_onednn_products(monkeypatch):
     want_loss, want_grads = step(model)
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    step(compiled)  # compiles
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got_loss, got_grads = step(compiled)
+    with fast_training_products(model):
+        step(compiled)  # compiles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got_loss, got_grads = step(compiled)
     names = [event.name for event in prof.events()]
     # per layer 7 forward products, 7 input and 7 weight gradients; the head's forward and weight gradient
     assert names.count("astrai::onednn_product") == 2 * 7 * 3 + 2
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_opting_out_where_onednn_does_not_pay_switches_nothing(monkeypatch):
+    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
+    model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=1, dim_ffn=128, max_len=64))
+    with fast_training_products(model) as switched:
+        assert switched == 0 and type(model.lm_head) is Linear

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.model.components import attention, native_kernels
-from astrai.model.components.native_kernels import decode_attention, decode_attention_available
+from astrai.backends.cpu import attention, kernels as native_kernels
+from astrai.backends.cpu.kernels import decode_attention, kernels_available
 from inference_helpers import greedy_reference, make_model
 
 
@@ -34,7 +34,7 @@ def _reference(q, k, v, lens, scale):
 def test_the_kernel_builds_on_this_machine():
     # CI machines have a C compiler; without one the engine falls back (tested below), but the
     # kernel's own correctness must be checked somewhere, so this must not silently skip
-    assert decode_attention_available()
+    assert kernels_available()
 
 
 # the general loop's shapes, then each copy compiled for a fixed shape (width 64: 1, 2, 4 heads per
@@ -71,8 +71,8 @@ def test_kernel_matches_the_batched_products_it_replaces():
     q = torch.randn(rows, 1, kv_heads * group, width)
     mask = torch.zeros(rows, 1, 1, S).masked_fill_(torch.arange(S).view(1, 1, 1, S) >= lens.view(rows, 1, 1, 1),
                                                   float("-inf"))
-    want = attention._attend_one_query(q, k, v, mask, None)
-    assert torch.allclose(attention._attend(q, k, v, mask, context_lens=lens), want, atol=1e-5)
+    want = attention.attend_one_query(q, k, v, mask)
+    assert torch.allclose(decode_attention(q, k, v, lens, width ** -0.5), want, atol=1e-5)
 
 
 def test_kernel_refuses_lengths_and_layouts_it_cannot_read():
@@ -109,7 +109,7 @@ def test_engine_decode_steps_run_the_kernel(monkeypatch):
 
 def test_without_the_kernel_decode_falls_back_to_batched_products(monkeypatch):
     monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")  # its one-row steps run the kernel inside C
-    monkeypatch.setattr(attention, "decode_attention_available", lambda: False)
+    monkeypatch.setattr(attention, "kernels_available", lambda: False)
     monkeypatch.setattr(attention, "decode_attention", lambda *a: pytest.fail("kernel called"))
     got, expected = _engine_outputs("tiny")
     assert got == expected
@@ -121,7 +121,7 @@ def test_no_compiler_or_switched_off_means_no_kernel_and_one_warning(monkeypatch
     assert native_kernels._library.__wrapped__() is None
     monkeypatch.delenv("ASTRAI_NATIVE_KERNELS")
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    with caplog.at_level(logging.WARNING, logger="astrai.model.components.native_kernels"):
+    with caplog.at_level(logging.WARNING, logger="astrai.backends.cpu.kernels"):
         assert native_kernels._library.__wrapped__() is None
     assert "could not build astrai's decode kernels" in caplog.text
     assert not list(tmp_path.rglob("*.so"))

@@ -1,4 +1,4 @@
-"""The engine's CPU weights live in memory advised for 2 MiB pages (faster streaming when decoding)."""
+"""The CPU runner's weights live in memory advised for 2 MiB pages (faster streaming when decoding)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
+from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from inference_helpers import greedy_reference, make_model
 
 pytestmark = pytest.mark.skipif(not huge_pages_available(), reason="transparent huge pages need Linux with THP not 'never'")
@@ -61,7 +61,7 @@ def test_small_buffers_and_the_switch_give_plain_memory(monkeypatch):
 def test_a_refused_mapping_or_advice_falls_back_to_plain_memory(monkeypatch):
     import mmap
 
-    from astrai import huge_pages
+    from astrai.backends.cpu import huge_pages
 
     def refuse(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
@@ -88,7 +88,10 @@ def test_the_engine_lays_large_weights_into_huge_pages_and_decodes_the_same():
     table = model.embed_tokens.weight
     assert "hg" not in _vm_flags(table.data_ptr())
     with InferenceEngine(model, None, max_batch_size=2, num_pages=16, page_size=4) as engine:
-        assert model.embed_tokens.weight is table and model.lm_head.weight is table
+        assert "hg" not in _vm_flags(table.data_ptr())  # the caller's model stays as it was
+        model = engine.model
+        table = model.embed_tokens.weight
+        assert model.lm_head.weight is table
         assert "hg" in _vm_flags(table.data_ptr())
         gate_up = model.layers[0].mlp.gate.weight
         assert gate_up.numel() * 8 >= HUGE_PAGE_BYTES and "hg" in _vm_flags(gate_up.data_ptr())

@@ -1,5 +1,5 @@
 """Runs of greedy decode steps in one call into C (the engine's ``greedy_run_steps``,
-Executor.execute_greedy_steps, native_kernels.decode_steps): a lone greedy request takes up
+Executor.execute_greedy_steps, kernels.decode_steps): a lone greedy request takes up
 to eight steps per loop step, with the tokens of full recomputation; a stop id ends the run
 inside the kernel, a stop string drops the rest of it, max_tokens is never passed; a request
 that arrives meanwhile is served exactly; and runs stay off where the logits themselves are
@@ -12,10 +12,10 @@ import torch
 
 from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.inference import fused_decode as fused_module
-from astrai.inference.cache.decode_buffers import DecodeBuffers
+from astrai.backends.cpu import fused_decode as fused_module
+from astrai.backends.cpu.decode_buffers import DecodeBuffers
+from astrai.backends.cpu.kernels import kernels_available
 from astrai.inference.scheduler import GREEDY_RUN_SECONDS
-from astrai.model.components.native_kernels import kernels_available
 from inference_helpers import greedy_reference, make_model, with_uneven_norms
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
@@ -96,7 +96,7 @@ def test_runs_go_on_through_a_growth_of_the_decode_buffers(runs):
     prompt = [9, 4, 1]
     with _engine(model) as engine:
         result = engine.submit(prompt, _greedy(300)).result(timeout=60)
-        assert engine.scheduler.page_cache._dense.generation >= 2  # made once, grown at least once
+        assert engine.scheduler._runner.decode_buffers.generation >= 2  # made once, grown at least once
     assert result.token_ids == greedy_reference(model, prompt, 300)
     assert sum(done for _, done in runs) == 299
 
@@ -165,7 +165,7 @@ def test_a_token_the_embedding_has_no_row_for_ends_the_run(runs):
     i = _first_new(expected, 2, 8)
     with _engine(model) as engine:
         engine.submit(PROMPT, _greedy(2)).result(timeout=60)  # builds the fused step's table
-        fused = engine.scheduler._executor.fused_decode
+        fused = engine.scheduler._runner.fused_decode
         limit = expected[i]
         fused._vocab = limit
         runs.clear()

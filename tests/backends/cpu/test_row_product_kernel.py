@@ -1,6 +1,6 @@
 """The C one-row product: equal to F.linear for row-major weights (with rows further apart
-than the inputs, any thread count, with and without bias), used by ``linear`` for exactly
-the single-row products it serves, and by a single request's decode steps."""
+than the inputs, any thread count, with and without bias), used by ``serving_product`` for
+exactly the single-row products it serves, and by a single request's decode steps."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.model.components import layers
-from astrai.model.components.native_kernels import kernels_available, row_product, row_product_argmax
+from astrai.backends.cpu import serving
+from astrai.backends.cpu.kernels import kernels_available, row_product, row_product_argmax
 from inference_helpers import greedy_reference, make_model
 
 
@@ -96,14 +96,14 @@ def test_row_product_refuses_layouts_it_cannot_read():
 
 def test_linear_sends_only_single_rows_with_row_major_weights_to_the_kernel(monkeypatch):
     calls = []
-    monkeypatch.setattr(layers, "row_product", lambda x, w, b: calls.append(x.shape) or x @ w.t())
+    monkeypatch.setattr(serving, "row_product", lambda x, w, b: calls.append(x.shape) or x @ w.t())
     weight = torch.randn(16, 24)  # [16 out, 24 in], nn.Linear's layout
     with torch.no_grad():
-        layers.linear(torch.randn(1, 1, 24), weight)
+        serving.serving_product(torch.randn(1, 1, 24), weight, None, None)
         assert len(calls) == 1
-        layers.linear(torch.randn(1, 3, 24), weight)  # several rows: not the kernel
-        layers.linear(torch.randn(1, 1, 24), weight.t().contiguous().t())  # column-major: not the kernel
-    layers.linear(torch.randn(1, 1, 24), weight)  # autograd on: not the kernel
+        serving.serving_product(torch.randn(1, 3, 24), weight, None, None)  # several rows: not the kernel
+        serving.serving_product(torch.randn(1, 1, 24), weight.t().contiguous().t(), None, None)  # column-major: not the kernel
+    serving.serving_product(torch.randn(1, 1, 24), weight, None, None)  # autograd on: not the kernel
     assert len(calls) == 1
 
 
@@ -112,7 +112,7 @@ def _single_request_outputs():
     prompts = [[5, 9, 200, 3], [17] * 11, [1]]
     expected = [greedy_reference(model, p, 12) for p in prompts]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=64, pack_weights=False) as engine:
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=64) as engine:
         got = [engine.submit(p, params).result(timeout=60).token_ids for p in prompts]
     return got, expected
 
@@ -121,8 +121,8 @@ def test_single_request_decode_runs_the_kernel_and_matches_recomputation(monkeyp
     """The model's own forward (the fused step, test_fused_decode.py, turned off)."""
     monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")
     calls = []
-    real = layers.row_product
-    monkeypatch.setattr(layers, "row_product", lambda x, w, b=None: calls.append(w.shape) or real(x, w, b))
+    real = serving.row_product
+    monkeypatch.setattr(serving, "row_product", lambda x, w, b=None: calls.append(w.shape) or real(x, w, b))
     got, expected = _single_request_outputs()
     assert got == expected
     assert len(calls) > 3 * 11 * 5  # every decode step's products (5 per layer + head at least)
@@ -130,7 +130,7 @@ def test_single_request_decode_runs_the_kernel_and_matches_recomputation(monkeyp
 
 def test_without_the_kernels_single_rows_take_the_split(monkeypatch):
     monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")
-    monkeypatch.setattr(layers, "kernels_available", lambda: False)
-    monkeypatch.setattr(layers, "row_product", lambda *a: pytest.fail("kernel called"))
+    monkeypatch.setattr(serving, "kernels_available", lambda: False)
+    monkeypatch.setattr(serving, "row_product", lambda *a: pytest.fail("kernel called"))
     got, expected = _single_request_outputs()
     assert got == expected

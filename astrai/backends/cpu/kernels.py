@@ -2,32 +2,28 @@
 
 Three kernels live in ``native/``, built into one library.
 
-Decode attention. PyTorch has no CPU kernel for attention of one query over rows of different lengths:
-the engine's decode attention used two batched products (``bmm``) over every row
-padded to the batch's longest context. On the AMD VM those read K/V at 17-30 GB/s, and
-in the 64-request benchmark a third of what they read was padding. The kernel in
-``native/decode_attention.c`` reads each row's own context only, once, with
-vectorised loops (about 34 GB/s of useful K/V on 40 rows of 100-700 tokens: 0.49
-against 0.95-1.5 ms for the products).
+Decode attention. PyTorch has no CPU kernel for attention of one query over rows of
+different lengths: batched products over every row padded to the longest context read the
+padding too. ``native/decode_attention.c`` reads each row's own context only, once, with
+vectorised loops.
 
 One-row products. A single request's decode step is bound by streaming the weights.
 ``native/row_product.c`` reads a row-major weight (nn.Linear's layout) one output row
-at a time, each thread a contiguous stretch of rows: one stream per thread, which on
-the AMD VM read as fast as a plain sum over the same bytes (see that file).
+at a time, each thread a contiguous stretch of rows: one stream per thread.
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a plain
 GQA + SwiGLU model for one row - norms, rotary embedding, K/V writes, attention, SiLU,
 residuals and the head - in one call, between the same one-row products and decode
-attention as above; ``astrai/inference/fused_decode.py`` decides when a model and a step
-qualify and builds its table of pointers. ``decode_steps`` runs several such steps of a
-greedy request in one call, each taking the last one's argmax as its token.
+attention as above; fused_decode.py decides when a model and a step qualify and builds its
+table of pointers. ``decode_steps`` runs several such steps of a greedy request in one
+call, each taking the last one's argmax as its token.
 
 The library is built with ``cc`` (``$CC``) into a per-user cache directory, keyed by
 the source, the flags and this CPU's feature flags (it is compiled for this CPU; a new
-build deletes all but the four most recent older ones), and loaded with ctypes; its OpenMP calls resolve to the libgomp that torch already loaded,
-so its threads are torch's. Without a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``,
-nothing is built: attention keeps the batched products and one-row products the split
-(a warning says so once).
+build deletes all but the four most recent older ones), and loaded with ctypes; its OpenMP
+calls resolve to the libgomp that torch already loaded, so its threads are torch's. Without
+a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``, nothing is built: attention keeps the
+batched products and one-row products the split (a warning says so once).
 """
 
 from __future__ import annotations
@@ -141,16 +137,13 @@ def kernels_available() -> bool:
     return _library() is not None
 
 
-decode_attention_available = kernels_available  # the name attention.py asks by
-
-
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                      scale: float, lengths_checked: bool = False) -> torch.Tensor:
     """Attention of one query per row over that row's first ``lens[row]`` keys.
 
     q [B, 1, H, D] contiguous fp32; k [B, S, Hkv, D] and v [B, S, Hkv, Dv], fp32 CPU views
     whose last dimension is contiguous (the decode buffers); ``lens`` [B] int64 with
-    1 <= lens <= S. Returns [B, 1, H, Dv]. Call only when ``decode_attention_available()``.
+    1 <= lens <= S. Returns [B, 1, H, Dv]. Call only when ``kernels_available()``.
     ``lengths_checked`` skips the check of ``lens`` (two reductions per layer) for a
     caller that built them itself within those limits: the engine's decode view.
     """
@@ -237,7 +230,7 @@ def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, 
     (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [capacity, head_dim] contiguous
     are ``rotary_tables``' rows for positions 0..capacity-1, ``capacity`` the decode buffers'
     length and ``head`` the row-major [vocab, dim] output weight. Every pointer in ``layers``
-    must be valid fp32 memory of the sizes the table names (``astrai.inference.fused_decode``
+    must be valid fp32 memory of the sizes the table names (``fused_decode``
     checks them); the plan keeps the tensors given here, and its scratch memory, alive.
     """
     dim, heads, kv_heads, head_dim, ffn = dims

@@ -1,4 +1,4 @@
-"""The fused one-row decode step (astrai/inference/fused_decode.py, native/decode_step.c):
+"""The fused one-row decode step (astrai/backends/cpu/fused_decode.py, native/decode_step.c):
 it serves a single request's decode steps of a plain GQA + SwiGLU model, gives the tokens of
 full recomputation and the log-probabilities of the model's own forward, writes K/V that
 later requests reuse through the prefix cache, follows weights changed after the engine
@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.inference import fused_decode as fused_module
-from astrai.inference.fused_decode import FusedDecode
-from astrai.inference.weight_layout import lay_out_linears
-from astrai.model.components.native_kernels import kernels_available
+from astrai.backends.cpu import fused_decode as fused_module
+from astrai.backends.cpu.fused_decode import FusedDecode
+from astrai.backends.cpu.kernels import kernels_available
+from astrai.backends.cpu.runner import CpuModelRunner
+from astrai.backends.cpu.serving import prepare_for_serving
+from astrai.inference.cache import KVCache
 from astrai.model.lora import LoraConfig, inject_lora
 from inference_helpers import greedy_reference, make_model, with_uneven_norms
 
@@ -97,7 +99,7 @@ def test_decode_buffers_grown_mid_request_are_followed(fused_calls):
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, logprobs=True)
     with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96) as engine:
         result = engine.submit(prompt, params).result(timeout=120)
-        generations = engine.scheduler.page_cache._dense.generation
+        generations = engine.scheduler._runner.decode_buffers.generation
     assert generations >= 2  # made once, grown at least once
     assert len(fused_calls) == params.max_tokens - 1
     assert result.token_ids == greedy_reference(model, prompt, params.max_tokens)
@@ -111,15 +113,18 @@ def test_steps_past_the_decode_buffers_budget_take_the_model_forward(fused_calls
     model = make_model("tiny")
     prompt = [2, 7, 1, 8, 2, 8]
     with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96) as engine:
-        engine.scheduler.page_cache._dense._budget = 0
+        engine.scheduler._runner.decode_buffers._budget = 0
         got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
     assert not fused_calls
     assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
-    from astrai.inference.cache import KVCache
+    runner = _runner(model)
+    runner.decode_buffers._budget = 0
+    assert runner.cache.task_alloc("a", prompt) and runner.decode_target("a", len(prompt)) is None
 
-    cache = KVCache.for_model(model, num_pages=8, page_size=4)
-    cache._dense._budget = 0
-    assert cache.task_alloc("a", prompt) and cache.decode_target("a", len(prompt)) is None
+
+def _runner(model) -> CpuModelRunner:
+    """A CPU runner serving ``model`` itself, over a small cache of its own."""
+    return CpuModelRunner(model, KVCache.for_model(model, num_pages=8, page_size=4), in_place=True)
 
 
 def _reference_logprobs(model, prompt, tokens):
@@ -146,16 +151,17 @@ def test_kv_written_by_fused_steps_serves_a_later_request_through_the_prefix_cac
 
 
 def test_weights_changed_after_the_engine_started_are_followed(fused_calls, monkeypatch):
-    """New values copied in place (same memory), then a weight replaced by a new tensor
-    (new memory: the table is rebuilt, once, not at every step): both show in the next
-    request's tokens."""
+    """With the caller's consent to serve its model in place: new values copied in (same
+    memory), then a weight replaced by a new tensor (new memory: the table is rebuilt, once,
+    not at every step): both show in the next request's tokens."""
     builds = []
     real_table = fused_module._weight_table
     monkeypatch.setattr(fused_module, "_weight_table", lambda m: builds.append(1) or real_table(m))
     model = make_model("tiny")
     other = make_model("tiny", seed=3)
     prompt = [4, 40, 44]
-    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96, prefix_cache=False) as engine:
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96, prefix_cache=False,
+                         in_place=True) as engine:
         engine.submit(prompt, GREEDY).result(timeout=60)
         with torch.no_grad():
             for p, q in zip(model.parameters(), other.parameters()):
@@ -176,16 +182,13 @@ def test_weights_changed_after_the_engine_started_are_followed(fused_calls, monk
         assert len(fused_calls) == steps  # the model's own forward ran
         assert len(builds) == 3
         assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
-        lay_out_linears(model)  # stacked again: the C step is back, reading the new weight
-        got = engine.submit(prompt, GREEDY).result(timeout=60).token_ids
-        assert len(fused_calls) > steps
-        assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
 
 
 def test_a_hook_or_a_swapped_in_lora_layer_sends_steps_back_to_the_model(fused_calls):
-    model = make_model("tiny")
     prompt = [3, 1, 4, 1, 5]
-    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=96, prefix_cache=False) as engine:
+    with InferenceEngine(make_model("tiny"), None, max_batch_size=1, page_size=4, num_pages=96,
+                         prefix_cache=False) as engine:
+        model = engine.model  # the engine's own copy, changed as a user with access to it might
         seen = []
         handle = model.layers[1].mlp.register_forward_hook(lambda *args: seen.append(1))
         engine.submit(prompt, GREEDY).result(timeout=60)
@@ -202,14 +205,14 @@ def test_a_hook_or_a_swapped_in_lora_layer_sends_steps_back_to_the_model(fused_c
                                             ("tiny", dict(use_gated_attention=True)), ("tiny", dict(attn_bias=True))])
 def test_models_of_other_shapes_are_not_fused(kind, overrides):
     model = make_model(kind, **overrides)
-    lay_out_linears(model)
+    prepare_for_serving(model)
     assert FusedDecode.for_model(model) is None
 
 
 def test_plain_model_is_fused_only_once_laid_out_in_fp32():
     model = make_model("tiny")
     assert FusedDecode.for_model(model) is None  # q/k/v and gate/up apart: not the kernel's layout
-    lay_out_linears(model)
+    prepare_for_serving(model)
     assert FusedDecode.for_model(model) is not None
     assert FusedDecode.for_model(make_model("tiny").to(torch.bfloat16)) is None
 
@@ -219,15 +222,11 @@ def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
     forward (which reports it) rather than to C, which would read or write out of bounds."""
     from dataclasses import replace
 
-    from astrai.inference.cache import KVCache
-
-    model = make_model("tiny")
-    lay_out_linears(model)
-    fused = FusedDecode.for_model(model)
-    cache = KVCache.for_model(model, num_pages=8, page_size=4)
-    assert cache.task_alloc("a", [1, 2, 3, 4, 5])
-    target = cache.decode_target("a", 3)
-    assert cache.decode_target("aborted meanwhile", 3) is None  # the usual view sends its writes to the sink page
+    runner = _runner(make_model("tiny"))
+    fused = runner.fused_decode
+    assert runner.cache.task_alloc("a", [1, 2, 3, 4, 5])
+    target = runner.decode_target("a", 3)
+    assert runner.decode_target("aborted meanwhile", 3) is None  # the usual view sends its writes to the sink page
     reached = []
     monkeypatch.setattr(fused_module, "decode_step", lambda *args: reached.append(args[1]) or (torch.zeros(256), 0))
     assert fused.ready()
@@ -241,20 +240,16 @@ def test_the_plan_follows_torchs_thread_count():
     """The C step's scratch memory holds one slice per thread, so a plan made for one thread
     count is made again when torch's changes; the logits do not depend on it (each output is
     one thread's dot product, each attention head one thread's loop)."""
-    from astrai.inference.cache import KVCache
-
-    model = make_model("tiny")
-    lay_out_linears(model)
-    fused = FusedDecode.for_model(model)
-    cache = KVCache.for_model(model, num_pages=8, page_size=4)
-    assert cache.task_alloc("a", [1, 2, 3, 4, 5])
+    runner = _runner(make_model("tiny"))
+    fused = runner.fused_decode
+    assert runner.cache.task_alloc("a", [1, 2, 3, 4, 5])
     before = torch.get_num_threads()
     answers = []
     try:
         for threads in (1, 3, 1):
             torch.set_num_threads(threads)
             assert fused.ready()
-            logits, best = fused(5, cache.decode_target("a", 4))
+            logits, best = fused(5, runner.decode_target("a", 4))
             assert fused._plan.threads == threads
             assert best == int(logits.argmax())
             answers.append(logits)

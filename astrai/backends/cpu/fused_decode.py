@@ -2,31 +2,29 @@
 
 With one row, a decode step of a small model is mostly not arithmetic: each layer's norms,
 rotary embedding, K/V writes, SiLU and residuals are some 60 PyTorch operator calls on a
-few hundred floats, each a few microseconds with the Python around it. On the AMD VM that
-was 4-5 ms of a ~125M model's 20 ms step, the rest being the one-row products streaming
-the weights. ``native/decode_step.c`` does the whole step - embedding row, every layer,
-final norm, head - in one call, between the same one-row products and decode attention
-the unfused step uses, so the step costs what streaming the weights costs.
+few hundred floats, each a few microseconds with the Python around it.
+``native/decode_step.c`` does the whole step - embedding row, every layer, final norm,
+head - in one call, between the same one-row products and decode attention the unfused
+step uses, so the step costs what streaming the weights costs.
 
 It fits a plain model only: GQA attention without QK-norm, output gate or biases, dense
 SwiGLU feed-forwards, fp32 on the CPU, row-major weights with q/k/v and gate/up each stacked
-in one buffer (as the engine lays them, weight_layout.py), no LoRA layers and no hooks, and the
-C kernels built. ``FusedDecode.for_model`` says None for anything else, and a step with
-several rows takes the usual forward; ``ASTRAI_FUSED_DECODE=0`` turns it off. The first
-step after a prefill is fused too: ``KVCache.decode_target`` copies the prompt's K/V from
-the pages into the decode buffers first. Before each step the weights' addresses are
-compared with those the table was built from (``ready``), so a model changed in place
-(weights reloaded, cast, re-laid, LoRA layers swapped in) is checked again instead of read
-through stale pointers.
+in one buffer (as serving.py prepares them), no LoRA layers and no hooks, and the C kernels
+built. ``FusedDecode.for_model`` says None for anything else, and a step with several rows
+takes the usual forward; ``ASTRAI_FUSED_DECODE=0`` turns it off. The first step after a
+prefill is fused too: the runner's ``decode_target`` copies the prompt's K/V from the pages
+into the decode buffers first. Before each step the weights' addresses are compared with
+those the table was built from (``ready``), so a model changed in place (weights reloaded,
+cast, re-laid, LoRA layers swapped in) is checked again instead of read through stale
+pointers.
 
-The executor goes straight from the cache to the kernel (no ``KvcacheView``), and the C
-step's plan (native_kernels.DecodePlan: the table of pointers, rotary rows, scratch memory)
-is made again only when the decode buffers are replaced: the Python of a step is part of
-its time, and on the AMD VM the view's index tensors and a table per step took about 0.4 ms
-of a 10-15 ms ~125M step, against 0.05 ms now. The step also returns the logits' argmax,
-which a greedy request's sampling takes (Executor.sample). A lone greedy request takes
-several steps per call (``greedy_steps``), each step's argmax the next one's token, so the
-checks above and the scheduler's bookkeeping run once per run of steps, not once a step.
+The runner goes straight from the cache to the kernel (no ``KvcacheView``), and the C
+step's plan (kernels.DecodePlan: the table of pointers, rotary rows, scratch memory) is
+made again only when the decode buffers are replaced: the Python of a step is part of its
+time. The step also returns the logits' argmax, which a greedy request's sampling takes.
+A lone greedy request takes several steps per call (``greedy_steps``), each step's argmax
+the next one's token, so the checks above and the scheduler's bookkeeping run once per
+run of steps, not once a step.
 """
 
 from __future__ import annotations
@@ -38,14 +36,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from astrai.inference.cache.kvcache import RowTarget
-from astrai.model.components.attention import GQA
-from astrai.model.components.ffn import MLP
-from astrai.model.components.joint_weights import joint_weight
+from astrai.backends.cpu.decode_buffers import RowTarget
+from astrai.backends.cpu.kernels import (DecodePlan, decode_plan, decode_step, decode_steps, kernels_available,
+                                         row_major)
+from astrai.backends.cpu.serving import ServingGQA, ServingLinear, ServingMLP
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
-from astrai.model.components.native_kernels import (DecodePlan, decode_plan, decode_step, decode_steps,
-                                                     kernels_available, row_major)
 
+PLAIN_LINEARS = (Linear, ServingLinear)  # a stacked group's members stay Linear; the rest are served
 COLUMNS = 14  # int64 values per layer in the C kernel's table (native/decode_step.c)
 
 
@@ -91,7 +88,7 @@ class FusedDecode:
     def greedy_steps(self, token: int, target: RowTarget, stop_ids: Sequence[int],
                      max_seconds: float = float("inf")) -> Optional[list[int]]:
         """``len(target.slots)`` greedy steps in one call, each taking the last one's argmax as
-        its token (``native_kernels.decode_steps``): the tokens, fewer when one is in
+        its token (``kernels.decode_steps``): the tokens, fewer when one is in
         ``stop_ids`` or once the steps have taken ``max_seconds``; None when the steps do not
         qualify (the caller takes single steps). Call when ``ready()`` has just said True."""
         plan = self._checked_plan(token, target)
@@ -158,9 +155,7 @@ class FusedDecode:
 
 class _Snapshot:
     """The model's modules and parameters as the table was built from them, in flat lists, so
-    that the check before every step runs in C-level builtins. Timed in the scheduler's thread
-    (its caches cold after the weights streamed through), a ~125M model's 200-odd entries took
-    0.22 ms a step through a Python loop and 0.17 ms this way."""
+    that the check before every step runs in C-level builtins rather than a Python loop."""
 
     def __init__(self, model: nn.Module):
         watched = _watched(model)
@@ -193,16 +188,17 @@ def _plain_structure(model: nn.Module) -> bool:
     if (config.attn_type != "gqa" or config.use_qk_norm or config.use_gated_attention or config.attn_bias
             or config.n_heads % config.n_kv_heads or config.resolved_head_dim % 2):
         return False
-    if type(model.embed_tokens) is not Embedding or type(model.norm) is not RMSNorm or type(model.lm_head) is not Linear:
+    if (type(model.embed_tokens) is not Embedding or type(model.norm) is not RMSNorm
+            or type(model.lm_head) not in PLAIN_LINEARS):
         return False
     for layer in layers:
         attention, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
-        if type(attention) is not GQA or type(mlp) is not MLP:
+        if type(attention) is not ServingGQA or type(mlp) is not ServingMLP:
             return False
         if type(layer.input_norm) is not RMSNorm or type(layer.post_attention_norm) is not RMSNorm:
             return False
         linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate, mlp.up, mlp.down)
-        if any(type(m) is not Linear or m.bias is not None for m in linears):
+        if any(type(m) not in PLAIN_LINEARS or m.bias is not None for m in linears):
             return False
     return not _Snapshot(model).hooked()
 
@@ -228,8 +224,7 @@ def _weight_table(model: nn.Module) -> Optional[torch.Tensor]:
     rows = []
     for layer in model.layers:
         attention, mlp = layer.attention, layer.mlp
-        qkv = joint_weight([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
-        gate_up = joint_weight([mlp.gate.weight, mlp.up.weight])
+        qkv, gate_up = attention.joint.current(), mlp.joint.current()
         o, down = attention.o_proj.weight, mlp.down.weight
         norms = (layer.input_norm.weight, layer.post_attention_norm.weight)
         if qkv is None or gate_up is None or not (row_major(o) and row_major(down)) or not all(map(_contiguous, norms)):

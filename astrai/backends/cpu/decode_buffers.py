@@ -10,7 +10,7 @@ without a copy); each step appends the new token to them (besides the page store
 which stays the source of truth), and ``gather`` returns a slice of the buffer.
 
 When the batch changes - tasks finish, join after their prefill, or are preempted -
-the executor puts the step's tasks in ``preferred_order``: tasks keep their rows, a
+the runner puts the step's tasks in ``preferred_order``: tasks keep their rows, a
 hole left by a finished task takes the task from the last row (one row copied), and
 newcomers take the remaining rows, their contexts gathered from the pages. Any other
 order still works: the rows that stay are then moved into it with one copy into a
@@ -20,6 +20,7 @@ copies the held rows into bigger buffers; the row count at least doubles each ti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -32,6 +33,8 @@ BUDGET_BYTES = 1024**3  # both sets together; above this the view falls back to 
 
 
 class DecodeBuffers:
+    """The buffers of one cache's decode rows (see the module's docstring)."""
+
     def __init__(self, storage: Storage, budget_bytes: int = BUDGET_BYTES):
         self._storage = storage
         self._budget = budget_bytes
@@ -121,8 +124,8 @@ class DecodeBuffers:
         self.generation += 1
         for new, old in zip(self.k + self.v, old_k + old_v):
             held_rows, held_len = old.shape[0], old.shape[2]
-            # zero only what the copy leaves uncovered: zeroing whole buffers first, and growing
-            # 8 rows at a time, the 64-request benchmark spent 192 ms in 9 growths; now 112 ms in 5
+            # zero only what the copy leaves uncovered: the buffers are large, and zeroing them
+            # whole before the copy would write most of them twice
             new[:held_rows, :, :held_len].copy_(old)
             new[:held_rows, :, held_len:].zero_()
             new[held_rows:].zero_()
@@ -168,3 +171,27 @@ class DecodeBuffers:
         for layer in range(st.n_layers):
             self.k[layer][row, :, :n].copy_(st.k_cache[layer].index_select(0, slots).transpose(0, 1))
             self.v[layer][row, :, :n].copy_(st.v_cache[layer].index_select(0, slots).transpose(0, 1))
+
+
+@dataclass
+class RowTarget:
+    """One-row decode steps served by the decode buffers, for a kernel that does the whole
+    step itself (fused_decode.py): the first token's position (its context is positions
+    0..pos, all but the last already in row 0 of ``buffers``), the page-store ``slots`` where
+    each step's K/V go besides the buffers (positions pos, pos + 1, ...), and the buffers'
+    ``capacity``."""
+
+    slots: tuple[int, ...]
+    pos: int
+    capacity: int
+    buffers: DecodeBuffers
+    storage: Storage
+
+    @property
+    def slot(self) -> int:
+        return self.slots[0]
+
+    def ran(self, steps: int) -> None:
+        """Only the first ``steps`` of the target's steps ran (a run ended early): the buffers
+        then count the row as ``pos + steps`` tokens, so the next step finds it in place."""
+        self.buffers.shorten(0, self.pos + steps)

@@ -6,7 +6,7 @@
  * 4-5 ms of a ~125M model's 20 ms step on the AMD VM, while the weights stream in the
  * rest. Here that arithmetic is plain loops between the same one-row products and
  * decode attention the unfused step calls (row_product.c, decode_attention.c), so the
- * step's time is theirs. Python (astrai/inference/fused_decode.py) checks that the
+ * step's time is theirs. Python (astrai/backends/cpu/fused_decode.py) checks that the
  * model is of this shape and fills a `struct astrai_decode_plan` once: the weights, the
  * decode buffers, rotary tables and scratch memory, all that stays fixed from step to step,
  * so that a step's call passes only the token, its position and where its K/V go (a ctypes
@@ -37,7 +37,7 @@
 #include <string.h>
 #include <time.h>
 
-/* Filled by astrai/model/components/native_kernels.py (a ctypes Structure of the same fields). */
+/* Filled by astrai/backends/cpu/kernels.py (a ctypes Structure of the same fields). */
 struct astrai_decode_plan {
     const float *embedding;
     int64_t embedding_row_stride, embedding_col_stride;

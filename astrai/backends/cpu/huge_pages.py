@@ -1,18 +1,13 @@
 """Buffers in 2 MiB pages, for the weights a CPU decode step streams.
 
-A one-row decode step reads every weight matrix once, in turn, and on this kind of
-machine the fused step (inference/fused_decode.py) spends almost all its time doing that. With
-the usual 4 KiB pages, streaming 500 MB of weights touches 120,000 pages, and each new
-page costs a TLB miss; the hardware prefetchers also stop at page boundaries. Linux can
-back memory with 2 MiB pages instead (transparent huge pages), but with the common
-``madvise`` setting only for memory that asks for them, and torch's allocator does not
-ask. So the engine lays its weights (inference/weight_layout.py) into buffers made here: an
-anonymous mapping advised ``MADV_HUGEPAGE``, aligned to 2 MiB. Measured on the 2-core
-AMD VM, two 125M engines alternating in one process: single-request decode 3-5% faster
-(medians 69.8 against 66.3 and 71.0 against 68.2 tok/s over 6 and 10 rounds; with only
-whole pages advised, as now, a median per-round gain of 3% over 8 rounds), and a 1 GiB
-``sum`` 8-20% faster. The KV decode buffers were tried too and showed nothing (the
-64-request mix: 1,798-2,300 against 1,978-2,290 tok/s), so they stay plain.
+A one-row decode step reads every weight matrix once, in turn, and the fused step spends
+almost all its time doing that. With the usual 4 KiB pages, streaming hundreds of MB of
+weights touches a new page, and costs a TLB miss, every 4 KiB; the hardware prefetchers
+also stop at page boundaries. Linux can back memory with 2 MiB pages instead (transparent
+huge pages), but with the common ``madvise`` setting only for memory that asks for them,
+and torch's allocator does not ask. So the CPU runner lays its weights (serving.py) into
+buffers made here: an anonymous mapping advised ``MADV_HUGEPAGE``, aligned to 2 MiB. The
+KV decode buffers stay plain: they gained nothing measurable from it.
 
 Anywhere this cannot work (not Linux, huge pages switched off, a buffer smaller than one
 huge page, ``ASTRAI_HUGE_PAGES=0``) ``huge_page_empty`` is plain ``torch.empty``: the
@@ -47,7 +42,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     whole = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     try:
         # only the whole 2 MiB pages: advising the partial last one too would make it a full
-        # huge page of resident memory (some 60 MiB, 12%, over the 125M model's 49 buffers)
+        # huge page of resident memory for every buffer
         region.madvise(mmap.MADV_HUGEPAGE, pad, whole)  # before the first touch, which picks the page size
     except OSError:
         return torch.empty(shape, dtype=dtype)

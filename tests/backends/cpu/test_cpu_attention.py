@@ -1,4 +1,5 @@
-"""The inference-only attention paths equal plain masked attention over the whole context."""
+"""The CPU attention backend's paths (astrai/backends/cpu/attention.py) equal plain masked
+attention over the whole context."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai.model.components.attention import _attend, _attend_grouped_query, _attend_one_query, _attend_shared_prefix
+from astrai.backends.cpu.attention import attend_one_query, attend_shared_prefix
+from astrai.model.components.attention import attend
 
 
 def _reference(q, k, v, mask):
@@ -35,9 +37,9 @@ def test_shared_prefix_split_equals_attention_over_the_whole_context(heads, kv_h
     full_k = torch.cat((k_shared.expand(B, P, kv_heads, D), k), dim=1)
     full_v = torch.cat((v_shared.expand(B, P, kv_heads, D), v), dim=1)
     full_mask = torch.cat((torch.ones(B, 1, T, P, dtype=torch.bool), suffix_mask), dim=-1)
-    got = _attend_shared_prefix(q, (k_shared, v_shared), (k, v), suffix_mask)
+    got = attend_shared_prefix(q, (k_shared, v_shared), (k, v), suffix_mask)
     torch.testing.assert_close(got, _reference(q, full_k, full_v, full_mask), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, _attend(q, full_k, full_v, full_mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, attend(q, full_k, full_v, full_mask), rtol=1e-5, atol=1e-5)
 
 
 def test_one_query_path_reads_heads_first_buffers_like_sdpa():
@@ -48,7 +50,7 @@ def test_one_query_path_reads_heads_first_buffers_like_sdpa():
     k, v = k_buf[:, :, :S].transpose(1, 2), v_buf[:, :, :S].transpose(1, 2)  # [B, S, Hkv, D] views
     lengths = torch.tensor([9, 4, 6])
     mask = (torch.arange(S).view(1, 1, 1, S) < lengths.view(B, 1, 1, 1))
-    got = _attend_one_query(q, k, v, mask, None)
+    got = attend_one_query(q, k, v, mask)
     torch.testing.assert_close(got, _reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)
@@ -67,24 +69,9 @@ def test_an_additive_mask_masks_like_the_boolean_one_on_every_path():
     mask = torch.arange(S).view(1, 1, 1, S) < torch.tensor([9, 4, 6]).view(B, 1, 1, 1)
     additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
     want = _reference(q, k, v, mask)
-    torch.testing.assert_close(_attend_one_query(q, k, v, additive, None), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attend_one_query(q, k, v, additive), want, rtol=1e-5, atol=1e-5)
     dense_k, dense_v = k.contiguous(), v.contiguous()  # not heads-first: the SDPA path
-    torch.testing.assert_close(_attend(q, dense_k, dense_v, additive), want, rtol=1e-5, atol=1e-5)
-    low = _attend(q.bfloat16(), dense_k.bfloat16(), dense_v.bfloat16(), additive)
+    torch.testing.assert_close(attend(q, dense_k, dense_v, additive), want, rtol=1e-5, atol=1e-5)
+    low = attend(q.bfloat16(), dense_k.bfloat16(), dense_v.bfloat16(), additive)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), want, rtol=3e-2, atol=3e-2)
-
-
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 1), (4, 4)])
-def test_grouped_query_decode_equals_attention_over_repeated_kv(heads, kv_heads):
-    """The CUDA decode path for masked grouped-query attention (query heads of a group as that
-    group's query rows, no K/V copy) gives what attention over repeated K/V heads gives."""
-    torch.manual_seed(1)
-    B, S, D, Dv = 3, 37, 16, 24
-    q, k, v = torch.randn(B, 1, heads, D), torch.randn(B, S, kv_heads, D), torch.randn(B, S, kv_heads, Dv)
-    lens = torch.tensor([5, 37, 20])
-    allowed = torch.arange(S).view(1, 1, 1, S) < lens.view(B, 1, 1, 1)
-    additive = torch.zeros(B, 1, 1, S).masked_fill(~allowed, float("-inf"))
-    expected = _reference(q, k, v, allowed)
-    for mask in (allowed, additive):
-        assert torch.allclose(_attend_grouped_query(q, k, v, mask, None), expected, atol=1e-5)

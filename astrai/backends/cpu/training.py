@@ -1,40 +1,37 @@
-"""fp32 training products through oneDNN on CPU, where this CPU runs them faster than MKL.
+"""fp32 training products through oneDNN on the CPU, for the trainer to opt into.
 
 PyTorch sends an fp32 ``F.linear`` on CPU, and both products of its backward, to the
-MKL BLAS, which keeps its AVX-512 code for Intel CPUs. oneDNN's matmul, which PyTorch
-ships beside it and uses for bf16, does the same fp32 arithmetic with its own kernels,
-and how much faster that is depends on the CPU (2 threads, 1,024 rows of the ``tiny``
-and ``small`` layers' shapes):
+MKL BLAS, which keeps its fastest code for Intel CPUs. oneDNN's matmul, which PyTorch
+ships beside it and uses for bf16, does the same fp32 arithmetic with its own kernels;
+how much faster that is depends on the CPU, and may differ between the forward layout
+(``x @ Wᵀ``, also the input's gradient) and the weight gradient's (both operands
+transposed). So each layout is asked of the CPU once per process (``onednn_fp32_pays``,
+``onednn_weight_grad_pays``), and ``ASTRAI_ONEDNN_LINEAR=0`` or ``=1`` decides both without
+the measurement. The results differ from MKL's by rounding only.
 
-- on the AMD EPYC VM of the nineteenth session, where this was first measured, MKL ran at
-  190-205 GFLOP/s, oneDNN at 205-230 for the forward product and the input's
-  gradient, and no faster for the weight's gradient ``grad_outᵀ @ x``, whose operands
-  both lie transposed;
-- on the faster AMD EPYC VM of the twentieth session (AVX-512 with bf16 in its flags),
-  MKL runs at 200-230 and oneDNN at 455-525 for the forward and input-gradient
-  products and at 320-445 for the weight's gradient.
-
-So each of the two layouts is asked of the CPU once per process: ``onednn_fp32_pays``
-(``x @ Wᵀ``: the forward product and the input's gradient) and ``onednn_weight_grad_pays``
-(both operands transposed: the weight's gradient). Where oneDNN does not pay, or is
-missing, training takes ``F.linear``'s products as before. ``ASTRAI_ONEDNN_LINEAR=0`` or
-``=1`` decides both without the measurement. The results differ from MKL's by rounding
-only (the kernels add the same products in another order). Autocast (bf16 on a CPU
-already goes to oneDNN), other devices and dtypes and tensor subclasses keep the plain
-product. Inside ``torch.compile`` the product is a custom op the compiler leaves as it
-is (``astrai::onednn_product``), and the two answers are constants, so a compiled fp32
-step keeps oneDNN's products (before, it fell back to MKL's and ran 40% slower).
+The trainer opts in with ``fast_training_products(model)``: for the duration of a run the
+model's plain linears become ``OneDnnLinear`` (same parameters, nothing copied), and the
+model is given back with its own classes afterwards. Autocast (bf16 on a CPU already goes
+to oneDNN), other devices and dtypes and tensor subclasses keep the plain product. Inside
+``torch.compile`` the product is a custom op the compiler leaves as it is
+(``astrai::onednn_product``), and the two answers are constants, so a compiled fp32 step
+keeps oneDNN's products.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
+
+from astrai.model.components.layers import Linear
 
 
 def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -55,7 +52,7 @@ def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-class OneDnnLinear(torch.autograd.Function):
+class OneDnnProduct(torch.autograd.Function):
     """``F.linear`` whose forward product and input gradient run on oneDNN, and its
     weight gradient too where that layout pays as well."""
 
@@ -84,13 +81,54 @@ class OneDnnLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+class OneDnnLinear(Linear):
+    """A linear whose fp32 CPU products with autograd take ``OneDnnProduct``; as the model's
+    head it also lends oneDNN's product to the fused cross-entropy (``product``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return training_linear(x, self.weight, self.bias)
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ bᵀ`` (linear_cross_entropy's ``product``): through oneDNN where it applies."""
+        fits = _plain_fp32(a) and _plain_fp32(b) and not torch.is_autocast_enabled("cpu") and onednn_fp32_pays()
+        return onednn_product(a, b) if fits else a @ b.t()
+
+
+def training_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear``, through ``OneDnnProduct`` for an fp32 CPU product with autograd on where that pays."""
+    if torch.is_grad_enabled() and use_onednn(x, weight, bias):
+        return OneDnnProduct.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@contextlib.contextmanager
+def fast_training_products(model: nn.Module) -> Iterator[int]:
+    """Within the block, ``model``'s plain fp32 CPU linears run their products on oneDNN,
+    where this CPU runs them faster (yields how many linears were switched; 0 elsewhere).
+    Their parameters stay the same objects; the classes are restored on leaving."""
+    swapped = []
+    if any(type(m) in (Linear, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+           for m in model.modules()) and onednn_fp32_pays():
+        for module in model.modules():
+            if type(module) in (Linear, nn.Linear):
+                swapped.append((module, type(module)))
+                module.__class__ = OneDnnLinear
+    try:
+        yield len(swapped)
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
 def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether this fp32 CPU product, with autograd on, should take ``OneDnnLinear``."""
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
-            and (bias is None or (bias.dtype == torch.float32 and type(bias) in (torch.Tensor, torch.nn.Parameter)))
-            and not torch.is_autocast_enabled("cpu")
-            and onednn_fp32_pays())
+    """Whether this fp32 CPU product should take ``OneDnnProduct``."""
+    return (type(x) is torch.Tensor and _plain_fp32(weight) and (bias is None or _plain_fp32(bias))
+            and _plain_fp32(x) and not torch.is_autocast_enabled("cpu") and onednn_fp32_pays())
+
+
+def _plain_fp32(t: torch.Tensor) -> bool:
+    """An fp32 CPU tensor or parameter, not a subclass (DTensor, a tensor parallel's shard)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 @torch.compiler.assume_constant_result

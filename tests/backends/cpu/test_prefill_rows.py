@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
+from astrai.backends.cpu import attention
+from astrai.backends.cpu.attention import CpuKvcacheView
 from astrai.inference.cache import KVCache
-from astrai.model.components import attention
+from astrai.model.components.attention import attend
 from inference_helpers import greedy_reference, make_model
 
 
@@ -23,13 +25,13 @@ def test_row_by_row_equals_the_masked_padded_block_on_real_queries():
     q, k, v = torch.randn(B, T, H, D), torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
     positions = torch.tensor([[s + min(t, n - 1) for t in range(T)] for s, n in spans])
     mask = (torch.arange(S).view(1, 1, S) <= positions.unsqueeze(2)).unsqueeze(1)  # [B, 1, T, S]
-    want = attention._attend(q, k, v, mask)
-    got = attention._attend_rows(q, k, v, mask, spans)
+    want = attend(q, k, v, mask)
+    got = attention.attend_rows(q, k, v, mask, spans)
     for b, (_, n) in enumerate(spans):
         assert torch.allclose(got[b, :n], want[b, :n], atol=1e-5), b
         assert not got[b, n:].any()  # padding queries: zero
     packed_q = torch.cat([q[b:b + 1, :n] for b, (_, n) in enumerate(spans)], dim=1)  # [1, N, H, D]
-    packed = attention._attend_rows(packed_q, k, v, mask, spans, packed=True)
+    packed = attention.attend_rows(packed_q, k, v, mask, spans, packed=True)
     assert packed.shape == (1, sum(n for _, n in spans), H, D)
     assert torch.allclose(packed, torch.cat([want[b:b + 1, :n] for b, (_, n) in enumerate(spans)], dim=1), atol=1e-5)
 
@@ -37,7 +39,7 @@ def test_row_by_row_equals_the_masked_padded_block_on_real_queries():
 def _bind(n_new, start, packed=False):
     cache = KVCache(n_layers=1, cache_shapes=((2, 8), (2, 8)), num_pages=32, page_size=4)
     table = torch.arange(len(n_new) * 4).view(len(n_new), 4)  # four distinct pages per row
-    return cache.bind(table, start, n_new, packed=packed)
+    return CpuKvcacheView(cache.storage, table, start, n_new, packed=packed)
 
 
 def test_views_ask_for_rows_only_for_several_padded_prefill_rows():
@@ -63,8 +65,8 @@ def test_a_packed_view_lays_the_rows_tokens_out_one_after_the_other():
 
 def test_engine_prefill_of_mixed_rows_runs_row_by_row_and_matches_recomputation(monkeypatch):
     calls = []
-    real = attention._attend_rows
-    monkeypatch.setattr(attention, "_attend_rows",
+    real = attention.attend_rows
+    monkeypatch.setattr(attention, "attend_rows",
                         lambda q, k, v, m, spans, packed: calls.append((spans, packed, q.shape[0]))
                         or real(q, k, v, m, spans, packed))
     model = make_model("tiny")
@@ -82,14 +84,14 @@ def test_engine_prefill_of_mixed_rows_runs_row_by_row_and_matches_recomputation(
 
 
 def test_models_without_row_attention_keep_padded_rows(monkeypatch):
-    monkeypatch.setattr(attention, "_attend_rows", lambda *a: pytest.fail("MLA reads no row_spans"))
+    monkeypatch.setattr(attention, "attend_rows", lambda *a: pytest.fail("MLA reads no row_spans"))
     model = make_model("tiny-mla")
     rng = random.Random(12)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(5)]
     expected = [greedy_reference(model, p, 4) for p in prompts]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with InferenceEngine(model, None, max_batch_size=5, page_size=4, num_pages=128, prefill_chunk_size=48) as engine:
-        assert not engine.scheduler._executor.packs_prefill
+        assert not engine.scheduler._runner.packs_prefill
         got = [h.result(timeout=60).token_ids for h in [engine.submit(p, params) for p in prompts]]
     assert got == expected
 
@@ -102,7 +104,7 @@ def test_packed_prefill_steps_fill_the_budget_with_real_tokens():
         with InferenceEngine(make_model(kind), None, max_batch_size=8, num_pages=64,
                              prefill_chunk_size=512) as engine:
             scheduler = engine.scheduler
-            assert scheduler._executor.packs_prefill is packs
+            assert scheduler._runner.packs_prefill is packs
             batch, n_new = scheduler._plan_prefill(waiting)
         # packed: 512 real tokens (the second prompt's rest comes in a later chunk); padded:
         # two rows would cost 2 x 300 padded tokens, so the first prompt goes alone

@@ -1,0 +1,105 @@
+"""CpuModelRunner: the model runner with the CPU backend's fast paths.
+
+It prepares its model for serving (serving.py: stacked weights, serving modules, packed
+copies, huge pages), keeps the decode batch's contexts in dense buffers across steps
+(decode_buffers.py), binds the CPU attention views (attention.py), and runs a single
+request's decode step, or a run of greedy steps, through the fused C step when the model
+fits it (fused_decode.py). Every step's result is the one the plain runner would give; only
+the route differs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView
+from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
+from astrai.backends.cpu.fused_decode import FusedDecode
+from astrai.backends.cpu.serving import prepare_for_serving
+from astrai.backends.cpu.tuning import release_thread_pool
+from astrai.inference.cache import KVCache
+from astrai.inference.runner import GreedyRun, ModelRunner, Row
+
+
+class CpuModelRunner(ModelRunner):
+    def __init__(self, model: nn.Module, cache: KVCache, in_place: bool = False):
+        super().__init__(model, cache, in_place)
+        self.decode_buffers = DecodeBuffers(cache.storage)
+        # SDPA's causal kernel per row beats the masked kernel over padded rows (attention.py)
+        self.packs_prefill = getattr(self.model.config, "attn_type", None) == "gqa"
+        self.fused_decode = FusedDecode.for_model(self.model)
+        self.runs_greedy = self.fused_decode is not None
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = super().prepare(model)
+        prepare_for_serving(model)
+        return model
+
+    def forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, Optional[list[int]]]:
+        if len(rows) == 1 and len(rows[0].tokens) == 1 and self.fused_decode is not None and self.fused_decode.ready():
+            row = rows[0]
+            target = self.decode_target(row.task_id, row.start)
+            fused = None if target is None else self.fused_decode(row.tokens[0], target)
+            if fused is not None:
+                return fused[0], [fused[1]]
+        return super().forward(rows)
+
+    def bind(self, rows: Sequence[Row]):
+        table = self.table(rows)
+        start, n_new = [r.start for r in rows], [len(r.tokens) for r in rows]
+        if all(n == 1 for n in n_new):
+            ids = [r.task_id for r in rows]
+            refill = self.decode_buffers.plan(ids, start)
+            if refill is not None:
+                pages = [self.cache.task_pages(t) for t in ids]
+                return DecodeView(self.cache.storage, table, pages, start, self.decode_buffers, refill)
+        return CpuKvcacheView(self.cache.storage, table, start, n_new, packed=self.packs_prefill)
+
+    def model_logits(self, view, rows: Sequence[Row]) -> torch.Tensor:
+        if not getattr(view, "packed", False):
+            return super().model_logits(view, rows)
+        input_ids = torch.tensor([[token for r in rows for token in r.tokens]], device=self.device)
+        ends = torch.tensor([len(r.tokens) for r in rows], device=self.device).cumsum(0) - 1
+        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=ends.view(1, -1))
+        return out["logits"][0]
+
+    def decode_order(self, rows: Sequence[Row]) -> list[int]:
+        """The order that keeps the decode buffers' rows in place (DecodeBuffers.preferred_order)."""
+        return self.decode_buffers.preferred_order([r.task_id for r in rows], [r.start for r in rows])
+
+    def greedy_run(self, run: GreedyRun) -> Optional[list[int]]:
+        if self.fused_decode is None or not self.fused_decode.ready():
+            return None
+        row = run.row
+        target = self.decode_target(row.task_id, row.start, run.steps)
+        if target is None:
+            return None
+        return self.fused_decode.greedy_steps(row.tokens[0], target, run.stop_ids, run.max_seconds)
+
+    def decode_target(self, task_id: str, pos: int, steps: int = 1) -> Optional[RowTarget]:
+        """``steps`` decode steps of ``task_id`` alone, the first one's token at ``pos``, prepared
+        for the fused step, which writes K/V itself: the decode buffers hold the task's context
+        in row 0 (copied from the pages when it has just been prefilled) with room for the
+        steps' tokens, and the target says where each token goes (the task's pages must cover
+        positions up to ``pos + steps - 1``). None when the buffers would outgrow their budget
+        or the task is gone; the step then binds a view as usual.
+
+        The buffers count the row as ``pos + steps`` tokens long afterwards; a run of steps that
+        ends early says how many ran (``RowTarget.ran``), so the next step finds the row in place."""
+        pages, ps = self.cache.task_pages(task_id), self.cache.page_size
+        if len(pages) * ps < pos + steps:  # also a task aborted meanwhile (no pages)
+            return None
+        refill = self.decode_buffers.plan((task_id,), (pos,), steps)
+        if refill is None:
+            return None
+        if refill and pos:
+            slots = [pages[p // ps] * ps + p % ps for p in range(pos)]
+            self.decode_buffers.fill_row(0, torch.tensor(slots, device=self.cache.storage.device))
+        slots = tuple(pages[p // ps] * ps + p % ps for p in range(pos, pos + steps))
+        return RowTarget(slots, pos, self.decode_buffers.capacity, self.decode_buffers, self.cache.storage)
+
+    def release_threads(self) -> None:
+        release_thread_pool()

@@ -1,0 +1,108 @@
+"""ModelRunner: the model's side of a step - prepare a model for serving, run a step's forward.
+
+The scheduler decides which tasks run and how many tokens each feeds; the executor hands
+the runner those rows as plain data (``Row``) and samples from the logits it returns. The
+runner owns the model it serves: by default a copy of the one it was given, so that
+whatever a backend does to prepare it (re-laid weights, swapped modules) never reaches the
+caller's object; ``in_place=True`` is the caller's consent to prepare that object itself.
+
+This is the device-neutral runner: the plain ``KvcacheView`` (SDPA over the page table)
+for every step. ``create_runner`` picks the CPU backend's runner for a model on the CPU
+(astrai/backends/cpu/runner.py), which adds the hand-written kernels behind the same calls.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from astrai.inference.cache import KVCache
+
+
+@dataclass(frozen=True)
+class Row:
+    """One task's part of a step: its id (the cache's key), the tokens it feeds and the
+    position of the first of them (the tokens before it are in the cache)."""
+
+    task_id: str
+    tokens: list[int]
+    start: int
+
+
+@dataclass(frozen=True)
+class GreedyRun:
+    """Up to ``steps`` greedy decode steps of one row, each feeding the last one's argmax; the
+    run ends early after a token in ``stop_ids`` or once it has taken ``max_seconds``."""
+
+    row: Row
+    steps: int
+    stop_ids: tuple[int, ...]
+    max_seconds: float
+
+
+class ModelRunner:
+    """Runs a step's forward over the paged cache with the model's own modules."""
+
+    packs_prefill = False  # whether a prefill step's rows go unpadded (its token budget then counts real tokens)
+    runs_greedy = False  # whether ``greedy_run`` can take several steps in one call
+
+    def __init__(self, model: nn.Module, cache: KVCache, in_place: bool = False):
+        self.model = self.prepare(model if in_place else copy.deepcopy(model))
+        self.cache = cache
+        self.device = next(self.model.parameters()).device
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Make ``model`` (the runner's own) ready to serve: eval mode."""
+        return model.eval()
+
+    def forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """Each row's last position's logits [B, V], and their argmax when the step found it on
+        the way (None here)."""
+        view = self.bind(rows)
+        return self.model_logits(view, rows), None
+
+    def bind(self, rows: Sequence[Row]):
+        table = self.table(rows)
+        return self.cache.bind(table, [r.start for r in rows], [len(r.tokens) for r in rows])
+
+    def table(self, rows: Sequence[Row]) -> torch.Tensor:
+        """The rows' page table, wide enough for the step even for tasks aborted meanwhile."""
+        return self.cache.make_table_tensor([r.task_id for r in rows], self.device,
+                                            n_tokens=max(r.start + len(r.tokens) for r in rows))
+
+    def model_logits(self, view, rows: Sequence[Row]) -> torch.Tensor:
+        """The model's forward over the rows' tokens, padded to the longest; last positions' logits."""
+        T = max(len(r.tokens) for r in rows)
+        input_ids = torch.tensor([r.tokens + [0] * (T - len(r.tokens)) for r in rows], device=self.device)
+        logits_index = None if T == 1 else torch.tensor([len(r.tokens) - 1 for r in rows], device=self.device)
+        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
+        return out["logits"][:, -1]
+
+    def decode_order(self, rows: Sequence[Row]) -> list[int]:
+        """The order (indices into ``rows``) in which a decode step's rows run best."""
+        return list(range(len(rows)))
+
+    def greedy_run(self, run: GreedyRun) -> Optional[list[int]]:
+        """The tokens of a run of greedy steps, or None when this runner takes one step at a time."""
+        return None
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy new weights into the served model (its layout and modules stay as prepared)."""
+        with torch.no_grad():
+            self.model.load_state_dict(state)
+
+    def release_threads(self) -> None:
+        """Give back the calling thread's idle compute threads (nothing to do here)."""
+
+
+def create_runner(model: nn.Module, cache: KVCache, in_place: bool = False) -> ModelRunner:
+    """The runner for ``model``'s device: the CPU backend's on the CPU, else the plain one."""
+    if next(model.parameters()).device.type == "cpu":
+        from astrai.backends.cpu.runner import CpuModelRunner
+
+        return CpuModelRunner(model, cache, in_place)
+    return ModelRunner(model, cache, in_place)
