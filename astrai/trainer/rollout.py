@@ -80,6 +80,7 @@ class EngineRollout:
         for p in behaviour.parameters():
             p.requires_grad_(False)
         engine_kwargs.setdefault("max_queue", 8192)  # a whole step's requests are queued at once
+        engine_kwargs.setdefault("in_place", True)  # behaviour is already a copy of its own
         engine = InferenceEngine(behaviour, tokenizer, max_batch_size=max_batch_size, **engine_kwargs)
         return cls(engine, tokenizer, max_new_tokens, temperature, top_p, seed)
 

@@ -5,9 +5,9 @@ answer it as the plain ``KvcacheView`` does, only by other routes where the CPU 
 
 - ``CpuKvcacheView`` (prefill, and decode steps the decode buffers do not serve): rows
   whose contexts begin with the same cached pages attend to that prefix in one product
-  for all of them (cascade attention) instead of a gathered copy per row; rows of
-  different lengths run one at a time without padding (SDPA's causal kernel skips the
-  masked half), and may come ``packed``, one unpadded row of every task's tokens.
+  for all of them (cascade attention) instead of a gathered copy per row; prefill rows of
+  different lengths come ``packed``, one unpadded row of every task's tokens, and attend
+  one at a time (SDPA's causal kernel skips the masked half).
 - ``DecodeView`` (decode steps over ``DecodeBuffers``): each row's context is already
   dense and heads-first, so one query per row attends through the C kernel, which reads
   each row's own length only, or else through two batched products over the buffers.
@@ -36,12 +36,11 @@ class CpuKvcacheView(KvcacheView):
         super().__init__(storage, page_table, start, n_new)
         B, T, S = len(n_new), max(n_new), self._total_len
         self.shared_len = self._shared_prefix_len(page_table, start) if B > 1 and self.attn_mask is not None else 0
-        self.row_spans: Optional[list[tuple[int, int]]] = None
-        if B > 1 and T > 1 and self.attn_mask is not None and not self.shared_len:
-            self.row_spans = list(zip(start, n_new))
-        # packed: the rows' new tokens follow each other in one row [1, N] with no padding, so
-        # no product computes padding; the mask and the context slots stay per row
-        self.packed = packed and self.row_spans is not None
+        # packed (several prefill rows of different lengths, no shared prefix): the rows' new
+        # tokens follow each other in one row [1, N] with no padding, so no product computes
+        # padding; the mask and the context slots stay per row, for attention row by row
+        self.packed = packed and B > 1 and T > 1 and self.attn_mask is not None and not self.shared_len
+        self.row_spans = list(zip(start, n_new)) if self.packed else None
         if self.packed:
             self._write_slots = self._write_slots.view(B, T)[self._real]  # the padding's sink writes dropped
             self.position_ids = self.position_ids[self._real].unsqueeze(0)
@@ -63,7 +62,7 @@ class CpuKvcacheView(KvcacheView):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                expand: Optional[Callable] = None) -> torch.Tensor:
-        if expand is not None or not (self.shared_len or self.row_spans):
+        if expand is not None or not (self.shared_len or self.packed):
             return super().attend(layer_idx, q, k, v, expand)
         self.write(layer_idx, k, v)
         if self.shared_len:
@@ -71,7 +70,7 @@ class CpuKvcacheView(KvcacheView):
             suffix = self._storage.gather(layer_idx, self._suffix_slots, self._batch)
             return attend_shared_prefix(q, (shared[0][0], shared[1][0]), suffix, self.suffix_mask)
         k, v = self.gather(layer_idx)
-        return attend_rows(q, k, v, self.attn_mask, self.row_spans, self.packed)
+        return attend_rows(q, k, v, self.attn_mask, self.row_spans)
 
 
 class DecodeView(KvcacheView):
@@ -166,30 +165,22 @@ def attend_one_query(q, k, v, attn_mask, scale: Optional[float] = None):
     return out.view(B, 1, H, values.shape[-1])
 
 
-def attend_rows(q, k, v, attn_mask, spans, packed: bool = False):
-    """Prefill attention of several rows, one row at a time, without padding.
+def attend_rows(q, k, v, attn_mask, spans):
+    """Prefill attention of several rows packed into one, without padding.
 
-    ``spans[b]`` = (start, n): row b's n new queries at positions start... over its
-    start + n context tokens (``k``/``v`` [B, S, Hkv, *], padded). A row starting at 0
-    takes SDPA's causal kernel (which skips the masked half) instead of the masked
-    kernel over the whole padded [T, S] block; a row continuing a chunked prompt gets its
-    own slice of ``attn_mask``. With ``packed`` the queries are one unpadded row
-    [1, N, H, D], row b's n following row b-1's, and so is the result; otherwise
-    q is [B, T, H, D] and the padding queries' output is zero.
+    ``spans[b]`` = (start, n): row b's n new queries at positions start... over its start + n
+    context tokens (``k``/``v`` [B, S, Hkv, *], padded); the queries are one row [1, N, H, D],
+    row b's n following row b-1's, and so is the result. A row starting at 0 takes SDPA's
+    causal kernel (which skips the masked half) instead of the masked kernel over the whole
+    padded [T, S] block; a row continuing a chunked prompt gets its own slice of ``attn_mask``.
     """
     parts, offset = [], 0
     for b, (start, n) in enumerate(spans):
         end = start + n
-        queries = q[:, offset:offset + n] if packed else q[b:b + 1, :n]
         mask = None if start == 0 else attn_mask[b:b + 1, :, :n, :end]
-        parts.append(attend(queries, k[b:b + 1, :end], v[b:b + 1, :end], mask))
+        parts.append(attend(q[:, offset:offset + n], k[b:b + 1, :end], v[b:b + 1, :end], mask))
         offset += n
-    if packed:
-        return torch.cat(parts, dim=1)
-    out = q.new_zeros(*q.shape[:3], v.shape[-1])
-    for b, (part, (_, n)) in enumerate(zip(parts, spans)):
-        out[b:b + 1, :n] = part
-    return out
+    return torch.cat(parts, dim=1)
 
 
 def attend_shared_prefix(q, shared, suffix, suffix_mask):

@@ -26,12 +26,8 @@ def test_row_by_row_equals_the_masked_padded_block_on_real_queries():
     positions = torch.tensor([[s + min(t, n - 1) for t in range(T)] for s, n in spans])
     mask = (torch.arange(S).view(1, 1, S) <= positions.unsqueeze(2)).unsqueeze(1)  # [B, 1, T, S]
     want = attend(q, k, v, mask)
-    got = attention.attend_rows(q, k, v, mask, spans)
-    for b, (_, n) in enumerate(spans):
-        assert torch.allclose(got[b, :n], want[b, :n], atol=1e-5), b
-        assert not got[b, n:].any()  # padding queries: zero
     packed_q = torch.cat([q[b:b + 1, :n] for b, (_, n) in enumerate(spans)], dim=1)  # [1, N, H, D]
-    packed = attention.attend_rows(packed_q, k, v, mask, spans, packed=True)
+    packed = attention.attend_rows(packed_q, k, v, mask, spans)
     assert packed.shape == (1, sum(n for _, n in spans), H, D)
     assert torch.allclose(packed, torch.cat([want[b:b + 1, :n] for b, (_, n) in enumerate(spans)], dim=1), atol=1e-5)
 
@@ -42,12 +38,12 @@ def _bind(n_new, start, packed=False):
     return CpuKvcacheView(cache.storage, table, start, n_new, packed=packed)
 
 
-def test_views_ask_for_rows_only_for_several_padded_prefill_rows():
-    assert _bind([5, 3], [0, 0]).row_spans == [(0, 5), (0, 3)]
-    assert _bind([4, 2], [4, 0]).row_spans == [(4, 4), (0, 2)]
-    assert _bind([6], [0]).row_spans is None  # one row: the causal fast path already
-    assert _bind([3, 3], [0, 0]).row_spans is None  # uniform rows from 0: no mask, causal already
-    assert _bind([1, 1], [4, 9]).row_spans is None  # decode: one query per row
+def test_views_pack_only_several_prefill_rows_that_need_a_mask():
+    assert _bind([5, 3], [0, 0], packed=True).row_spans == [(0, 5), (0, 3)]
+    assert _bind([4, 2], [4, 0], packed=True).row_spans == [(4, 4), (0, 2)]
+    assert not _bind([6], [0], packed=True).packed  # one row: the causal fast path already
+    assert not _bind([3, 3], [0, 0], packed=True).packed  # uniform rows from 0: no mask, causal already
+    assert not _bind([1, 1], [4, 9], packed=True).packed  # decode: one query per row
     assert not _bind([5, 3], [0, 0]).packed  # only when the caller asks
 
 
@@ -67,8 +63,7 @@ def test_engine_prefill_of_mixed_rows_runs_row_by_row_and_matches_recomputation(
     calls = []
     real = attention.attend_rows
     monkeypatch.setattr(attention, "attend_rows",
-                        lambda q, k, v, m, spans, packed: calls.append((spans, packed, q.shape[0]))
-                        or real(q, k, v, m, spans, packed))
+                        lambda q, k, v, m, spans: calls.append((spans, q.shape[0])) or real(q, k, v, m, spans))
     model = make_model("tiny")
     rng = random.Random(11)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 40))] for _ in range(8)]
@@ -78,9 +73,9 @@ def test_engine_prefill_of_mixed_rows_runs_row_by_row_and_matches_recomputation(
                          prefix_cache=False) as engine:
         got = [h.result(timeout=60).token_ids for h in [engine.submit(p, params) for p in prompts]]
     assert got == expected
-    assert calls and any(len(spans) > 1 for spans, _, _ in calls)
-    assert any(start > 0 for spans, _, _ in calls for start, _ in spans)  # a chunked prompt's later chunk
-    assert all(packed and rows == 1 for _, packed, rows in calls)  # GQA on CPU: one unpadded row
+    assert calls and any(len(spans) > 1 for spans, _ in calls)
+    assert any(start > 0 for spans, _ in calls for start, _ in spans)  # a chunked prompt's later chunk
+    assert all(rows == 1 for _, rows in calls)  # GQA on CPU: one unpadded row
 
 
 def test_models_without_row_attention_keep_padded_rows(monkeypatch):

@@ -2,22 +2,18 @@
  *
  * For one row, each layer's norms, rotary embedding, K/V writes, SiLU and residual
  * additions are a few hundred floats of arithmetic, but through PyTorch each is an
- * operator call of a few microseconds plus Python around it: some 60 calls a layer,
- * 4-5 ms of a ~125M model's 20 ms step on the AMD VM, while the weights stream in the
- * rest. Here that arithmetic is plain loops between the same one-row products and
- * decode attention the unfused step calls (row_product.c, decode_attention.c), so the
- * step's time is theirs. Python (astrai/backends/cpu/fused_decode.py) checks that the
- * model is of this shape and fills a `struct astrai_decode_plan` once: the weights, the
- * decode buffers, rotary tables and scratch memory, all that stays fixed from step to step,
- * so that a step's call passes only the token, its position and where its K/V go (a ctypes
- * call's cost grows with its arguments: the 28 it took before cost ~40 µs of Python).
+ * operator call of a few microseconds plus Python around it: some 60 calls a layer.
+ * Here that arithmetic is plain loops between the same one-row products and decode
+ * attention the unfused step calls (row_product.c, decode_attention.c), so the step's
+ * time is theirs. Python (astrai/backends/cpu/fused_decode.py) checks that the model is
+ * of this shape and fills a `struct astrai_decode_plan` once: the weights, the decode
+ * buffers, rotary tables and scratch memory, all that stays fixed from step to step, so
+ * that a step's call passes only the token, its position and where its K/V go (a ctypes
+ * call's cost grows with its arguments).
  *
  * A call runs in one OpenMP parallel region, however many steps it takes: the products and
  * attention are shared out among the team inside it, the arithmetic between them runs on
- * thread 0 between barriers. Before, each product and each layer's attention opened a
- * region of its own, some 61 a step; the ~125M model's engine decode, alternating in one
- * process: 0.955 against 0.941 of the copy bound at the VM's faster bandwidth level, 1.060
- * against 1.068 (noise) at the slower.
+ * thread 0 between barriers, so no region is opened and closed per product.
  *
  * Per layer, `layers` holds 14 int64 values:
  *   0 input norm weight   1 joint q/k/v weight [q + 2 kv rows][ld] (q, k, v rows)  2 its ld
@@ -93,8 +89,8 @@ static void rotate(float *x, int64_t heads, int64_t width, const float *cos, con
 
 /* e^x in a form the compiler vectorises, for SiLU's sigmoid: libm's expf is a call per
  * element (glibc declares its vector expf only under -ffinite-math-only, which the NaN
- * checks here cannot have), and 12 layers x 2,816 of them were most of the ~0.24 ms a
- * 125M step spends outside its products. The usual reduction: x = k ln2 + r with
+ * checks here cannot have), and a layer's feed-forward width of them is most of what a
+ * step spends outside its products. The usual reduction: x = k ln2 + r with
  * |r| <= ln2 / 2 (ln2 split in two so k ln2 is exact), e^r by a degree-6 polynomial
  * (Cephes' coefficients; within 1 ulp of expf over -87..88), times 2^k built in the
  * exponent bits. Inputs are clamped to where 2^k is a normal float; a NaN passes the
@@ -231,8 +227,8 @@ int64_t astrai_decode_step_f32(const struct astrai_decode_plan *plan, int64_t to
 /* Up to `n_steps` greedy decode steps of one row in one call: each step's argmax is the next
  * step's token. A lone greedy request otherwise returns to Python after every step, where
  * the engine's checks and bookkeeping (the weight table's `ready`, the cache target, the
- * token's acceptance) cost some 0.1-0.3 ms a step on the 2-vCPU VM, mostly cache misses
- * after the weights streamed through - 2-5% of a ~125M model's 6-10 ms step.
+ * token's acceptance) cost a few percent of a small model's step, mostly cache misses
+ * after the weights streamed through.
  *
  * Step i takes position pos + i and writes its K/V at k_offsets[i] / v_offsets[i] in each
  * layer's page store (and into the decode buffers, whose capacity the caller made room

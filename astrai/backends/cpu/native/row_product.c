@@ -4,13 +4,9 @@
  *
  * Each thread takes a contiguous stretch of the outputs and computes them one at a time,
  * each a dot product of one weight row with x: every thread reads one stream of memory
- * front to back, with x in its L1 cache and nothing stored until a row is done. Timed
- * standalone in C over the ~125M model's weight set on the 2-vCPU AMD VM (2 MiB pages,
- * alternating) at the VM's faster bandwidth level, this read 50-61 GB/s, up to level with
- * a plain sum (60-61), where the earlier column-major kernel - each thread a stretch of
- * the inputs, eight weight rows at a time added into a partial of all outputs - read 46.
- * At the slower level both read as fast as the sum (in the engine's process 33.4 against
- * 33.7 GB/s, the sum 33.8). Two or four rows at a time (more streams) read less.
+ * front to back, with x in its L1 cache and nothing stored until a row is done. That
+ * reads about as fast as a plain sum over the same bytes; more rows at a time (more
+ * streams per thread) read less.
  */
 #include <stdint.h>
 #include <omp.h>
@@ -23,20 +19,13 @@ enum {
 
 /* x · row over n_in floats; `end` is where the thread's stretch of rows ends, past which
  * nothing is prefetched. Software prefetch along the thread's stretch (its rows follow each
- * other in memory): the hardware prefetcher alone left the stream at 50 GB/s where a sum read
- * 60 at the VM's faster level; asking 2 KiB ahead read 55-60 (standalone, 125M weight set) and
- * changed nothing at the slower level (35.3 against 34.5, the sum 35.3).
+ * other in memory) keeps the stream closer to the memory's bandwidth than the hardware
+ * prefetcher alone does.
  *
  * The prefetch is non-temporal (prefetchnta): a weight is read once a step, and a step
  * streams far more than the last-level cache holds, so keeping the lines there only evicts
  * what is worth keeping - the Python and torch state the engine runs between steps, the
- * K/V, the activations. On the 2-vCPU AMD EPYC VM (32 MiB L3, a victim cache that every
- * line leaving L2 is otherwise written into), the ~125M model's engine decode, alternating
- * with the temporal hint in one process: end to end 0.935 against 0.853 of the copy bound
- * at the faster bandwidth level (the C step 6.26 against 6.59 ms, the rest from the Python
- * between steps finding its data in cache), 1.073 against 1.037 at the slower. Asking 4 or
- * 8 KiB ahead read the same (0.932, 0.931), 1 KiB less (0.907). The `tiny` and `small`
- * presets (21 and 166 MB of weights) decoded as fast either way. */
+ * K/V, the activations - which the time between steps then pays for. */
 static inline float row_dot(const float *row, const float *x, int64_t n_in, const float *end)
 {
     float partial[LANES] = {0.0f};
@@ -118,8 +107,7 @@ void astrai_row_product_f32(
 
 /* The same product, returning the index torch.argmax would give of y: for a greedy decode
  * step's head, where each thread notes its stretch's maximum as it writes it, which costs
- * nothing beside the product, against some 100 µs for torch's argmax over 32,000 logits
- * and the Python around it. */
+ * nothing beside the product, where torch's argmax would read the logits once more. */
 int64_t astrai_row_product_argmax_f32(
     const float *x, const float *w, float *y, int64_t n_in, int64_t n_out, int64_t ld, int threads)
 {
