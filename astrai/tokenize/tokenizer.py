@@ -61,7 +61,8 @@ class AutoTokenizer:
     @classmethod
     def train(cls, sources, vocab_size: int, special_tokens: list[str] | None = None,
               show_progress: bool = True, min_frequency: int = 2) -> "AutoTokenizer":
-        """Train a byte-level BPE tokenizer on files (.txt/.jsonl) or an iterator of strings."""
+        """Train a byte-level BPE tokenizer on a path or a list of paths (.txt/.jsonl), or on texts:
+        a list of strings or any iterator of them."""
         specials = list(special_tokens) if special_tokens is not None else list(SPECIAL_TOKENS)
         tokenizer = train_tokenizer(sources, vocab_size, specials, show_progress, min_frequency)
         config = {
