@@ -37,6 +37,34 @@ from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 logger = logging.getLogger("astrai.server")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64
+
+
+def check_json_value(data) -> None:
+    """Refuse what JSON allows but nothing downstream can use: nesting deeper than
+    ``MAX_JSON_DEPTH`` (it would exhaust the recursion of every later walk over the body)
+    and lone UTF-16 surrogates such as ``"\\ud800"`` (no tokenizer or encoder takes them)."""
+    pending = [(data, 1, "body")]
+    while pending:
+        value, depth, where = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError("invalid_request", f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                pending.append((item, depth + 1, f"{where}.{key}"))
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1, f"{where}.{i}") for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError("invalid_request", f"{where}: a lone UTF-16 surrogate escape (\\u{ord(text[exc.start]):04x}) "
+                       "is not a character; send valid Unicode", param=where) from None
 
 
 def static_dir() -> str:
@@ -69,8 +97,11 @@ async def read_json_body(request: Request, limit: int) -> dict:
     except json.JSONDecodeError as exc:
         raise APIError("invalid_request", f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                        f"column {exc.colno}") from None
+    except RecursionError:
+        raise APIError("invalid_request", f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     if not isinstance(data, dict):
         raise APIError("invalid_request", f"request body must be a JSON object, got {type(data).__name__}")
+    check_json_value(data)
     return data
 
 
