@@ -17,13 +17,12 @@ are warmed up on every shape first. Measured, in one run:
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python bench/generate.py [--parts single,bound,throughput,ttft] [--quick]
        [--bound-rounds N] [--bound-repeats N]
-Writes bench/results/generate.json.
+Writes a dated JSON file to bench/results/ (see results_file.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -41,8 +40,8 @@ from astrai.huge_pages import huge_page_empty  # noqa: E402
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.model.hf import export_llama  # noqa: E402
+from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-RESULTS = ROOT / "bench" / "results" / "generate.json"
 MODEL_125M = dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, dim_ffn=2816, max_len=2048)
 
 
@@ -343,6 +342,7 @@ def main() -> None:
                         help="rounds of the bound part (more catch both of the VM's bandwidth levels)")
     parser.add_argument("--bound-repeats", type=int, default=3,
                         help="decodes per side in each round of the bound part, the best counted")
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
     if args.bound_rounds < 1 or args.bound_repeats < 1:
         parser.error("--bound-rounds and --bound-repeats must be at least 1")
@@ -360,10 +360,7 @@ def main() -> None:
                                            rounds=1 if args.quick else 3)
     if "ttft" in parts:
         results["ttft_shared_prefix"] = shared_prefix_ttft()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    RESULTS.write_text(json.dumps({**previous, **results}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result("generate", results, args.out)
 
 
 if __name__ == "__main__":
