@@ -322,9 +322,8 @@ class Quickstart:
                       progress_bar=s.progress, ckpt_keep=2)
         if name == "pretrain":
             # The probe times a few steady steps only; the stage also saves 9 checkpoints and
-            # validates, and it ran 5-7% over its plan without a margin (634 and 643 s against
-            # 603), then 3.5% and 7% over with 6% fewer steps (625 and 648 s against 604, the
-            # whole run 15.3 min of 15), taking that time from the later stages. Hence 10%.
+            # validates, which the probe does not see. Planning 10% fewer steps keeps that time
+            # from being taken out of the later stages.
             steps = PRETRAIN_STEP_SHARE * seconds * tps / (s.batch_size * s.window_size)
             kw = dict(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
