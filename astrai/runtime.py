@@ -4,10 +4,8 @@ torch's CPU tensors come from glibc ``malloc``. By default glibc serves every bl
 above a threshold (128 KiB at first, at most 32 MiB) with a fresh ``mmap`` and hands
 it back to the kernel when freed, and trims the heap's free top the same way. A
 training step or a prefill frees and re-allocates the same activation-sized blocks
-every time, so each one is faulted in again page by page: measured on this project's
-2-core VMs, a [4, 256, 256] RMSNorm forward + backward took 1.9 ms with the defaults
-and 0.7 ms with the settings below, and a fresh 32 MiB ``torch.zeros`` ran at under
-3 GB/s. ``tune_allocator`` keeps blocks up to 32 MiB on the heap and freed memory up
+every time, so each one is faulted in again page by page, which can cost more than the
+arithmetic on small tensors (docs/benchmarks.md has a measurement). ``tune_allocator`` keeps blocks up to 32 MiB on the heap and freed memory up
 to 1 GiB mapped, the effect an LD_PRELOADed jemalloc or tcmalloc has (PyTorch's CPU
 tuning guide recommends those); the cost is a resident set that does not shrink back
 after a peak. It changes the whole process (everything in it runs faster), is done
