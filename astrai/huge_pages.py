@@ -1,18 +1,14 @@
 """Buffers in 2 MiB pages, for the weights a CPU decode step streams.
 
-A one-row decode step reads every weight matrix once, in turn, and on this kind of
-machine the fused step (inference/fused_decode.py) spends almost all its time doing that. With
+A one-row decode step reads every weight matrix once, in turn, and on a CPU the fused step (inference/fused_decode.py) spends almost all its time doing that. With
 the usual 4 KiB pages, streaming 500 MB of weights touches 120,000 pages, and each new
 page costs a TLB miss; the hardware prefetchers also stop at page boundaries. Linux can
 back memory with 2 MiB pages instead (transparent huge pages), but with the common
 ``madvise`` setting only for memory that asks for them, and torch's allocator does not
 ask. So the engine lays its weights (inference/weight_layout.py) into buffers made here: an
-anonymous mapping advised ``MADV_HUGEPAGE``, aligned to 2 MiB. Measured on the 2-core
-AMD VM, two 125M engines alternating in one process: single-request decode 3-5% faster
-(medians 69.8 against 66.3 and 71.0 against 68.2 tok/s over 6 and 10 rounds; with only
-whole pages advised, as now, a median per-round gain of 3% over 8 rounds), and a 1 GiB
-``sum`` 8-20% faster. The KV decode buffers were tried too and showed nothing (the
-64-request mix: 1,798-2,300 against 1,978-2,290 tok/s), so they stay plain.
+anonymous mapping advised ``MADV_HUGEPAGE``, aligned to 2 MiB, which makes single-request
+decode of a ~125M model a few percent faster (docs/benchmarks.md). The KV decode buffers
+gain nothing measurable from them, so they stay plain.
 
 Anywhere this cannot work (not Linux, huge pages switched off, a buffer smaller than one
 huge page, ``ASTRAI_HUGE_PAGES=0``) ``huge_page_empty`` is plain ``torch.empty``: the
