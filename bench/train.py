@@ -40,8 +40,8 @@ class RandomTokens(Dataset):
 
 def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 20) -> float:
     """This machine's best FLOP/s for a size² matmul: PyTorch's own (MKL for fp32, oneDNN for
-    bf16) or, for fp32, oneDNN's, which astrai trains with where it is faster (on the
-    twentieth session's AMD VM about twice MKL's), so the fraction of peak stays below one."""
+    bf16) or, for fp32, oneDNN's, which astrai trains with where it is faster (on some CPUs
+    about twice MKL's), so the fraction of peak stays below one."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     kernels = [lambda: a @ b]
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
