@@ -163,9 +163,9 @@ def bandwidth_bound(n_new, rounds=8, repeats=3) -> dict:
     ``repeats`` astrai and transformers decodes, with the copy bandwidth measured before each
     pair of runs and after the last.
 
-    The 2-vCPU VMs of this project switch between two bandwidth levels (about 40 and 70 GB/s)
-    for spells of seconds to minutes. A bound measured at one level and a decode run at the
-    other gave fractions from 0.5 to 1.0 for the same code. So each round's fraction is taken
+    A shared virtual machine can switch between bandwidth levels (say 45 and 75 GB/s) for
+    spells of seconds to minutes, and a bound measured at one level set against a decode run
+    at the other says little about the code. So each round's fraction is taken
     against the bandwidth measured around it, only rounds whose measurements agree within 10%
     count (the level held through the round), and the median of those is reported.
 
@@ -262,9 +262,9 @@ def bandwidth_bound(n_new, rounds=8, repeats=3) -> dict:
 
 
 def bandwidth_levels(rounds: list[dict]) -> list[list[dict]]:
-    """The rounds grouped by the VM's bandwidth level: sorted by copy bandwidth and cut where
-    one round's is over 20% above the one before (the levels seen here sit 60-70% apart,
-    the rounds of one level within about 10%)."""
+    """The rounds grouped by the machine's bandwidth level: sorted by copy bandwidth and cut
+    where one round's is over 20% above the one before (levels sit further apart than that,
+    the rounds of one level within about 10% of each other)."""
     ordered = sorted(rounds, key=lambda r: r["copy_gb_s"])
     groups = [[ordered[0]]] if ordered else []
     for r in ordered[1:]:
@@ -339,7 +339,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens and requests (a smoke run)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bound-rounds", type=int, default=8,
-                        help="rounds of the bound part (more catch both of the VM's bandwidth levels)")
+                        help="rounds of the bound part (more catch each of the machine's bandwidth levels)")
     parser.add_argument("--bound-repeats", type=int, default=3,
                         help="decodes per side in each round of the bound part, the best counted")
     parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
