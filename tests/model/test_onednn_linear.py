@@ -116,7 +116,7 @@ def test_a_training_step_matches_the_mkl_one(onednn_calls, monkeypatch):
 
 
 @pytest.mark.parametrize("mkl_s, onednn_s, forced, expected", [
-    (1.0, 0.8, None, True),  # oneDNN clearly faster (this project's AMD VMs)
+    (1.0, 0.8, None, True),  # oneDNN clearly faster
     (1.0, 0.97, None, False),  # within the 5% margin
     (1.0, 1.3, None, False),  # MKL faster
     (1.0, 0.8, "0", False),  # turned off
@@ -132,8 +132,8 @@ def test_onednn_is_chosen_by_measuring_this_cpu(monkeypatch, mkl_s, onednn_s, fo
 
 
 @pytest.mark.parametrize("forward_pays, transposed_s, expected", [
-    (True, (1.0, 0.6), True),  # the twentieth session's AMD VM: oneDNN wins the transposed layout too
-    (True, (1.0, 1.2), False),  # the earlier AMD VM: the forward layout only
+    (True, (1.0, 0.6), True),  # oneDNN wins the transposed layout too
+    (True, (1.0, 1.2), False),  # oneDNN wins the forward layout only
     (False, (1.0, 0.6), False),  # no oneDNN for the forward product: none for its gradient
 ])
 def test_the_weight_gradient_layout_is_measured_on_its_own(monkeypatch, forward_pays, transposed_s, expected):
