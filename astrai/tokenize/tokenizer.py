@@ -76,7 +76,14 @@ class AutoTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "AutoTokenizer":
-        """Load a directory holding tokenizer.json (+ optional tokenizer_config.json), or a tokenizer.json file."""
+        """Load a directory holding tokenizer.json (+ optional tokenizer_config.json), a tokenizer.json file,
+        or the tokenizer in a GGUF file's metadata."""
+        from astrai.model.gguf import is_gguf
+
+        if is_gguf(path):
+            from astrai.tokenize.gguf_vocab import tokenizer_from_gguf  # it imports this module
+
+            return tokenizer_from_gguf(path)
         path = Path(path)
         tokenizer_file = path if path.is_file() else path / TOKENIZER_FILE
         if not tokenizer_file.is_file():
