@@ -34,22 +34,18 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 # Share of the training time each stage gets (of what is left when it starts).
 STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 # SFT stops after this many passes over its data: more passes memorise the small bundled
-# conversation set and wreck held-out perplexity (seen: 6.6 passes took English perplexity
-# from 31 after pre-training to ~1400).
+# conversation set and wreck held-out perplexity.
 SFT_MAX_PASSES = 1.5
 # Share of SFT batches drawn from the pre-training text (replay, every token counted). On the
-# small bundled conversations SFT alone wore the plain-text skill away: held-out perplexity
-# 32 / 72 (en / zh) after pre-training became 182 / 453 after SFT, and DPO and GRPO kept it
-# there. From the same pre-trained model: with a quarter replayed 42 / 99, with half 37 / 83
-# but arithmetic accuracy 0.45 and 0.12 against 0.67; a lower learning rate instead (3e-4,
-# 1e-4) gave 57 / 120 at accuracy 0.30 and 39 / 84 at 0.13. A whole run with a quarter ended at
-# 41 / 96 and accuracy 0.86 after GRPO (docs/quickstart.md).
+# small bundled conversations SFT alone wears the plain-text skill away; a quarter replayed
+# keeps held-out perplexity near pre-training's, where half or a lower learning rate cost
+# much of the arithmetic accuracy SFT is there to teach (docs/benchmarks.md).
 SFT_REPLAY = 0.25
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
 # Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
-# by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured. A probe
-# taken while something else had a core read half the real rate, and pre-training got half its time.
+# by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured: a probe
+# taken while another program holds a core can read half the real rate and halve pre-training.
 PACE_CHECK_STEPS = (5, 25)
 PACE_TOLERANCE = 0.2
 TRAIN_STAGES = tuple(STAGE_SHARES)
