@@ -138,6 +138,7 @@ class CompletionRequest(_OpenAISampling):
     """Body of ``POST /v1/completions``: a prompt string, several, or token ids."""
 
     prompt: Union[str, list[str], list[Int], list[list[Int]]]
+    max_tokens: Optional[Int] = Field(default=None, ge=0)  # 0 with echo: score the prompt only (as vLLM allows)
     logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     echo: bool = False
 
