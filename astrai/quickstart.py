@@ -51,10 +51,10 @@ PACE_TOLERANCE = 0.2
 TRAIN_STAGES = tuple(STAGE_SHARES)
 PLAN_FILE = "plan.json"  # the optimizer steps each stage planned; `--plan` pins a run to it
 # With the large corpus (astrai.dataset.corpus), a run takes this much of its text per minute of
-# budget: about twice what the tiny preset reads on two cores, so nothing repeats, yet a short run
+# budget: more than the tiny preset reads on two cores (about 1 MB a minute), so nothing repeats, yet a short run
 # does not tokenise all of it. The tokenizer learns from the first TOKENIZER_SAMPLE_BYTES of it.
-CORPUS_BYTES_PER_MINUTE = 2_500_000
-TOKENIZER_SAMPLE_BYTES = 8_000_000
+CORPUS_BYTES_PER_MINUTE = 1_500_000
+TOKENIZER_SAMPLE_BYTES = 4_000_000
 
 
 @dataclass

@@ -37,6 +37,7 @@ from astrai.errors import DataError
 BUILD_VERSION = 1
 DOC_CHARS = 6000         # longer texts are cut at paragraph ends into documents of about this size
 MIN_DOC_CHARS = {"en": 120, "zh": 40}
+SOURCE_MAX_BYTES = 16_000_000  # no one source (the dictionary is 40 MB) outweighs the others
 HELDOUT_SHARE = 0.01
 HELDOUT_MAX_DOCS = 300
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -326,6 +327,8 @@ def build_corpus(out: Path | None = None, packages_dir: Path | None = None, *, d
             continue
         count = size = 0
         for text in source_documents(source, root):
+            if size >= SOURCE_MAX_BYTES:
+                break
             key = _key(text)
             if key in seen:
                 continue
@@ -358,6 +361,7 @@ def _write(out: Path, docs: list[dict], sources: list[dict]) -> None:
             train.append(doc)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    staging.chmod(0o755)
     for name, records in (("train.jsonl", train), ("valid_en.jsonl", valid["en"]), ("valid_zh.jsonl", valid["zh"])):
         with open(staging / name, "w", encoding="utf-8") as handle:
             for record in records:
