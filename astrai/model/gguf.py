@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ from astrai.errors import CheckpointError
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # llama.cpp tensor name → Hugging Face name (per-layer names after "blk.N.").
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -92,18 +93,26 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 def read_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` over the file (memory-mapped), or CheckpointError saying why not."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     with open(path, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise CheckpointError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
+    stat = path.stat()
     try:
-        return GGUFReader(path, "r")
+        return _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
         raise CheckpointError(f"{path}: cannot read the GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+@lru_cache(maxsize=1)
+def _reader(path: str, mtime_ns: int, size: int):
+    """Parsing a large vocabulary's metadata takes seconds, so a model and its tokenizer share one parse;
+    keyed by modification time and size too, so a rewritten file is read again."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path, "r")
 
 
 class GGUFMetadata:

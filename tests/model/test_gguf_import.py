@@ -68,17 +68,31 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}"
 
 
+# Byte offsets of the float16 scales in each K-quant block; the gguf package dequantizes these
+# types but cannot quantize to them, so the test writes random blocks with small scales.
+K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+K_SHAPE = {**SHAPE, "hidden_size": 256, "intermediate_size": 256}  # rows of whole 256-value blocks
+
+
+def random_k_blocks(rows: int, cols: int, kind: Q) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = np.random.default_rng(rows * cols).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[kind]:
+        data[..., offset:offset + 2] = np.frombuffer(np.float16(2e-5).tobytes(), np.uint8)
+    return data.reshape(rows, -1)
+
+
 def stored(weight: np.ndarray, kind: Q) -> tuple[np.ndarray, np.ndarray]:
     """(what the file stores, what a reader gets back) for a matrix written as ``kind``."""
-    data = gguf.quants.quantize(weight, kind)
+    data = random_k_blocks(*weight.shape, kind) if kind in K_QUANT_SCALES else gguf.quants.quantize(weight, kind)
     return data, gguf.quants.dequantize(data, kind).reshape(weight.shape)
 
 
-def build_case(family: str, tensor_type: Q, vocab, seed: int = 0):
+def build_case(family: str, tensor_type: Q, vocab, seed: int = 0, shape=SHAPE):
     """A random transformers model of ``family`` and the (dequantized) reference sharing its GGUF file's weights."""
     model_cls, config_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    reference = model_cls(config_cls(vocab_size=len(vocab[0]), **SHAPE, **extra)).eval()
+    reference = model_cls(config_cls(vocab_size=len(vocab[0]), **shape, **extra)).eval()
     with torch.no_grad():  # HF starts biases at 0 and norms at 1; random ones show a dropped tensor
         for name, param in reference.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -155,6 +169,13 @@ TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1]
 @pytest.mark.parametrize("tensor_type", TYPES, ids=lambda t: t.name)
 def test_llama_gguf_of_every_tensor_type_gives_the_dequantized_models_logits(tensor_type, vocab, tmp_path):
     reference, tensors = build_case("llama", tensor_type, vocab)
+    got, expected = logits_pair(reference, write_gguf(tmp_path / "m.gguf", reference, tensors, tensor_type, vocab))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("tensor_type", sorted(K_QUANT_SCALES), ids=lambda t: t.name)
+def test_llama_gguf_of_k_quants_gives_the_dequantized_models_logits(tensor_type, vocab, tmp_path):
+    reference, tensors = build_case("llama", tensor_type, vocab, shape=K_SHAPE)
     got, expected = logits_pair(reference, write_gguf(tmp_path / "m.gguf", reference, tensors, tensor_type, vocab))
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
