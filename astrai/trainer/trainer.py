@@ -89,7 +89,8 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------
     def _run(self, context: TrainContext) -> TrainContext:
-        callbacks = self._get_default_callbacks() + self.callbacks + context.strategy.callbacks()
+        # the strategy's own bookkeeping first: a step is complete (and checkpointed) with it
+        callbacks = context.strategy.callbacks() + self._get_default_callbacks() + self.callbacks
 
         def fire(hook: str) -> None:
             for callback in callbacks:

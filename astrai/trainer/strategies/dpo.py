@@ -51,5 +51,11 @@ class DPOStrategy(BaseStrategy):
         self.metrics = {"dpo_loss": loss.detach(), **metrics}
         return loss
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reference.load_state_dict(state.get("reference", {}))
+
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["chosen"].shape[0])

@@ -151,10 +151,26 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     return loss, metrics
 
 
+def token_kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor, targets: torch.Tensor,
+             ignore_index: int = -100) -> torch.Tensor:
+    """Exact KL(policy ‖ reference) over the vocabulary, averaged over the positions whose target counts.
+
+    Σ_v p(v)·(log p(v) − log q(v)) per position, in fp32: never negative, zero only where the two
+    distributions agree, and its gradient pulls the policy towards the reference.
+    """
+    logp = torch.log_softmax(policy_logits.float(), dim=-1)
+    logq = torch.log_softmax(reference_logits.detach().float(), dim=-1)
+    per_position = (logp.exp() * (logp - logq)).sum(-1)
+    mask = (targets != ignore_index).to(per_position.dtype)
+    return (per_position * mask).sum() / mask.sum().clamp_min(1)
+
+
 def kl_stage_loss(policy_nll: torch.Tensor, reference_nll: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec 003's second-stage objective: NLL + β·(policy NLL − stop-grad reference NLL).
 
-    Returns (total loss, the penalty term). With β = 0 the total is the plain NLL.
+    Returns (total loss, the penalty term). With β = 0 the total is the plain NLL. The penalty's
+    gradient is the policy NLL's own, so it rescales the step rather than anchoring the model
+    (``token_kl`` does that); the KL stage offers it as the ``nll_difference`` estimate.
     """
     penalty = policy_nll - reference_nll.detach()
     return policy_nll + beta * penalty, penalty
