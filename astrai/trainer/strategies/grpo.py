@@ -28,7 +28,7 @@ from astrai.trainer.rewards import compute_rewards, resolve_reward
 from astrai.trainer.rollout import EngineRollout, RolloutBatch, pack_sequences
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
 from astrai.trainer.strategies.losses import (REDUCTIONS, group_advantages, grpo_loss, keyed_group_advantages,
-                                              shifted_token_logprobs)
+                                              shifted_logprobs_and_aux, shifted_token_logprobs)
 from astrai.trainer.strategies.reference import ReferenceModel, cpu_weights, frozen, load_weights, unwrap
 
 
@@ -116,7 +116,7 @@ class GRPOStrategy(BaseStrategy):
             advantages = group_advantages(rewards, self.group_size)
         advantages = advantages.to(self.device)
         mask = response_mask[:, 1:]
-        logp = shifted_token_logprobs(self.model, input_ids)
+        logp, aux = shifted_logprobs_and_aux(self.model, input_ids)
         if self.behaviour is None:
             old_logp = logp.detach()
         else:
@@ -133,7 +133,7 @@ class GRPOStrategy(BaseStrategy):
             "response_length": mask.sum(dim=1).float().mean(),
             **metrics,
         }
-        return loss
+        return self.add_aux_loss(loss, {"aux_loss": aux})
 
     def compute_loss(self, batch: dict[str, Any]) -> torch.Tensor:
         if "prompts" not in batch:

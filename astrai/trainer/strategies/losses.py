@@ -22,21 +22,42 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def padded_inputs(attention_mask: torch.Tensor | None) -> dict:
+    """Model arguments for a padded batch: padding (1 = real token, 0 = padding, anywhere in the
+    row) is masked out and positions count real tokens only, so each row scores as it would alone."""
+    if attention_mask is None:
+        return {}
+    mask = attention_mask.long()
+    return {"input_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+
+
+def shifted_logprobs_and_aux(model, input_ids: torch.Tensor,
+                             attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of ``input_ids[:, 1:]`` given their prefixes ([B, T] → [B, T-1]) and the
+    model's MoE balancing loss (None for a dense model or outside training)."""
+    mask = None if attention_mask is None else attention_mask[:, :-1]
+    outputs = model(input_ids[:, :-1], **padded_inputs(mask))
+    return token_logprobs(outputs["logits"], input_ids[:, 1:]), outputs.get("aux_loss")
+
+
 def shifted_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token log-probs of ``input_ids[:, 1:]`` given their prefixes: [B, T] → [B, T-1].
 
     Position t of the result scores token t+1, so a response mask aligned with
     ``input_ids`` selects it with ``mask[:, 1:]``.
     """
-    logits = model(input_ids[:, :-1], input_mask=None if attention_mask is None else attention_mask[:, :-1])["logits"]
-    return token_logprobs(logits, input_ids[:, 1:])
+    return shifted_logprobs_and_aux(model, input_ids, attention_mask)[0]
+
+
+def response_sums(per_token: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of shifted per-token log-probs over the tokens where ``response_mask`` is 1: [B, T-1] → [B]."""
+    return (per_token * response_mask[:, 1:].to(per_token.dtype)).sum(-1)
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, response_mask: torch.Tensor,
                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of log p over the tokens where ``response_mask`` is 1: [B, T] → [B]."""
-    per_token = shifted_token_logprobs(model, input_ids, attention_mask)
-    return (per_token * response_mask[:, 1:].to(per_token.dtype)).sum(-1)
+    return response_sums(shifted_token_logprobs(model, input_ids, attention_mask), response_mask)
 
 
 def reduce(values: torch.Tensor, reduction: str) -> torch.Tensor:
