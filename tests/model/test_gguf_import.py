@@ -113,7 +113,7 @@ def build_case(family: str, tensor_type: Q, vocab, seed: int = 0, shape=SHAPE):
 
 
 def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="gpt-2", skip_keys=(), tokenizer_model="gpt2",
-               kinds=None, rope_freqs=None):
+               kinds=None, rope_freqs=None, add_bos=False):
     """A GGUF file as llama.cpp's converter lays it out: metadata, tokenizer, tensors (Q/K interleaved for llama)."""
     config = reference.config
     arch = arch or config.model_type
@@ -139,6 +139,7 @@ def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_pad_token_id(tokens.index("<|pad|>"))
     writer.add_chat_template(TEMPLATE)
+    writer.add_add_bos_token(add_bos)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for name, data in tensors.items():
         projection = name.split(".")[-2]
@@ -239,6 +240,15 @@ def test_import_verb_writes_a_model_directory_with_tokenizer_and_chat_template(v
     assert tokenizer.encode(TEXT) == AutoTokenizer.from_pretrained(path).encode(TEXT)
 
 
+def test_import_verb_stops_before_writing_when_the_tokenizer_is_unsupported(vocab, tmp_path, capsys):
+    reference, tensors = build_case("llama", Q.F32, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.F32, vocab, tokenizer_model="llama")
+    out = tmp_path / "imported"
+    assert astrai_main(["model", "import", str(path), "--out", str(out)]) == 2
+    assert "tokenizer.ggml.model 'llama' is not supported" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_engine_opens_a_gguf_file_directly(vocab, tmp_path):
     from astrai.inference import InferenceEngine, SamplingParams
 
@@ -277,6 +287,13 @@ def test_tokenizer_splits_text_as_transformers_gguf_loader_does(pre, vocab, tmp_
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     ours = AutoTokenizer.from_pretrained(path)
     assert ours.encode(TEXT) == theirs.encode(TEXT, add_special_tokens=False)
+
+
+def test_add_bos_token_puts_bos_first_when_special_tokens_are_asked_for(vocab, tmp_path):
+    reference, tensors = build_case("llama", Q.F32, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.F32, vocab, pre="llama-bpe", add_bos=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.encode(TEXT, add_special_tokens=True) == [tokenizer.bos_id] + tokenizer.encode(TEXT)
 
 
 def test_smollm_and_qwen2_split_digits_one_by_one_and_llama_bpe_in_threes(vocab, tmp_path):
