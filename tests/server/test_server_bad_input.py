@@ -73,7 +73,7 @@ def test_enormous_body_is_refused_with_413_in_both_protocols(server_url):
         for _ in range(100):
             yield b"a" * 10_000
 
-    resp = httpx.post(server_url + CHAT, content=chunks(), timeout=30)
+    resp = httpx.post(server_url + CHAT, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     assert resp.status_code == 413
 
 
@@ -83,7 +83,8 @@ def test_json_nested_100000_levels_gets_400_not_a_crash(tiny_engine):
     from astrai.inference.server import create_app
 
     deep = b'{"model": "tiny-test", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    with TestClient(create_app(tiny_engine, model_name=MODEL_NAME), raise_server_exceptions=False) as client:
+    with TestClient(create_app(tiny_engine, model_name=MODEL_NAME), base_url="http://localhost",
+                    raise_server_exceptions=False) as client:
         for path in (CHAT, "/v1/completions", "/v1/messages"):
             resp = client.post(path, content=deep, headers={"content-type": "application/json"})
             assert resp.status_code == 400, resp.text

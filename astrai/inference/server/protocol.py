@@ -45,8 +45,7 @@ class ServerState:
     @property
     def queue_capacity(self) -> Optional[int]:
         """How many requests the engine queues at once (``--max-queue``), if it says."""
-        scheduler = getattr(self.engine, "scheduler", self.engine)
-        capacity = getattr(scheduler, "max_queue", None)
+        capacity = getattr(getattr(self.engine, "scheduler", None), "max_queue", None)
         return capacity if isinstance(capacity, int) else None
 
     def check_fits_queue(self, requests: int) -> None:
