@@ -34,25 +34,27 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 # Share of the training time each stage gets (of what is left when it starts).
 STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 # SFT stops after this many passes over its data: more passes memorise the small bundled
-# conversation set and wreck held-out perplexity (seen: 6.6 passes took English perplexity
-# from 31 after pre-training to ~1400).
+# conversation set and wreck held-out perplexity.
 SFT_MAX_PASSES = 1.5
 # Share of SFT batches drawn from the pre-training text (replay, every token counted). On the
-# small bundled conversations SFT alone wore the plain-text skill away: held-out perplexity
-# 32 / 72 (en / zh) after pre-training became 182 / 453 after SFT, and DPO and GRPO kept it
-# there. From the same pre-trained model: with a quarter replayed 42 / 99, with half 37 / 83
-# but arithmetic accuracy 0.45 and 0.12 against 0.67; a lower learning rate instead (3e-4,
-# 1e-4) gave 57 / 120 at accuracy 0.30 and 39 / 84 at 0.13. A whole run with a quarter ended at
-# 41 / 96 and accuracy 0.86 after GRPO (docs/quickstart.md).
+# small bundled conversations SFT alone wears the plain-text skill away; a quarter replayed
+# keeps held-out perplexity near pre-training's, where half or a lower learning rate cost
+# much of the arithmetic accuracy SFT is there to teach (docs/benchmarks.md).
 SFT_REPLAY = 0.25
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
 # Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
-# by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured. A probe
-# taken while something else had a core read half the real rate, and pre-training got half its time.
+# by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured: a probe
+# taken while another program holds a core can read half the real rate and halve pre-training.
 PACE_CHECK_STEPS = (5, 25)
 PACE_TOLERANCE = 0.2
 TRAIN_STAGES = tuple(STAGE_SHARES)
+PLAN_FILE = "plan.json"  # the optimizer steps each stage planned; `--plan` pins a run to it
+# With the large corpus (astrai.dataset.corpus), a run takes this much of its text per minute of
+# budget: more than the tiny preset reads on two cores (about 1 MB a minute), so nothing repeats, yet a short run
+# does not tokenise all of it. The tokenizer learns from the first TOKENIZER_SAMPLE_BYTES of it.
+CORPUS_BYTES_PER_MINUTE = 1_500_000
+TOKENIZER_SAMPLE_BYTES = 4_000_000
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Settings:
     preset: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
     vocab_size: int = 4096
+    corpus: str = "auto"                  # "auto" (the cached large corpus when built, else bundled), "bundled", or a corpus dir
     window_size: int = 256
     batch_size: int = 8
     dpo_seq_len: int = 128
@@ -72,10 +75,12 @@ class Settings:
     grpo_group_size: int = 4
     grpo_max_new_tokens: int = 6
     grpo_temperature: float = 0.7
-    sft_arithmetic: int = 4000
+    sft_arithmetic: int = 4000            # task conversations for SFT, from the training pool
+    dpo_arithmetic: int = 1000            # task preference pairs for DPO, from the training pool
+    grpo_problems: int = 2000             # GRPO prompts, from the training pool
     sft_replay: float = SFT_REPLAY        # share of SFT batches that are pre-training text
-    eval_problems: int = 100
-    steps: Optional[dict] = None          # fixed optimizer steps per stage instead of sizing by time
+    eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
+    steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
@@ -163,6 +168,7 @@ class Quickstart:
         self.summary_path = self.out / "summary.json"
         self.tps = 0.0                         # measured training tokens/s
         self.eval_seconds: Optional[float] = None  # how long the last evaluation took
+        self.corpus: dict = {"kind": "bundled", "heldout": {}}  # the pre-training text, chosen by stage_corpus
 
     # paths
     def stage_dir(self, name: str) -> Path:
@@ -182,6 +188,7 @@ class Quickstart:
         self.out.mkdir(parents=True, exist_ok=True)
         spent = read_json(self.out / "time.json")["seconds"] if (self.out / "time.json").is_file() else 0.0
         self.deadline = Deadline(self.s.minutes, spent)
+        self.stage_corpus()
         self.stage_tokenizer()
         self.stage_data()
         self.tps = self.measure_throughput()
@@ -196,6 +203,45 @@ class Quickstart:
     def save_time(self) -> None:
         write_json(self.out / "time.json", {"seconds": self.deadline.elapsed})
 
+    # --- the pre-training text --------------------------------------------------------------
+    def stage_corpus(self) -> None:
+        """Choose the pre-training text: the bundled sample, or (when built, see
+        astrai.dataset.corpus) the large corpus's first ``minutes × CORPUS_BYTES_PER_MINUTE``
+        bytes beside it, with the corpus's own held-out files added to the evaluation."""
+        from astrai.dataset.corpus import corpus_ready, default_corpus_dir
+        from astrai.errors import ConfigError
+
+        marker = self.done_path("corpus")
+        if marker.is_file():
+            self.corpus = read_json(marker)
+            return
+        choice = self.s.corpus
+        directory = default_corpus_dir() if choice == "auto" else None if choice == "bundled" else Path(choice)
+        bundled = DATA_DIR / "pretrain" / "train.jsonl"
+        record = {"kind": "bundled", "train": [str(bundled)], "tokenizer": [str(bundled)], "heldout": {}}
+        if directory is not None and corpus_ready(directory):
+            subset = self.out / "data" / "corpus_train.jsonl"
+            sample = self.out / "data" / "tokenizer_sample.jsonl"
+            limit = self.s.minutes * CORPUS_BYTES_PER_MINUTE
+            taken = _copy_prefix(directory / "train.jsonl", subset, limit)
+            _copy_prefix(subset, sample, TOKENIZER_SAMPLE_BYTES)
+            record = {"kind": "large", "dir": str(directory), "bytes": taken, "train": [str(subset), str(bundled)],
+                      "tokenizer": [str(sample), str(bundled)],
+                      "heldout": {f"corpus-{lang}": str(directory / f"valid_{lang}.jsonl") for lang in ("en", "zh")}}
+            log(f"pre-training text: {taken / 1e6:.0f} MB of the large corpus in {directory} beside the bundled sample")
+        elif choice not in ("auto", "bundled"):
+            raise ConfigError(f"--corpus {choice}: not a built corpus (no manifest.json); build one with "
+                              f"`bash scripts/build_large_corpus.sh` or use --corpus bundled")
+        else:
+            log("pre-training text: the bundled sample (build the large corpus with `bash scripts/build_large_corpus.sh`)")
+        write_json(marker, record)
+        self.corpus = record
+
+    def heldout(self) -> dict:
+        from astrai.eval.runner import DEFAULT_HELDOUT
+
+        return {**DEFAULT_HELDOUT, **self.corpus["heldout"]}
+
     # --- stage 0: tokenizer -------------------------------------------------------------
     def stage_tokenizer(self) -> None:
         from astrai.tokenize import AutoTokenizer
@@ -204,9 +250,9 @@ class Quickstart:
         if marker.is_file():
             log(f"tokenizer: done already ({self.tokenizer_dir})")
         else:
-            log(f"[1/7] training a byte-level BPE tokenizer (vocabulary {self.s.vocab_size}) on the bundled corpus")
+            log(f"[1/7] training a byte-level BPE tokenizer (vocabulary {self.s.vocab_size}) on the pre-training text")
             start = time.perf_counter()
-            sources = [DATA_DIR / "pretrain" / "train.jsonl", DATA_DIR / "sft" / "train.jsonl"]
+            sources = [*self.corpus["tokenizer"], DATA_DIR / "sft" / "train.jsonl"]
             tokenizer = AutoTokenizer.train([str(p) for p in sources], self.s.vocab_size, show_progress=self.s.progress)
             tokenizer.save_pretrained(self.tokenizer_dir)
             write_json(marker, {"seconds": time.perf_counter() - start, "vocab_size": tokenizer.vocab_size})
@@ -224,13 +270,13 @@ class Quickstart:
             log("datasets: done already")
             return
         log("[2/7] tokenising the bundled data (pre-training text, conversations, preference pairs, arithmetic)")
+        task_files = self.arithmetic_data()
         jobs = {
-            "pretrain": dict(inputs=[DATA_DIR / "pretrain" / "train.jsonl"], train_type="seq"),
-            "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", self.arithmetic_conversations()], train_type="sft"),
-            "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl"], train_type="dpo", seq_len=self.s.dpo_seq_len,
-                        packing="none"),
-            "grpo": dict(inputs=[DATA_DIR / "grpo" / "arithmetic.jsonl"], train_type="grpo", seq_len=64,
-                         packing="none"),
+            "pretrain": dict(inputs=self.corpus["train"], train_type="seq"),
+            "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", task_files["sft"]], train_type="sft"),
+            "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl", task_files["dpo"]], train_type="dpo",
+                        seq_len=self.s.dpo_seq_len, packing="none"),
+            "grpo": dict(inputs=[task_files["grpo"]], train_type="grpo", seq_len=64, packing="none"),
         }
         summaries = {}
         for kind, job in jobs.items():
@@ -242,17 +288,28 @@ class Quickstart:
             summaries[kind] = run_preprocess(opts)
         write_json(marker, summaries)
 
-    def arithmetic_conversations(self) -> Path:
-        """Extra SFT conversations in the arithmetic answer format ("3+4=" → "7"), generated by
-        the task's own ``sft_conversation``: the bundled conversations alone teach the format
-        but are too few for a tiny model to learn the sums in a few minutes."""
-        from astrai.dataset.arithmetic import make_problems, sft_conversation
+    def arithmetic_data(self) -> dict[str, Path]:
+        """The arithmetic task's SFT conversations, DPO pairs and GRPO prompts, all drawn from
+        its training pool (never from the held-out problems the evaluation asks), each set
+        from its own seed derived from the run's: the bundled conversations alone teach the
+        format but are too few for a tiny model to learn the sums in a few minutes."""
+        import random
 
-        path = self.out / "data" / "arithmetic_sft.jsonl"
-        problems = make_problems(self.s.sft_arithmetic, seed=1000 + self.s.seed)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(sft_conversation(p)) + "\n" for p in problems), encoding="utf-8")
-        return path
+        from astrai.dataset.arithmetic import grpo_record, preference_pair, sft_conversation, training_problems
+
+        s = self.s
+        rng = random.Random(3000 + s.seed)
+        sets = {
+            "sft": [sft_conversation(p) for p in training_problems(s.sft_arithmetic, seed=1000 + s.seed)],
+            "dpo": [preference_pair(p, rng) for p in training_problems(s.dpo_arithmetic, seed=2000 + s.seed)],
+            "grpo": [grpo_record(p) for p in training_problems(s.grpo_problems, seed=4000 + s.seed)],
+        }
+        paths = {}
+        for kind, records in sets.items():
+            paths[kind] = self.out / "data" / f"arithmetic_{kind}.jsonl"
+            paths[kind].parent.mkdir(parents=True, exist_ok=True)
+            paths[kind].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+        return paths
 
     def records(self, kind: str) -> int:
         """How many examples the preprocessed ``kind`` dataset holds."""
@@ -309,8 +366,11 @@ class Quickstart:
     def estimate_eval_seconds(self) -> float:
         """Before the first evaluation has been timed: forward passes cost about a third of
         a training step per token; generations are short."""
-        ppl_tokens = 2 * (self.s.ppl_max_tokens or 20_000) * 4 / 3  # two languages, windows overlap by 1/4
-        generated = (self.s.eval_problems * 4 + 6 * self.s.sample_max_new_tokens) * 64
+        ppl_tokens = len(self.heldout()) * (self.s.ppl_max_tokens or 20_000) * 4 / 3  # windows overlap by 1/4
+        from astrai.dataset.arithmetic import HELDOUT_SIZE
+
+        problems = self.s.eval_problems if self.s.eval_problems is not None else HELDOUT_SIZE
+        generated = (problems * 4 + 6 * self.s.sample_max_new_tokens) * 64
         return (ppl_tokens + generated) / (3 * self.tps) + 2.0
 
     def train_config(self, index: int, name: str, seconds: float):
@@ -322,9 +382,8 @@ class Quickstart:
                       progress_bar=s.progress, ckpt_keep=2)
         if name == "pretrain":
             # The probe times a few steady steps only; the stage also saves 9 checkpoints and
-            # validates, and it ran 5-7% over its plan without a margin (634 and 643 s against
-            # 603), then 3.5% and 7% over with 6% fewer steps (625 and 648 s against 604, the
-            # whole run 15.3 min of 15), taking that time from the later stages. Hence 10%.
+            # validates, which the probe does not see. Planning 10% fewer steps keeps that time
+            # from being taken out of the later stages.
             steps = PRETRAIN_STEP_SHARE * seconds * tps / (s.batch_size * s.window_size)
             kw = dict(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
@@ -443,7 +502,7 @@ class Quickstart:
         """Held-out perplexity, arithmetic accuracy and sample answers after every stage: the
         perplexity shows what each fine-tuning stage costs the plain-text skill (a few
         seconds per stage for the quick start's model)."""
-        from astrai.eval.runner import DEFAULT_HELDOUT, evaluate
+        from astrai.eval.runner import evaluate
         from astrai.eval.task import arithmetic_task
         from astrai.model import AutoModel
 
@@ -451,9 +510,9 @@ class Quickstart:
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
         chat = name != "pretrain"
         window = self.s.window_size
-        results = evaluate(model, self.tokenizer, heldout=DEFAULT_HELDOUT, ppl_window=window,
+        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=window,
                            ppl_stride=window - window // 4, ppl_max_tokens=self.s.ppl_max_tokens,
-                           task=arithmetic_task(self.s.eval_problems, seed=10_000 + self.s.seed),
+                           task=arithmetic_task(self.s.eval_problems),
                            max_new_tokens=8)
         results.update(evaluate(model, self.tokenizer, samples=True, chat=chat,
                                 max_new_tokens=self.s.sample_max_new_tokens))
@@ -488,15 +547,21 @@ class Quickstart:
             "model": {"preset": self.s.preset, "vocab_size": self.tokenizer.vocab_size,
                       "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
             "budget_minutes": self.s.minutes, "total_seconds": self.deadline.elapsed, "device": _device_name(),
+            "seed": self.s.seed,
+            "plan": {"steps": {r["name"]: r["planned_steps"] for r in records},
+                     "source": "pinned (--plan)" if self.s.steps else "measured from throughput"},
             "measured_tokens_per_s": read_json(self.out / "throughput.json")["tokens_per_s"], "stages": records,
             "unigram_perplexity": {k: v["unigram_perplexity"] for k, v in pretrain_ppl.items()},
-            "model_dir": str(final_dir),
+            "model_dir": str(final_dir), "corpus": self.corpus,
             "commands": {
                 "serve": f"{astrai} serve --model {model_path} --port 8000",
                 "chat": f"{astrai} chat --model {model_path}",
                 "eval": f"{astrai} eval --model {model_path}",
+                "rerun": f"{astrai} quickstart --seed {self.s.seed} --plan {shlex.quote(str((self.out / PLAN_FILE).resolve()))}"
+                         f" --out NEW_DIR",
             },
         }
+        write_json(self.out / PLAN_FILE, summary["plan"])
         write_json(self.summary_path, summary)
         md, html = write_report(self.out, summary, plots)
         log(f"done in {summary['total_seconds'] / 60:.1f} min: model in {final_dir}, report in {md} and {html}")
@@ -508,6 +573,19 @@ def _metrics(log_dir: Path) -> list[dict]:
     from astrai.eval.report import read_metrics
 
     return read_metrics(Path(log_dir) / "metrics.jsonl")
+
+
+def _copy_prefix(source: Path, target: Path, limit: float) -> int:
+    """Copy whole lines of ``source`` into ``target`` until ``limit`` bytes; return the bytes copied."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    with open(source, "rb") as reader, open(target, "wb") as writer:
+        for line in reader:
+            if copied and copied + len(line) > limit:
+                break
+            writer.write(line)
+            copied += len(line)
+    return copied
 
 
 def _median(values: list) -> Optional[float]:
@@ -543,9 +621,10 @@ def _device_name() -> str:
 
 
 def _headline(ev: dict) -> str:
-    parts = [f"ppl {k} {v['perplexity']:.1f}" for k, v in ev.get("perplexity", {}).items()]
+    parts = [f"{k} ppl {v['perplexity']:.1f} ({v['bits_per_byte']:.3f} bits/byte)" for k, v in ev.get("perplexity", {}).items()]
     if "task" in ev:
-        parts.append(f"arithmetic accuracy {ev['task']['accuracy']:.2f}")
+        low, high = ev["task"]["interval"]
+        parts.append(f"held-out arithmetic accuracy {ev['task']['accuracy']:.3f} [{low:.3f}, {high:.3f}]")
     return ", ".join(parts) or "no evaluation"
 
 
@@ -574,12 +653,37 @@ def run_quickstart(**settings: Any) -> dict:
     return Quickstart(s).run()
 
 
+def load_plan(path: str | Path) -> dict:
+    """The optimizer steps per stage from a plan file (``plan.json`` of an earlier run, or
+    ``{"steps": {"pretrain": 300, "sft": 100, "dpo": 10, "grpo": 20}}``)."""
+    from astrai.errors import ConfigError
+
+    try:
+        steps = read_json(Path(path))["steps"]
+    except FileNotFoundError:
+        raise ConfigError(f"--plan {path}: file not found") from None
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise ConfigError(f"--plan {path}: expected JSON with a 'steps' object ({exc})") from None
+    if not isinstance(steps, dict) or set(steps) != set(TRAIN_STAGES) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in steps.values()):
+        raise ConfigError(f"--plan {path}: 'steps' must give a positive integer for each of {', '.join(TRAIN_STAGES)}, "
+                          f"got {steps!r}")
+    return dict(steps)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run (default 15)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the data order, initial weights and generated task data (default 0)")
+    parser.add_argument("--plan", default=None, metavar="FILE",
+                        help="pin the optimizer steps of each stage to this file (an earlier run's plan.json): "
+                             "the same seed and plan give the same numbers (default: sized from measured throughput)")
     parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default 4096)")
+    parser.add_argument("--corpus", default="auto",
+                        help="pre-training text: auto (the large corpus when built, else the bundled sample), "
+                             "bundled, or a corpus directory (default auto)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
 
 
@@ -588,8 +692,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.minutes <= 0:
         raise ConfigError(f"--minutes must be positive, got {args.minutes}")
+    steps = load_plan(args.plan) if args.plan else None
     summary = run_quickstart(out=args.out, minutes=args.minutes, seed=args.seed, preset=args.preset,
-                             vocab_size=args.vocab_size, progress=not args.no_progress)
+                             vocab_size=args.vocab_size, steps=steps, corpus=args.corpus, progress=not args.no_progress)
     print(json.dumps({"model_dir": summary["model_dir"], "report": str(Path(args.out) / "report.html"),
                       **{f"{s['name']}": _headline(s.get("eval", {})) for s in summary["stages"]}},
                      indent=2, ensure_ascii=False))

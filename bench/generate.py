@@ -17,13 +17,12 @@ are warmed up on every shape first. Measured, in one run:
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python bench/generate.py [--parts single,bound,throughput,ttft] [--quick]
        [--bound-rounds N] [--bound-repeats N]
-Writes bench/results/generate.json.
+Writes a dated JSON file to bench/results/ (see results_file.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -42,8 +41,8 @@ from astrai.backends.cpu.huge_pages import huge_page_empty  # noqa: E402
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.model.hf import export_llama  # noqa: E402
+from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-RESULTS = ROOT / "bench" / "results" / "generate.json"
 MODEL_125M = dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, dim_ffn=2816, max_len=2048)
 
 
@@ -165,9 +164,9 @@ def bandwidth_bound(n_new, rounds=8, repeats=3) -> dict:
     ``repeats`` astrai and transformers decodes, with the copy bandwidth measured before each
     pair of runs and after the last.
 
-    The 2-vCPU VMs of this project switch between two bandwidth levels (about 40 and 70 GB/s)
-    for spells of seconds to minutes. A bound measured at one level and a decode run at the
-    other gave fractions from 0.5 to 1.0 for the same code. So each round's fraction is taken
+    A shared virtual machine can switch between bandwidth levels (say 45 and 75 GB/s) for
+    spells of seconds to minutes, and a bound measured at one level set against a decode run
+    at the other says little about the code. So each round's fraction is taken
     against the bandwidth measured around it, only rounds whose measurements agree within 10%
     count (the level held through the round), and the median of those is reported.
 
@@ -264,9 +263,9 @@ def bandwidth_bound(n_new, rounds=8, repeats=3) -> dict:
 
 
 def bandwidth_levels(rounds: list[dict]) -> list[list[dict]]:
-    """The rounds grouped by the VM's bandwidth level: sorted by copy bandwidth and cut where
-    one round's is over 20% above the one before (the levels seen here sit 60-70% apart,
-    the rounds of one level within about 10%)."""
+    """The rounds grouped by the machine's bandwidth level: sorted by copy bandwidth and cut
+    where one round's is over 20% above the one before (levels sit further apart than that,
+    the rounds of one level within about 10% of each other)."""
     ordered = sorted(rounds, key=lambda r: r["copy_gb_s"])
     groups = [[ordered[0]]] if ordered else []
     for r in ordered[1:]:
@@ -341,9 +340,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens and requests (a smoke run)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bound-rounds", type=int, default=8,
-                        help="rounds of the bound part (more catch both of the VM's bandwidth levels)")
+                        help="rounds of the bound part (more catch each of the machine's bandwidth levels)")
     parser.add_argument("--bound-repeats", type=int, default=3,
                         help="decodes per side in each round of the bound part, the best counted")
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
     if args.bound_rounds < 1 or args.bound_repeats < 1:
         parser.error("--bound-rounds and --bound-repeats must be at least 1")
@@ -362,10 +362,7 @@ def main() -> None:
                                            rounds=1 if args.quick else 3)
     if "ttft" in parts:
         results["ttft_shared_prefix"] = shared_prefix_ttft()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    RESULTS.write_text(json.dumps({**previous, **results}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result("generate", results, args.out)
 
 
 if __name__ == "__main__":

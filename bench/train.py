@@ -9,7 +9,7 @@ alternating rounds; since contention from other processes only adds time, the ra
 uses each side's fastest step and reports the median ratio beside it. The achieved
 FLOP/s (6·N·tokens + attention) is compared with this machine's measured matmul peak.
 ``--compile`` compiles astrai's model (``+c`` in the output; ``--compile bf16`` only for the
-bf16 rows), which docs/training.md measures paying on a CPU at both precisions.
+bf16 rows), which pays on a CPU at both precisions (docs/training.md).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/train.py --presets tiny small --steps 3 --rounds 3 --compile
 """
@@ -17,14 +17,14 @@ bf16 rows), which docs/training.md measures paying on a CPU at both precisions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+from results_file import write_result  # bench/ is on sys.path when a script runs
 
 
 class RandomTokens(Dataset):
@@ -40,8 +40,8 @@ class RandomTokens(Dataset):
 
 def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 20) -> float:
     """This machine's best FLOP/s for a size² matmul: PyTorch's own (MKL for fp32, oneDNN for
-    bf16) or, for fp32, oneDNN's, which astrai trains with where it is faster, so the fraction
-    of peak stays below one."""
+    bf16) or, for fp32, oneDNN's, which astrai trains with where it is faster (on some CPUs
+    about twice MKL's), so the fraction of peak stays below one."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     kernels = [lambda: a @ b]
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
@@ -180,7 +180,7 @@ def main() -> int:
     parser.add_argument("--compile", nargs="*", choices=["fp32", "bf16"], default=None, metavar="PRECISION",
                         help="torch.compile astrai's model at these precisions (all when none is named); "
                              "see docs/training.md")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "train.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
     args.compile = [] if args.compile is None else args.compile or args.precisions
     torch.set_num_threads(args.threads)
@@ -194,9 +194,7 @@ def main() -> int:
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
            "batch": args.batch, "seq": args.seq, "matmul_peak_flops": peaks, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result("train", out, args.out)
     return 0
 
 

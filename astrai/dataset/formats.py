@@ -46,6 +46,9 @@ def mmap_file(path: Path, key: str, shard: str) -> Path:
 class MmapStorage(BaseStorage):
     """Raw little-endian arrays, one file per key per shard, opened with numpy.memmap."""
 
+    def shard_file(self, key: str, shard: str) -> Path:
+        return mmap_file(self.path, key, shard)
+
     def _load_segments(self, path: Path) -> dict[str, list[np.ndarray]]:
         if not path.is_dir() or not self.meta:
             raise DataError(f"{path}: a memory-mapped dataset is a directory with {META_FILE}")

@@ -107,6 +107,7 @@ class BaseStorage(ABC):
             raise DataError(f"{self.path}: no such dataset file or directory")
         self.meta = read_meta(self.path) if self.path.is_dir() else {}
         segments = self._load_segments(self.path)
+        self._check_shard_lengths(segments)
         if not segments or all(len(s) == 0 for segs in segments.values() for s in segs):
             raise DataError(f"{self.path}: the dataset is empty (no tokens stored)")
         self._fetcher = MultiSegmentFetcher(segments)
@@ -115,6 +116,30 @@ class BaseStorage(ABC):
     @abstractmethod
     def _load_segments(self, path: Path) -> dict[str, list[np.ndarray]]:
         """key → its shards, in order."""
+
+    def shard_file(self, key: str, shard: str) -> Path:
+        """The file that holds ``key`` of ``shard`` (named in errors)."""
+        return self.path / f"shard-{shard}.{self.format_name}"
+
+    def _check_shard_lengths(self, segments: dict[str, list[np.ndarray]]) -> None:
+        """A shard shorter or longer than meta.json records (a truncated copy, a file from another
+        run) would otherwise be trained on silently, or shift every row after it."""
+        shards = self.meta.get("shards")
+        if not isinstance(shards, list):
+            return
+        for i, shard in enumerate(shards):
+            lengths = shard.get("lengths") if isinstance(shard, dict) else None
+            if not isinstance(lengths, dict):
+                continue
+            for key, expected in lengths.items():
+                if key not in segments or i >= len(segments[key]):
+                    continue
+                found, itemsize = len(segments[key][i]), segments[key][i].dtype.itemsize
+                if found != expected:
+                    raise DataError(f"{self.shard_file(key, shard['name'])}: holds {found} tokens "
+                                    f"({found * itemsize} bytes) but {META_FILE} records {expected} "
+                                    f"({expected * itemsize} bytes); the file is truncated or from another run: "
+                                    "copy it again or re-run `astrai preprocess`")
 
     @property
     def fetcher(self) -> MultiSegmentFetcher:

@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ppl-stride", type=int, default=None, help="window stride (default: half the window)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None,
                         help="stop each held-out file after about this many tokens (whole documents)")
-    parser.add_argument("--task-problems", type=int, default=100,
-                        help="number of arithmetic problems to solve (0 skips the task)")
-    parser.add_argument("--task-seed", type=int, default=1234, help="seed of the arithmetic problems")
+    parser.add_argument("--task-problems", type=int, default=None,
+                        help="solve the first N problems of the arithmetic task's held-out pool "
+                             "(default: all of them; 0 skips the task)")
     parser.add_argument("--no-samples", action="store_true", help="skip the fixed English/Chinese sample prompts")
     parser.add_argument("--mmlu", action="append", default=[], metavar="FILE",
                         help="multiple-choice questions (MMLU CSV or JSONL); repeatable")
@@ -52,6 +52,8 @@ def parse_heldout(values: list[str] | None) -> dict[str, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task_problems is not None and args.task_problems < 0:
+        raise DataError(f"--task-problems must be >= 0, got {args.task_problems}")
     from astrai.eval.runner import evaluate
     from astrai.eval.task import arithmetic_task
     from astrai.inference.placement import resolve_device
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer,
         heldout=None if args.no_perplexity else parse_heldout(args.heldout),
         ppl_window=args.ppl_window, ppl_stride=args.ppl_stride, ppl_max_tokens=args.ppl_max_tokens,
-        task=arithmetic_task(args.task_problems, args.task_seed) if args.task_problems > 0 else None,
+        task=None if args.task_problems == 0 else arithmetic_task(args.task_problems),
         samples=not args.no_samples, mmlu=args.mmlu, rouge=args.rouge, instructions=args.instructions,
         chat=not args.no_chat, max_new_tokens=args.max_new_tokens,
     )

@@ -144,26 +144,38 @@ def read_documents(path: str | Path) -> list[str]:
     return docs
 
 
+def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
+    """Summed negative log-likelihood (nats) per UTF-8 byte of the scored text, in bits:
+    unlike perplexity per token it does not depend on the tokenizer, so models with
+    different vocabularies (or none) compare on it."""
+    if n_bytes <= 0:
+        raise DataError(f"bits per byte needs scored text, got {n_bytes} bytes")
+    return nll_nats / (n_bytes * math.log(2))
+
+
 def heldout_perplexity(model, tokenizer, path: str | Path, window_size: int | None = None,
                        stride: int | None = None, max_tokens: int | None = None) -> dict:
     """Perplexity over every document of a held-out file (each scored on its own, from its
-    bos token), beside the unigram baseline of the same scored tokens.
+    bos token), beside the unigram baseline of the same scored tokens, and the same
+    likelihood as bits per UTF-8 byte of the scored text.
 
     ``max_tokens`` stops after that many scored tokens (whole documents) to bound the cost.
     """
-    nll, scored = 0.0, []
+    nll, scored, n_bytes = 0.0, [], 0
+    bos = getattr(tokenizer, "bos_id", None)
     for doc in read_documents(path):
         ids = tokenizer.encode(doc, add_special_tokens=False)
         if not ids:
             continue
-        bos = getattr(tokenizer, "bos_id", None)
         result = perplexity(model, ([bos] if bos is not None else []) + list(ids), window_size, stride)
         nll += result.nll
         scored += list(ids) if bos is not None else list(ids[1:])
+        # without a bos the first token is context, not scored: its bytes do not count either
+        n_bytes += len(doc.encode("utf-8")) - (0 if bos is not None else len(tokenizer.decode(ids[:1]).encode("utf-8")))
         if max_tokens is not None and len(scored) >= max_tokens:
             break
     if not scored:
         raise DataError(f"{path}: no text to score")
     ppl = math.exp(nll / len(scored))
-    return {"perplexity": ppl, "mean_nll": nll / len(scored), "tokens": len(scored),
-            "unigram_perplexity": unigram_perplexity(scored)}
+    return {"perplexity": ppl, "mean_nll": nll / len(scored), "tokens": len(scored), "bytes": n_bytes,
+            "bits_per_byte": bits_per_byte(nll, n_bytes), "unigram_perplexity": unigram_perplexity(scored)}

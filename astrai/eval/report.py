@@ -17,6 +17,10 @@ from typing import Optional
 SAMPLES_NOTE = ("Greedy answers to fixed prompts: after pre-training the prompt is continued as plain text "
                 "(the model has not seen the chat template yet); after SFT, DPO and GRPO it goes through the template.")
 STAGE_TITLES = {"pretrain": "pre-training", "sft": "SFT", "dpo": "DPO", "grpo": "GRPO"}
+EVAL_NOTE = ("Perplexity is per token of this run's tokenizer; bits per byte is the same likelihood per UTF-8 byte "
+             "of the held-out documents, comparable across tokenizers. The task accuracy is on the arithmetic task's "
+             "held-out pool (two-digit addition and subtraction asked as `23+45=`, in English and in Chinese; no "
+             "stage trains on these problems), greedy answers, exact match, with its 95% Wilson interval.")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -81,25 +85,31 @@ def _fmt(value, digits: int = 2) -> str:
 def eval_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows: one row per evaluated stage, plus the unigram baseline."""
     names = sorted({n for s in summary["stages"] for n in s.get("eval", {}).get("perplexity", {})})
-    header = ["stage"] + [f"perplexity {n}" for n in names] + ["task accuracy", "task mean reward"]
+    header = (["stage"] + [f"perplexity {n}" for n in names] + [f"bits/byte {n}" for n in names]
+              + ["held-out task accuracy [95% interval]", "task mean reward"])
     rows = []
     for stage in summary["stages"]:
         ev = stage.get("eval", {})
         ppl = ev.get("perplexity", {})
         task = ev.get("task", {})
+        accuracy = _fmt(task.get("accuracy"), 3)
+        if task.get("interval"):
+            accuracy += " [{:.3f}, {:.3f}]".format(*task["interval"])
         rows.append([STAGE_TITLES.get(stage["name"], stage["name"])]
                     + [_fmt(ppl.get(n, {}).get("perplexity")) for n in names]
-                    + [_fmt(task.get("accuracy"), 3), _fmt(task.get("mean_reward"), 3)])
+                    + [_fmt(ppl.get(n, {}).get("bits_per_byte"), 3) for n in names]
+                    + [accuracy, _fmt(task.get("mean_reward"), 3)])
     baseline = summary.get("unigram_perplexity", {})
     if baseline:
         rows.append(["unigram baseline (fitted on the held-out text)"] + [_fmt(baseline.get(n)) for n in names]
-                    + ["–", "–"])
+                    + ["–" for _ in names] + ["–", "–"])
     return header, rows
 
 
 def training_table(summary: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["stage", "steps", "tokens", "seconds", "tokens/s", "final loss"]
-    rows = [[STAGE_TITLES.get(s["name"], s["name"]), _fmt(s.get("steps")), _fmt(s.get("tokens")),
+    header = ["stage", "steps", "planned steps", "tokens", "seconds", "tokens/s", "final loss"]
+    rows = [[STAGE_TITLES.get(s["name"], s["name"]), _fmt(s.get("steps")), _fmt(s.get("planned_steps")),
+             _fmt(s.get("tokens")),
              _fmt(s.get("seconds"), 1), _fmt(s.get("tokens_per_s"), 0), _fmt(s.get("final_loss"), 3)]
             for s in summary["stages"] if s.get("steps") is not None]
     return header, rows
@@ -123,6 +133,12 @@ def _samples(summary: dict) -> list[tuple[str, str, str]]:
             for s in summary["stages"] for item in s.get("eval", {}).get("samples", [])]
 
 
+def _corpus_words(corpus: Optional[dict]) -> str:
+    if corpus and corpus.get("kind") == "large":
+        return f"{corpus['bytes'] / 1e6:.0f} MB of the large bilingual corpus ({corpus['dir']}) and the bundled sample"
+    return "the bundled sample (data/pretrain)"
+
+
 def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple[Path, Path]:
     """Write report.md and report.html into ``out_dir``; return their paths."""
     out_dir = Path(out_dir)
@@ -134,12 +150,13 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
              f"vocabulary {summary['model']['vocab_size']}. Budget {summary['budget_minutes']:g} min, "
              f"took {summary['total_seconds'] / 60:.1f} min on {summary['device']} "
              f"(measured training throughput before sizing the stages: "
-             f"{summary['measured_tokens_per_s']:.0f} tokens/s).")
+             f"{summary['measured_tokens_per_s']:.0f} tokens/s). Seed {summary['seed']}; stage plan "
+             f"{summary['plan']['source']}. Pre-training text: {_corpus_words(summary.get('corpus'))}.")
+    rerun = (f"The stage plan is in `plan.json`; the same seed and plan give the same numbers: "
+             f"`{commands['rerun']}`")
 
     md = ["# astrai quick start report", "", intro, "", "## Training", "", _md_table(train_h, train_rows), "",
-          "## Evaluation", "", _md_table(eval_h, eval_rows), "",
-          "Perplexity is per token of this run's tokenizer, on the held-out documents; the task is "
-          "the bundled arithmetic (greedy answers, exact match).", "", "## Loss curves", ""]
+          rerun, "", "## Evaluation", "", _md_table(eval_h, eval_rows), "", EVAL_NOTE, "", "## Loss curves", ""]
     md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix() if p.is_relative_to(out_dir) else p})" for p in plots]
     md += ["", "## Sample generations", "", SAMPLES_NOTE, "", _md_table(["stage", "prompt", "answer"],
                                                        [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
@@ -162,9 +179,9 @@ figure {{ display: inline-block; margin: .5rem; }} td {{ white-space: pre-wrap; 
 <h1>astrai quick start report</h1>
 <p>{html.escape(intro.replace('`', ''))}</p>
 <h2>Training</h2>{_html_table(train_h, train_rows)}
+<p>{html.escape(rerun.replace('`', ''))}</p>
 <h2>Evaluation</h2>{_html_table(eval_h, eval_rows)}
-<p>Perplexity is per token of this run's tokenizer, on the held-out documents; the task is the bundled
-arithmetic (greedy answers, exact match).</p>
+<p>{html.escape(EVAL_NOTE.replace('`', ''))}</p>
 <h2>Loss curves</h2>{images}
 <h2>Sample generations</h2><p>{html.escape(SAMPLES_NOTE)}</p>{_html_table(["stage", "prompt", "answer"], sample_rows)}
 <h2>Use the model</h2><pre>{html.escape(chr(10).join(commands[k] for k in ("serve", "chat", "eval")))}</pre>

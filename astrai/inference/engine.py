@@ -122,6 +122,12 @@ class InferenceEngine:
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
 
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [len(prompt_ids), vocab] of every prompt position, from one plain forward run
+        between the engine's steps: for scoring a prompt's own tokens, which the steps (they
+        compute only what sampling needs) do not give."""
+        return self.scheduler.whole_forward(prompt_ids)
+
     def update_weights(self, model_or_state_dict) -> None:
         """The one way to change the served weights (e.g. a GRPO policy update): copied in between
         steps, into the engine's model as it was prepared; the prefix cache is dropped, since

@@ -201,6 +201,16 @@ class InferenceScheduler:
                 "output_tokens": s["output_tokens"],
             }
 
+    def whole_forward(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] of every position of ``prompt_ids`` from the model's plain forward
+        (no KV cache), between steps."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self._device)
+        try:
+            with self.model_lock, torch.no_grad():
+                return self.model(ids)["logits"][0]
+        finally:
+            self._runner.release_threads()  # the caller's idle compute threads would slow the loop's
+
     def load_weights(self, state: dict) -> None:
         """New weights for the served model, between steps; the prefix cache goes with the old ones."""
         with self.model_lock:

@@ -79,7 +79,11 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, disable_random_init: bool = True,
                         dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu") -> "AutoModel":
-        """Open an astrai or Hugging Face (Llama/Qwen2/Qwen3/Mistral) model directory."""
+        """Open an astrai or Hugging Face (Llama/Qwen2/Qwen3/Mistral) model directory, or a GGUF file."""
+        from astrai.model import gguf, hf  # local imports: both import this module
+
+        if gguf.is_gguf(path):
+            return gguf.load_gguf_model(path, dtype=dtype, device=device)
         directory = Path(path)
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: not a directory; expected a model directory with {CONFIG_NAME} and {WEIGHTS_NAME}")
@@ -91,8 +95,6 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
         model_type = raw.get("model_type", "transformer") if isinstance(raw, dict) else None
-        from astrai.model import hf  # local import: hf imports this module
-
         if model_type in hf.HF_FAMILIES:
             return hf.load_hf_model(directory, raw, dtype=dtype, device=device)
         if model_type not in AutoModel._registry:

@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     create.add_argument("--seed", type=int, default=0)
     info = sub.add_parser("info", help="print a model directory's configuration and parameter count")
     info.add_argument("path")
-    imp = sub.add_parser("import", help="convert a Hugging Face Llama/Qwen2/Qwen3/Mistral directory to astrai's format")
-    imp.add_argument("path", help="Hugging Face model directory (config.json + safetensors)")
+    imp = sub.add_parser("import", help="convert a Hugging Face Llama/Qwen2/Qwen3/Mistral directory or GGUF file to astrai's format")
+    imp.add_argument("path", help="Hugging Face model directory (config.json + safetensors) or a .gguf file")
     imp.add_argument("--out", required=True, help="output astrai model directory")
     exp = sub.add_parser("export", help="write an astrai model directory in a Hugging Face format transformers loads")
     exp.add_argument("path", help="astrai model directory")
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from astrai.model import AutoModel
+    from astrai.model.gguf import is_gguf
 
     if args.action == "create":
         torch.manual_seed(args.seed)
@@ -52,6 +53,14 @@ def run(args: argparse.Namespace) -> int:
         model = AutoModel.from_config(preset(args.preset, **overrides))
         model.save_pretrained(args.out)
         print(f"wrote {args.out}: preset {args.preset}, {model.num_parameters():,} parameters")
+    elif args.action == "import" and is_gguf(args.path):
+        from astrai.tokenize import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.path)  # first: an unsupported tokenizer stops before any write
+        model = AutoModel.from_pretrained(args.path)
+        model.save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
+        print(f"wrote {args.out}: {model.num_parameters():,} parameters (+ tokenizer and chat template)")
     elif args.action in ("import", "export"):
         model = AutoModel.from_pretrained(args.path)
         model.save_pretrained(args.out, format="astrai" if args.action == "import" else args.format)

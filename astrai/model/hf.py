@@ -165,7 +165,7 @@ def _sliding_window_cap(raw: dict[str, Any], family: str) -> Optional[int]:
         return raw.get("sliding_window", 4096)
     layer_types = raw.get("layer_types") or []
     if "sliding_attention" in layer_types or raw.get("use_sliding_window"):
-        return raw.get("sliding_window")
+        return raw.get("sliding_window", 4096)  # transformers' default window for Qwen2/Qwen3
     return None
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from astrai.config import ModelConfig
+from astrai.errors import DataError
 from astrai.model.automodel import AutoModel
 from astrai.model.components import DecoderBlock, DeepSeekMoE, Embedding, Linear, RMSNorm, RotaryEmbedding
 from astrai.model.components.layers import rotary_tables, select_positions
@@ -97,6 +98,9 @@ class Transformer(AutoModel):
         label_smoothing: float = 0.0,
     ) -> dict[str, torch.Tensor]:
         B, T = input_ids.shape
+        if T > self.config.max_len:  # past max_len the RoPE scaling and any imported window no longer hold
+            raise DataError(f"input of {T} positions is longer than the model's max_len ({self.config.max_len}); "
+                            f"split it into windows of at most {self.config.max_len} tokens")
         x = self.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)

@@ -9,8 +9,9 @@ Layout of ``<dir>``::
 Tensors never go through pickle: weights use safetensors and the ``extra`` files are
 read back with ``torch.load(weights_only=True)``. ``save`` writes into a hidden
 temporary directory and renames it into place, so a crash (even ``kill -9``) mid-save
-leaves the previous checkpoint untouched; ``load`` re-hashes every file and refuses a
-truncated or edited checkpoint with a message naming the file.
+leaves the previous checkpoint untouched; what such a crash leaves behind is cleared by
+``remove_stale_saves`` at the next start (and before each save). ``load`` re-hashes
+every file and refuses a truncated or edited checkpoint with a message naming the file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +32,47 @@ from astrai.errors import CheckpointError
 META_NAME = "meta.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
+_SAVE_LEFTOVER = re.compile(r"^\.(tmp|old)-(.+)-(\d+)$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_saves(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Clear what saves killed midway left in ``ckpt_dir``; return the directories removed.
+
+    A save writes ``.tmp-<name>-<pid>`` and, when replacing, parks the previous copy as
+    ``.old-<name>-<pid>`` for an instant. Those of this process (not saving while this
+    runs) or of a process that no longer exists are leftovers. If a kill fell between the
+    two renames, ``<name>`` is missing: the complete new copy (or else the old one) is
+    moved into place instead of being deleted, so no finished checkpoint is lost.
+    """
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir(), key=lambda p: p.name.startswith(".old-")):  # temporaries first
+        match = _SAVE_LEFTOVER.match(path.name)
+        if not match or not path.is_dir():
+            continue
+        kind, name, pid = match.group(1), match.group(2), int(match.group(3))
+        if pid != os.getpid() and _process_alive(pid):
+            continue
+        target = root / name
+        finished = kind == "tmp" and (path / META_NAME).is_file()
+        if not target.exists() and (kind == "old" or finished):
+            os.rename(path, target)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _sha256(path: Path) -> str:
@@ -84,8 +127,8 @@ class Checkpoint:
         """Write atomically to ``save_dir`` (replacing an older save of the same name)."""
         target = Path(save_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_saves(target.parent)
         tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         tensors, aliases = _split_aliases(self.state_dict)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})

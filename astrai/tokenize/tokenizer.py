@@ -61,7 +61,8 @@ class AutoTokenizer:
     @classmethod
     def train(cls, sources, vocab_size: int, special_tokens: list[str] | None = None,
               show_progress: bool = True, min_frequency: int = 2) -> "AutoTokenizer":
-        """Train a byte-level BPE tokenizer on files (.txt/.jsonl) or an iterator of strings."""
+        """Train a byte-level BPE tokenizer on a path or a list of paths (.txt/.jsonl), or on texts:
+        a list of strings or any iterator of them."""
         specials = list(special_tokens) if special_tokens is not None else list(SPECIAL_TOKENS)
         tokenizer = train_tokenizer(sources, vocab_size, specials, show_progress, min_frequency)
         config = {
@@ -75,7 +76,14 @@ class AutoTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "AutoTokenizer":
-        """Load a directory holding tokenizer.json (+ optional tokenizer_config.json), or a tokenizer.json file."""
+        """Load a directory holding tokenizer.json (+ optional tokenizer_config.json), a tokenizer.json file,
+        or the tokenizer in a GGUF file's metadata."""
+        from astrai.model.gguf import is_gguf
+
+        if is_gguf(path):
+            from astrai.tokenize.gguf_vocab import tokenizer_from_gguf  # it imports this module
+
+            return tokenizer_from_gguf(path)
         path = Path(path)
         tokenizer_file = path if path.is_file() else path / TOKENIZER_FILE
         if not tokenizer_file.is_file():

@@ -63,12 +63,44 @@ def iter_texts(paths: Iterable[str | Path]) -> Iterator[str]:
                 yield from handle
 
 
+TEXT_FILE_SUFFIXES = (".txt", ".jsonl", ".json")
+
+
+def names_a_file(source: str | Path) -> bool:
+    """Whether a source is meant as a file: a Path, an existing path, or one word that reads as a path
+    (a separator or a .txt/.jsonl suffix), so a mistyped file name is reported instead of trained on."""
+    if isinstance(source, Path):
+        return True
+    if Path(source).exists():
+        return True
+    one_word = source.strip() == source and not any(c.isspace() for c in source)
+    return one_word and ("/" in source or "\\" in source or source.endswith(TEXT_FILE_SUFFIXES))
+
+
+def source_texts(sources) -> Iterator[str]:
+    """The texts of ``sources``: one path, a list of paths, a list of texts, or any iterable of texts."""
+    if isinstance(sources, (str, Path)):
+        return iter_texts([sources])
+    if not isinstance(sources, (list, tuple)):
+        return (str(s) for s in sources)
+    if not all(isinstance(s, (str, Path)) for s in sources):
+        raise DataError("tokenizer training sources: give file paths or strings of text")
+    files = [names_a_file(s) for s in sources]
+    if all(files):
+        return iter_texts(sources)
+    if any(files):
+        named = [str(s) for s, is_file in zip(sources, files) if is_file][:3]
+        raise DataError(f"tokenizer training sources mix file paths ({', '.join(named)}) with texts; "
+                        f"give a list of paths or a list of texts")
+    return iter(sources)
+
+
 def train_tokenizer(sources, vocab_size: int, special_tokens: list[str] | None = None,
                     show_progress: bool = True, min_frequency: int = 2) -> Tokenizer:
     """Train a byte-level BPE tokenizer.
 
-    ``sources``: a path or a list of paths (.txt, .jsonl), or any other iterable of
-    strings (taken as the texts themselves).
+    ``sources``: a path, a list of paths (.txt, .jsonl), a list of texts, or any other
+    iterable of strings (taken as the texts themselves).
     """
     special_tokens = list(special_tokens) if special_tokens is not None else list(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -78,10 +110,7 @@ def train_tokenizer(sources, vocab_size: int, special_tokens: list[str] | None =
     tokenizer = build_empty_tokenizer()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=show_progress,
                                   special_tokens=special_tokens, initial_alphabet=alphabet)
-    if isinstance(sources, (str, Path)):
-        sources = [sources]
-    texts = iter_texts(sources) if isinstance(sources, (list, tuple)) else (str(s) for s in sources)
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.train_from_iterator(source_texts(sources), trainer=trainer)
     if tokenizer.get_vocab_size() <= len(special_tokens):
         raise DataError("tokenizer training saw no text: check the sources")
     bos = "<|bos|>"

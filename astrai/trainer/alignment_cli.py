@@ -29,6 +29,8 @@ STRATEGY_FLAGS = {
     "reward": (str, "GRPO reward: arithmetic | package.module:function | reward-model directory"),
     "max_new_tokens": (int, "GRPO rollout length limit (default 64)"),
     "temperature": (float, "GRPO rollout sampling temperature (default 1.0)"),
+    "estimate": (str, "kl: the stage penalty, exact (KL over the vocabulary, default) | nll_difference (spec 003's "
+                      "policy NLL - reference NLL, which does not anchor)"),
 }
 
 
@@ -98,8 +100,11 @@ def prepare_model(config) -> Optional[Any]:
 
 def train(config, resume: Optional[str] = None):
     """Run ``config`` with the alignment preparations; the final TrainContext (None for kl, which runs several)."""
+    import torch
+
     from astrai.trainer.trainer import Trainer
 
+    torch.manual_seed(config.random_seed)  # a reward head or adapters start the same in every run of the config
     model = prepare_model(config)
     callbacks = []
     if config.strategy_kwargs.get("lora"):
@@ -114,9 +119,7 @@ def train(config, resume: Optional[str] = None):
         stages = kwargs.get("stages")
         if not stages:
             raise ConfigError("train_type 'kl' needs stages: --stage_tokens N1,N2[,...] (and optionally --stage_datasets)")
-        if resume:
-            raise ConfigError("--resume is not supported for train_type 'kl'; restart from a boundary checkpoint's "
-                              "weights with a shorter --stage_tokens list")
-        train_kl_stages(config, stages, beta=float(kwargs.get("beta", 0.1)), model=model, callbacks=callbacks)
+        train_kl_stages(config, stages, beta=float(kwargs.get("beta", 0.1)), model=model, callbacks=callbacks,
+                        resume=resume, estimate=kwargs.get("estimate", "exact"))
         return None
     return Trainer(config, callbacks=callbacks, model=model).train(resume)

@@ -68,7 +68,9 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
     base = TrainConfig.load(args.config).to_dict() if args.config else {}
     config = TrainConfig.from_dict({**base, **flags}, source=args.config or "flags")
     resume = None
-    if args.resume:
+    if args.resume and config.train_type == "kl":
+        resume = args.resume  # a staged run finds its place itself (astrai/trainer/strategies/kl.py)
+    elif args.resume:
         from astrai.serialization import Checkpoint, latest_checkpoint
 
         if args.resume == "latest":
@@ -81,10 +83,26 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
         if not args.config:
             saved = Checkpoint.read_meta(resume)["meta"].get("train_config", {})
             config = TrainConfig.from_dict({**saved, **flags}, source=f"{resume}/meta.json")
+            run_config = kl_run_config(resume, saved)
+            if run_config is not None:  # a KL stage's checkpoint: the run's own config drives the stages
+                config = TrainConfig.from_dict({**TrainConfig.load(run_config).to_dict(), **flags}, source=str(run_config))
     from astrai.trainer.alignment_cli import alignment_strategy_kwargs
 
     config.strategy_kwargs.update(alignment_strategy_kwargs(args))
     return config, resume
+
+
+def kl_run_config(checkpoint: str, saved: dict) -> Path | None:
+    """The whole run's train_config.json when ``checkpoint`` is a KL run's stage save or boundary."""
+    if saved.get("train_type") != "kl":
+        return None
+    from astrai.trainer.strategies.kl import RUN_CONFIG_NAME
+
+    path = Path(checkpoint)
+    for root in (path.parent, path.parent.parent):
+        if (root / RUN_CONFIG_NAME).is_file():
+            return root / RUN_CONFIG_NAME
+    return None
 
 
 def estimate_memory_bytes(model_config, config: TrainConfig, n_params: int) -> dict[str, int]:

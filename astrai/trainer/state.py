@@ -1,4 +1,5 @@
-"""Turning a TrainContext into a Checkpoint and back (weights, optimizer, schedule, data order, RNG)."""
+"""Turning a TrainContext into a Checkpoint and back (weights, optimizer, schedule, data order, RNG,
+and the strategy's own state: a reference snapshot, GRPO's schedule)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
     """Gather the state on every rank (collective under FSDP), write it on rank 0, prune old saves."""
     weights = full_model_state(context.model)
     optimizer = full_optimizer_state(context.model, context.optimizer)
+    strategy = context.strategy.state_dict()  # every rank: gathering sharded weights is collective
     path = Path(ckpt_dir) / f"step_{context.step:08d}"
     if context.is_main:
         trainer_state = {"step": context.step, "epoch": context.epoch, "batch_in_epoch": context.batch_in_epoch,
@@ -46,6 +48,8 @@ def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
         meta = {"step": context.step, "tokens_seen": context.tokens_seen, "world_size": context.world_size,
                 "train_config": context.config.to_dict()}
         extra = {"optimizer": optimizer, "scheduler": context.scheduler.state_dict(), "trainer_state": trainer_state}
+        if strategy:
+            extra["strategy"] = strategy
         Checkpoint(weights, context.epoch, context.iteration, extra, meta).save(path)
         prune_checkpoints(ckpt_dir, keep)
     if dist.is_initialized():
@@ -60,6 +64,8 @@ def restore_training_state(context, checkpoint: Checkpoint) -> None:
         load_full_optimizer_state(context.model, context.optimizer, extra["optimizer"])
     if "scheduler" in extra:
         context.scheduler.load_state_dict(extra["scheduler"])
+    if "strategy" in extra:
+        context.strategy.load_state_dict(extra["strategy"])
     state = extra.get("trainer_state")
     context.iteration = checkpoint.iteration
     context.epoch = checkpoint.epoch

@@ -88,7 +88,8 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------
     def _run(self, context: TrainContext) -> TrainContext:
-        callbacks = self._get_default_callbacks() + self.callbacks + context.strategy.callbacks()
+        # the strategy's own bookkeeping first: a step is complete (and checkpointed) with it
+        callbacks = context.strategy.callbacks() + self._get_default_callbacks() + self.callbacks
 
         def fire(hook: str) -> None:
             for callback in callbacks:
@@ -130,9 +131,12 @@ class Trainer:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 context.stop_requested = bool(flag.item())
             if context.done or context.stop_requested:
-                return
-        context.epoch += 1
-        context.batch_in_epoch = 0
+                break
+        if context.batch_in_epoch >= context.steps_per_epoch * accum:
+            context.epoch += 1
+            context.batch_in_epoch = 0
+        elif not context.done:
+            return  # stopped mid-epoch: the resumed run finishes this epoch and ends it
         fire("on_epoch_end")
 
     def _micro_batch_weights(self, context: TrainContext, window: list[dict]) -> list[float]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from astrai.config import preset
 from astrai.model import AutoModel
 
+CLI_MODEL = {"vocab_size": 1000, "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "dim_ffn": 64, "max_len": 128}
 MAX_RESPONSE_TOKENS = 24
 MAX_PROMPT_TOKENS = 24
 
@@ -37,3 +40,15 @@ def encode_pairs(tokenizer, records):
             mask[i, len(p):len(p) + len(a)] = 1
         batch[side], batch[f"{side}_mask"] = ids, mask
     return batch
+
+
+def cli_train_args(out, tokenizer_dir, name, train_type, data):
+    """``astrai train`` arguments for a tiny model on the data prepared under ``out`` (2 steps)."""
+    return ["train", "--train_type", train_type, "--data_root_path", str(out / data), "--model_preset", "tiny",
+            "--model_overrides", json.dumps(CLI_MODEL), "--tokenizer_path", str(tokenizer_dir), "--window_size", "64",
+            "--batch_per_device", "4", "--max_steps", "2", "--max_lr", "1e-3", "--ckpt_dir", str(out / name),
+            "--no-progress_bar"]
+
+
+def run_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

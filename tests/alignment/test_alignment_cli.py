@@ -2,38 +2,13 @@
 
 import json
 
-import pytest
 import torch
 
 from astrai.cli import main
 from astrai.model import AutoModel
 from astrai.model.reward import RewardModel
 
-MODEL = {"vocab_size": 1000, "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "dim_ffn": 64, "max_len": 128}
-
-
-@pytest.fixture(scope="module")
-def prepared(bundled_data, tokenizer_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("align")
-    pairs = out / "pairs.jsonl"
-    pairs.write_text("".join((bundled_data / "dpo" / "train.jsonl").read_text(encoding="utf-8").splitlines(True)[:64]),
-                     encoding="utf-8")
-    assert main(["preprocess", str(pairs), "-o", str(out / "dpo"), "--tokenizer", str(tokenizer_dir),
-                 "--train_type", "dpo", "--seq_len", "64", "--quiet"]) == 0
-    assert main(["preprocess", str(bundled_data / "grpo" / "arithmetic.jsonl"), "-o", str(out / "grpo"),
-                 "--tokenizer", str(tokenizer_dir), "--train_type", "grpo", "--seq_len", "48", "--quiet"]) == 0
-    return out
-
-
-def common(out, tokenizer_dir, name, train_type, data):
-    return ["train", "--train_type", train_type, "--data_root_path", str(out / data), "--model_preset", "tiny",
-            "--model_overrides", json.dumps(MODEL), "--tokenizer_path", str(tokenizer_dir), "--window_size", "64",
-            "--batch_per_device", "4", "--max_steps", "2", "--max_lr", "1e-3", "--ckpt_dir", str(out / name),
-            "--no-progress_bar"]
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from alignment_helpers import cli_train_args as common, run_metrics as metrics
 
 
 def test_cli_lora_dpo_saves_adapters_and_merged_model(prepared, tokenizer_dir):
@@ -87,16 +62,6 @@ def test_cli_rejects_bad_alignment_flags(prepared, tokenizer_dir, capsys):
     assert "group_size must be an integer >= 2" in capsys.readouterr().err
     assert main(common(prepared, tokenizer_dir, "bad2", "kl", "dpo")) == 2
     assert "needs stages" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def seq_data(prepared, bundled_data, tokenizer_dir):
-    docs = prepared / "docs.jsonl"
-    docs.write_text("".join((bundled_data / "pretrain" / "train.jsonl").read_text(encoding="utf-8")
-                            .splitlines(True)[:40]), encoding="utf-8")
-    assert main(["preprocess", str(docs), "-o", str(prepared / "seq"), "--tokenizer", str(tokenizer_dir),
-                 "--train_type", "seq", "--quiet"]) == 0
-    return prepared / "seq"
 
 
 def test_cli_kl_stages(prepared, seq_data, tokenizer_dir):

@@ -40,8 +40,8 @@ def test_online_grpo_raises_mean_reward_on_arithmetic(tokenizer):
     the evaluation draw overlaps with the problems GRPO trains on."""
     all_problems = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
     model = tiny_lm(tokenizer.vocab_size, dim=64)
-    # 100 GRPO steps, not 50: with 50, the gain over SFT seeds 1-4 was -0.02 to +0.19 and moved with
-    # every rounding change in the model; with 100 it was +0.20, +0.05, +0.08 and +0.18.
+    # 100 GRPO steps: with half as many the gain over SFT depends on the SFT seed and moves with
+    # rounding changes in the model; with 100 it is positive for every seed tried.
     sft(model, tokenizer, all_problems, steps=300)
     strategy = GRPOStrategy(model, group_size=8, reward="arithmetic", tokenizer=tokenizer, max_new_tokens=4,
                             temperature=1.0, seed=0)

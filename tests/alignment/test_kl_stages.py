@@ -10,7 +10,8 @@ from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.serialization import Checkpoint
 from astrai.trainer import TrainCallback
-from astrai.trainer.strategies.kl import KLStrategy, Stage, train_kl_stages
+from astrai.trainer.strategies.kl import KLStrategy, Stage, snapshot_reference, train_kl_stages
+from astrai.trainer.strategies.losses import token_kl
 from astrai.trainer.trainer import host_values
 
 from alignment_helpers import tiny_lm
@@ -70,7 +71,7 @@ def test_kl_stages_switch_beta_and_freeze_the_boundary_reference(tmp_path):
 
 def test_kl_strategy_penalty_and_stage_errors():
     model = tiny_lm(VOCAB)
-    strategy = KLStrategy(model, beta=0.5)
+    strategy = KLStrategy(model, beta=0.5, estimate="nll_difference")
     batch = Windows(seed=3)[0]
     batch = {k: v.unsqueeze(0) for k, v in batch.items()}
     nll = strategy.compute_loss(batch).item()
@@ -84,7 +85,42 @@ def test_kl_strategy_penalty_and_stage_errors():
     metrics = host_values(strategy.metrics)  # left as tensors until the trainer reads them once a step
     assert loss == pytest.approx(metrics["nll"] + 0.5 * metrics["kl_penalty"], rel=1e-6)
     assert metrics["kl_penalty"] == pytest.approx(metrics["nll"] - nll, rel=1e-4)
+    exact = KLStrategy(model, beta=0.5, reference=strategy.reference)
+    exact_loss = exact.compute_loss(batch).item()
+    exact_metrics = host_values(exact.metrics)
+    assert exact_metrics["kl_penalty"] > 0
+    assert exact_loss == pytest.approx(exact_metrics["nll"] + 0.5 * exact_metrics["kl_penalty"], rel=1e-6)
+    with pytest.raises(ConfigError, match="estimate must be one of exact, nll_difference"):
+        KLStrategy(model, estimate="approx")
     with pytest.raises(ConfigError, match="at least 2 stages"):
         Stage.parse([100])
     with pytest.raises(ConfigError, match="stage 1"):
         Stage.parse([100, -5])
+
+
+def stage_two_drift(estimate: str, beta: float, steps: int = 12) -> tuple[float, float]:
+    """Train from a snapshot on new data; (held-out KL(policy ‖ snapshot), the last logged penalty)."""
+    model = tiny_lm(VOCAB)
+    strategy = KLStrategy(model, beta=beta, reference=snapshot_reference(model), stage=1, estimate=estimate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train = Windows(seed=1)
+    for step in range(steps):
+        rows = [train[(2 * step + j) % len(train)] for j in range(2)]
+        loss = strategy.compute_loss({k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    held_out = Windows(seed=2, n=4)
+    inputs, targets = held_out.tokens[:, :-1], held_out.tokens[:, 1:]
+    with torch.no_grad(), strategy.reference.active() as ref:
+        drift = token_kl(model(inputs)["logits"], ref(inputs)["logits"], targets).item()
+    return drift, host_values(strategy.metrics)["kl_penalty"]
+
+
+def test_exact_kl_anchors_stage_two_and_the_nll_difference_does_not():
+    free, _ = stage_two_drift("exact", beta=0.0)
+    anchored, exact_penalty = stage_two_drift("exact", beta=20.0)
+    spec, spec_penalty = stage_two_drift("nll_difference", beta=20.0)
+    assert anchored < 0.25 * free  # the exact KL holds the model near the snapshot
+    assert spec > 0.8 * free  # the NLL difference only rescales the step (Adam undoes the scale)
+    assert exact_penalty >= 0 > spec_penalty  # a real KL is never negative; the estimate goes below 0

@@ -20,8 +20,8 @@ from astrai.trainer import Trainer  # noqa: E402
 STEPS = 3
 
 # Runs in the spawned ranks too (they import this module): a rank that aborts in native code
-# prints where it was. (The abort once seen here, 'terminate called without an active
-# exception' at exit, was gloo releasing work during finalisation: see cleanup_parallel.)
+# prints where it was. (An abort at exit with 'terminate called without an active exception'
+# is gloo releasing work during finalisation: see cleanup_parallel.)
 faulthandler.enable()
 
 

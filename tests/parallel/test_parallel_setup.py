@@ -1,7 +1,7 @@
 """Process-group set-up without a second process: backend choice, device checks, leaving the group.
 
 Why cleanup_parallel idles (a rank aborting after its work was done) is in its docstring; the
-two-process runs in this folder are where it used to show.
+two-process runs in this folder are where such an abort would show.
 """
 
 import sys

@@ -30,6 +30,24 @@ CASES = [
     ("prompt too long", "/v1/completions", b'{"model": "tiny-test", "prompt": [' + b"5," * 2100 + b'5]}', 400, "tokens"),
     ("anthropic missing max_tokens", "/v1/messages",
      b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}]}', 422, "max_tokens"),
+    ("seed of 2**64", CHAT, b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
+     b'"temperature": 1, "seed": 18446744073709551616}', 422, "seed"),
+    ("anthropic seed of 2**64", "/v1/messages", b'{"model": "tiny-test", "max_tokens": 2, "seed": 18446744073709551616, '
+     b'"messages": [{"role": "user", "content": "x"}]}', 422, "seed"),
+    ("lone surrogate in a message", CHAT, b'{"model": "tiny-test", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     400, "surrogate"),
+    ("lone surrogate in a prompt", "/v1/completions", b'{"model": "tiny-test", "prompt": "a\\udc00b"}', 400, "surrogate"),
+    ("lone surrogate in anthropic", "/v1/messages",
+     b'{"model": "tiny-test", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "surrogate"),
+    ("boolean seed", CHAT, b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "seed": true}',
+     422, "seed"),
+    ("boolean temperature", CHAT,
+     b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "temperature": false}', 422, "temperature"),
+    ("boolean top_logprobs", CHAT, b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
+     b'"logprobs": true, "top_logprobs": true}', 422, "top_logprobs"),
+    ("boolean token ids", "/v1/completions", b'{"model": "tiny-test", "prompt": [true, false]}', 422, "prompt"),
+    ("more choices than the queue holds", "/v1/completions",
+     b'{"model": "tiny-test", "max_tokens": 1, "n": 16, "prompt": [' + b'"a",' * 999 + b'"a"]}', 400, "--max-queue"),
 ]
 
 
@@ -55,8 +73,26 @@ def test_enormous_body_is_refused_with_413_in_both_protocols(server_url):
         for _ in range(100):
             yield b"a" * 10_000
 
-    resp = httpx.post(server_url + CHAT, content=chunks(), timeout=30)
+    resp = httpx.post(server_url + CHAT, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     assert resp.status_code == 413
+
+
+def test_json_nested_100000_levels_gets_400_not_a_crash(tiny_engine):
+    from starlette.testclient import TestClient
+
+    from astrai.inference.server import create_app
+
+    deep = b'{"model": "tiny-test", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with TestClient(create_app(tiny_engine, model_name=MODEL_NAME), base_url="http://localhost",
+                    raise_server_exceptions=False) as client:
+        for path in (CHAT, "/v1/completions", "/v1/messages"):
+            resp = client.post(path, content=deep, headers={"content-type": "application/json"})
+            assert resp.status_code == 400, resp.text
+            assert "nested" in resp.text
+        shallow = b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x", "name": ' \
+                  + b"[" * 50 + b"]" * 50 + b"}]}"
+        resp = client.post(CHAT, content=shallow, headers={"content-type": "application/json"})
+        assert resp.status_code == 422 and "nested" not in resp.text
 
 
 def test_unknown_route_and_method_are_404_and_405(server_url):

@@ -15,7 +15,7 @@ def test_uvicorn_style_app_serves_the_model_in_astrai_model(tiny_model_dir, monk
     monkeypatch.setattr(server_package, "_app", None)
     app = import_from_string("astrai.inference.server:app")
     assert callable(app) and not hasattr(app, "__file__"), f"got {app!r}, not an ASGI app"
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         for _ in range(600):
             if client.get("/health/ready").status_code == 200:
                 break

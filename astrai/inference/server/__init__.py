@@ -3,7 +3,8 @@
 ``create_app(engine, model_name=...)`` builds the FastAPI app around an engine;
 ``run_server(model_dir, ...)`` serves a model directory with uvicorn (what
 ``astrai serve`` calls). ``app`` is built on first access from ``$ASTRAI_MODEL``
-so ``uvicorn astrai.inference.server:app`` also works.
+so ``uvicorn astrai.inference.server:app`` also works; ``$ASTRAI_ALLOWED_HOSTS`` (comma-separated)
+names the ``Host`` headers it answers, by default the loopback names only.
 """
 
 from .anthropic_handler import AnthropicHandler
@@ -38,6 +39,8 @@ def __getattr__(name: str):
         if not model_dir:
             raise ConfigError("set ASTRAI_MODEL to a model directory to use astrai.inference.server:app")
         device, dtype = resolve_placement(os.environ.get("ASTRAI_DEVICE", "auto"), os.environ.get("ASTRAI_DTYPE", "auto"))
+        hosts = [h.strip() for h in os.environ.get("ASTRAI_ALLOWED_HOSTS", "").split(",") if h.strip()]
         _app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(model_dir, device=device, dtype=dtype),
-                          model_name=Path(model_dir).resolve().name, api_key=os.environ.get("ASTRAI_API_KEY"))
+                          model_name=Path(model_dir).resolve().name, api_key=os.environ.get("ASTRAI_API_KEY"),
+                          allowed_hosts=hosts or None)
     return _app

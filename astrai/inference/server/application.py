@@ -3,8 +3,9 @@
 ``create_app`` wraps an engine (or a function that loads one, run in the background so
 the port opens at once and ``/health`` can report readiness). Request bodies are read
 here, not by FastAPI, so each failure gets its own status and a message in the
-protocol's error JSON: 413 for an oversized body, 400 for invalid UTF-8 or JSON, 422
-for a body that parses but breaks the schema, 401 for a missing or wrong key,
+protocol's error JSON: 413 for an oversized body, 415 for a body not sent as JSON,
+400 for invalid UTF-8 or JSON or a ``Host`` header the server does not answer (see
+hosts.py), 422 for a body that parses but breaks the schema, 401 for a missing or wrong key,
 404 for an unknown model, 503 (with ``Retry-After``) when the engine's queue is full.
 """
 
@@ -29,6 +30,7 @@ from starlette.staticfiles import StaticFiles
 from .accesslog import AccessLogMiddleware
 from .anthropic_handler import AnthropicHandler
 from .errors import APIError, describe_validation_errors, error_body, is_anthropic_path
+from .hosts import LOCAL_NAMES, AllowedHostsMiddleware
 from .metrics import ServerMetrics
 from .openai_handler import OpenAICompletionHandler, OpenAIHandler
 from .protocol import ServerState
@@ -37,6 +39,34 @@ from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 logger = logging.getLogger("astrai.server")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64
+
+
+def check_json_value(data) -> None:
+    """Refuse what JSON allows but nothing downstream can use: nesting deeper than
+    ``MAX_JSON_DEPTH`` (it would exhaust the recursion of every later walk over the body)
+    and lone UTF-16 surrogates such as ``"\\ud800"`` (no tokenizer or encoder takes them)."""
+    pending = [(data, 1, "body")]
+    while pending:
+        value, depth, where = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError("invalid_request", f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                pending.append((item, depth + 1, f"{where}.{key}"))
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1, f"{where}.{i}") for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError("invalid_request", f"{where}: a lone UTF-16 surrogate escape (\\u{ord(text[exc.start]):04x}) "
+                       "is not a character; send valid Unicode", param=where) from None
 
 
 def static_dir() -> str:
@@ -48,8 +78,18 @@ def _error_response(request: Request, error: APIError) -> JSONResponse:
                         headers=error.headers())
 
 
+def check_json_content_type(request: Request) -> None:
+    """Only JSON bodies: a web page can post text/plain or form data to any address without
+    a CORS preflight, so accepting those would let any site run generations here."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError("unsupported_media_type", f"request body must be JSON sent as 'Content-Type: application/json', "
+                       f"got {media or 'no Content-Type'!r}")
+
+
 async def read_json_body(request: Request, limit: int) -> dict:
     """The request body as a JSON object, enforcing the size limit while reading."""
+    check_json_content_type(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError("too_large", f"request body is {int(declared)} bytes; the limit is {limit} bytes")
@@ -69,8 +109,11 @@ async def read_json_body(request: Request, limit: int) -> dict:
     except json.JSONDecodeError as exc:
         raise APIError("invalid_request", f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                        f"column {exc.colno}") from None
+    except RecursionError:
+        raise APIError("invalid_request", f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     if not isinstance(data, dict):
         raise APIError("invalid_request", f"request body must be a JSON object, got {type(data).__name__}")
+    check_json_value(data)
     return data
 
 
@@ -85,8 +128,11 @@ def parse_body(model_cls, data: dict):
 def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = None, tokenizer=None,
                model_name: str = "astrai", api_key: Optional[str] = None,
                cors_origins: Optional[list[str]] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               default_max_tokens: int = 512) -> FastAPI:
+               default_max_tokens: int = 512, allowed_hosts: Optional[list[str]] = None) -> FastAPI:
     """Build the app around ``engine``, or around what ``load_engine()`` returns once loaded.
+
+    ``allowed_hosts`` lists the ``Host`` names answered (``*`` any, ``*.example.com``
+    subdomains); by default only the loopback names, as for a server bound to 127.0.0.1.
 
     With ``load_engine`` the engine is built in a background thread when the app starts
     and shut down when it stops; until it is ready ``/health`` says so and /v1 routes
@@ -254,5 +300,6 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"])
+    app.add_middleware(AllowedHostsMiddleware, allowed_hosts=list(allowed_hosts or LOCAL_NAMES))
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from astrai.errors import ConfigError
 from astrai.inference.cli import add_placement_arguments
@@ -18,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
                         help=f"require this key on /v1 routes (default: ${API_KEY_ENV} if set, else no key)")
+    parser.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME]",
+                        help="Host header names to answer (repeatable; '*' any, '*.example.com' subdomains). Default: "
+                             "the bound address and localhost; any host when bound to 0.0.0.0 with an API key")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
     parser.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                         help="allow browser requests from this origin (repeatable; CORS is off by default)")
@@ -37,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def split_names(values: Optional[list[str]]) -> Optional[list[str]]:
+    """Repeated and comma-separated flag values, as one list (None when not given)."""
+    names = [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
+    return names or None
+
+
 def run(args: argparse.Namespace) -> int:
     from .runner import run_server
 
@@ -45,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     device, dtype = resolve_placement(args.device, args.dtype)
     run_server(args.model, host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name,
-               cors_origins=args.cors_origin, max_body_bytes=args.max_body_bytes,
+               cors_origins=args.cors_origin, allowed_hosts=split_names(args.allowed_hosts), max_body_bytes=args.max_body_bytes,
                default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,
                page_size=args.page_size, num_pages=args.num_pages, max_queue=args.max_queue,

@@ -18,6 +18,7 @@ _KINDS: dict[str, tuple[int, str, str]] = {
     "not_found": (404, "not_found_error", "not_found_error"),
     "method_not_allowed": (405, "invalid_request_error", "invalid_request_error"),
     "too_large": (413, "invalid_request_error", "request_too_large"),
+    "unsupported_media_type": (415, "invalid_request_error", "invalid_request_error"),
     "validation": (422, "invalid_request_error", "invalid_request_error"),
     "overloaded": (503, "server_overloaded", "overloaded_error"),
     "not_ready": (503, "server_not_ready", "overloaded_error"),

@@ -9,8 +9,12 @@ reproducible while the choices still differ.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from abc import abstractmethod
 from typing import Optional
+
+from starlette.responses import JSONResponse, Response
 
 from astrai.inference.types import SamplingParams, TokenLogprob
 
@@ -18,6 +22,7 @@ from .errors import APIError, error_body
 from .generation import Delta, StreamContext, new_id
 from .protocol import ProtocolHandler
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .scoring import score_prompt, token_text
 from .sse import sse_event
 from .toolcalls import ParsedToolCall, ToolCallStreamParser, parse_tool_calls, render_tool_call
 
@@ -190,6 +195,8 @@ class OpenAICompletionHandler(_OpenAIBase):
     """``POST /v1/completions``: raw prompts, no chat template."""
 
     body: CompletionRequest
+    _prompts: Optional[list[list[int]]] = None  # each distinct prompt's ids, once built
+    _prompt_scores: list[list[TokenLogprob]] = []  # their tokens' logprobs, when echo asks for them
 
     def create_response_id(self) -> str:
         return new_id("cmpl-")
@@ -220,8 +227,38 @@ class OpenAICompletionHandler(_OpenAIBase):
         return prompts
 
     def build_prompt(self) -> list[list[int]]:
-        self._prompts = self._prompt_ids()
+        if self._prompts is None:
+            self._prompts = self._prompt_ids()
         return [p for p in self._prompts for _ in range(self.body.n)]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """``echo`` with ``logprobs``: the prompt's own tokens get log-probabilities too."""
+        return self.body.echo and self.body.logprobs is not None
+
+    async def handle(self) -> Response:
+        score_only = self.body.max_tokens == 0
+        if score_only and (not self.body.echo or self.body.stream):
+            raise APIError("invalid_request", "max_tokens 0 only scores the prompt: it needs echo: true "
+                           "(with logprobs for the scores) and stream: false", param="max_tokens")
+        self.check_model()
+        prompts = self.build_prompt()
+        if self.scores_prompt:
+            self.state.check_fits_queue(len(self._prompts))
+            self._prompt_scores = [await self._score(p) for p in self._prompts]
+        if not score_only:
+            return await super().handle()
+        contexts = [StreamContext(self.resp_id, self.state.model_name, index=i, created=self.created,
+                                  prompt_tokens=len(p), finish_reason="length") for i, p in enumerate(prompts)]
+        self._record(contexts, time.perf_counter(), finished=True)
+        return JSONResponse(self.format_non_stream_response(contexts))
+
+    async def _score(self, prompt_ids: list[int]) -> list[TokenLogprob]:
+        limit = self.state.engine.model.config.max_len
+        if len(prompt_ids) > limit:
+            raise APIError("invalid_request", f"prompt has {len(prompt_ids)} tokens; scoring it needs at most the "
+                           f"model's max_len {limit}", param="prompt")
+        return await asyncio.to_thread(score_prompt, self.state.engine, prompt_ids, self.body.logprobs)
 
     def _echo(self, ctx: StreamContext) -> str:
         if not self.body.echo:
@@ -238,6 +275,23 @@ class OpenAICompletionHandler(_OpenAIBase):
         return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries], "text_offset": offsets}
 
+    def _echo_logprobs(self, ctx: StreamContext) -> Optional[dict]:
+        """The prompt's tokens as logprobs: the first has no context, so its values are null (as in OpenAI)."""
+        if not self.scores_prompt:
+            return None
+        prompt = self._prompts[ctx.index // self.body.n]
+        first = token_text(self.state.tokenizer, prompt[0])
+        scored = self._logprobs(self._prompt_scores[ctx.index // self.body.n], len(first))
+        return {"tokens": [first] + scored["tokens"], "token_logprobs": [None] + scored["token_logprobs"],
+                "top_logprobs": [None] + scored["top_logprobs"], "text_offset": [0] + scored["text_offset"]}
+
+    def _choice_logprobs(self, ctx: StreamContext, offset: int) -> Optional[dict]:
+        generated = self._logprobs(ctx.logprobs, offset)
+        echoed = self._echo_logprobs(ctx)
+        if echoed is None:
+            return generated
+        return {key: echoed[key] + generated[key] for key in echoed}
+
     chunk_object = "text_completion"
 
     def format_stream_start(self, contexts: list[StreamContext]) -> list[str]:
@@ -247,7 +301,8 @@ class OpenAICompletionHandler(_OpenAIBase):
             echo = self._echo(c)
             self._sent[c.index] = len(echo)
             if echo:
-                frames.append(self._chunk([{"index": c.index, "text": echo, "logprobs": None, "finish_reason": None}]))
+                frames.append(self._chunk([{"index": c.index, "text": echo, "logprobs": self._echo_logprobs(c),
+                                            "finish_reason": None}]))
         return frames
 
     def format_stream_token(self, ctx: StreamContext, delta: Delta) -> list[str]:
@@ -267,7 +322,7 @@ class OpenAICompletionHandler(_OpenAIBase):
         for ctx in contexts:
             echo = self._echo(ctx)
             choices.append({"index": ctx.index, "text": echo + ctx.accumulated,
-                            "logprobs": self._logprobs(ctx.logprobs, len(echo)), "finish_reason": ctx.finish_reason})
+                            "logprobs": self._choice_logprobs(ctx, len(echo)), "finish_reason": ctx.finish_reason})
         return {"id": self.resp_id, "object": "text_completion", "created": self.created,
                 "model": self.state.model_name, "system_fingerprint": None, "choices": choices,
                 "usage": self.usage(contexts)}

@@ -42,6 +42,20 @@ class ServerState:
         """The request's own limit or the server default (the engine stops at its context limit)."""
         return self.default_max_tokens if requested is None else requested
 
+    @property
+    def queue_capacity(self) -> Optional[int]:
+        """How many requests the engine queues at once (``--max-queue``), if it says."""
+        capacity = getattr(getattr(self.engine, "scheduler", None), "max_queue", None)
+        return capacity if isinstance(capacity, int) else None
+
+    def check_fits_queue(self, requests: int) -> None:
+        """More choices than the queue can ever hold is the request's fault, not a busy server's."""
+        capacity = self.queue_capacity
+        if capacity is not None and requests > capacity:
+            raise APIError("invalid_request", f"the request asks for {requests} completions (prompts x n) but this "
+                           f"server queues at most {capacity} at a time (--max-queue); send fewer prompts or a "
+                           "smaller n", param="prompt")
+
 
 class ProtocolHandler(ABC):
     """One request: subclasses supply the protocol hooks, ``handle`` runs it."""
@@ -112,6 +126,7 @@ class ProtocolHandler(ABC):
     async def handle(self) -> Response:
         self.check_model()
         prompts = self.build_prompt()
+        self.state.check_fits_queue(len(prompts))
         params = [self.sampling_params(i) for i in range(len(prompts))]
         handles = submit_all(self.state.engine, prompts, params)
         contexts = [StreamContext(self.resp_id, self.state.model_name, index=i, created=self.created,

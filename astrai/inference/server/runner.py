@@ -15,12 +15,14 @@ from typing import Optional
 from astrai.errors import ConfigError
 
 from .application import DEFAULT_MAX_BODY_BYTES, create_app
+from .hosts import default_allowed_hosts
 
 API_KEY_ENV = "ASTRAI_API_KEY"
 
 
 def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
                model_name: Optional[str] = None, cors_origins: Optional[list[str]] = None,
+               allowed_hosts: Optional[list[str]] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
                log_level: str = "info", **engine_limits) -> None:
     """Serve ``model_dir`` until interrupted; ``engine_limits`` go to ``InferenceEngine.from_pretrained``."""
@@ -36,6 +38,7 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_ke
     limits = {k: v for k, v in engine_limits.items() if v is not None}
     app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(str(path), **limits),
                      model_name=model_name or path.resolve().name, api_key=api_key, cors_origins=cors_origins,
-                     max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
+                     max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
+                     allowed_hosts=default_allowed_hosts(host, api_key, allowed_hosts))
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)

@@ -8,12 +8,25 @@ but every field astrai acts on is typed and bounded.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI documents it
+
+
+def _not_a_bool(value):
+    """JSON's true/false would otherwise pass as 1/0 wherever a number is expected."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
+Seed = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
 class _Body(BaseModel):
@@ -84,17 +97,17 @@ class _OpenAISampling(_Body):
     """Sampling fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    max_tokens: Optional[Int] = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(default=0, ge=-1)
+    min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
+    n: Int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: Optional[Seed] = None
+    presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Float = Field(default=1.0, gt=0.0)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
@@ -114,9 +127,9 @@ class ChatCompletionRequest(_OpenAISampling):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[Int] = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int = Field(default=0, ge=0, le=20)
+    top_logprobs: Int = Field(default=0, ge=0, le=20)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
 
@@ -124,8 +137,9 @@ class ChatCompletionRequest(_OpenAISampling):
 class CompletionRequest(_OpenAISampling):
     """Body of ``POST /v1/completions``: a prompt string, several, or token ids."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    prompt: Union[str, list[str], list[Int], list[list[Int]]]
+    max_tokens: Optional[Int] = Field(default=None, ge=0)  # 0 with echo: score the prompt only (as vLLM allows)
+    logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     echo: bool = False
 
 
@@ -146,14 +160,14 @@ class MessagesRequest(_Body):
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: Int = Field(ge=1)
     system: Union[str, list[AnthropicContentBlock], None] = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    temperature: Float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(default=0, ge=0)
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
-    seed: Optional[int] = None  # an astrai extension: reproducible sampling, as in the OpenAI protocol
+    seed: Optional[Seed] = None  # an astrai extension: reproducible sampling, as in the OpenAI protocol
 
     @field_validator("stop_sequences")
     @classmethod

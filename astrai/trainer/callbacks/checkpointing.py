@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from astrai.serialization import remove_stale_saves
 from astrai.trainer.callbacks.base import CallbackFactory, TrainCallback
 from astrai.trainer.state import save_training_checkpoint
 
@@ -34,6 +35,8 @@ class CheckpointCallback(TrainCallback):
 
     def on_train_begin(self, context) -> None:
         self.last_saved_step = context.step
+        if context.is_main:  # a save killed midway leaves a temporary directory behind
+            remove_stale_saves(self.save_dir)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old_handlers[sig] = signal.signal(sig, lambda *_: setattr(context, "stop_requested", True))

@@ -28,7 +28,9 @@ class BaseStrategy:
     - override ``count_loss_units(batch)`` to return how many units (tokens, pairs)
       the returned *mean* loss averages over, so the trainer can weight micro-batches
       and ranks and make gradient accumulation exactly equal to one big batch;
-    - override ``callbacks()`` to contribute TrainCallbacks (e.g. GRPO's weight re-sync).
+    - override ``callbacks()`` to contribute TrainCallbacks (e.g. GRPO's weight re-sync);
+    - override ``state_dict()``/``load_state_dict()`` for state of their own that a resumed
+      run needs (a reference snapshot, step counters): it is saved with every checkpoint.
     """
 
     def __init__(self, model: nn.Module, device: str | torch.device = "cpu", **kwargs: Any):
@@ -49,6 +51,13 @@ class BaseStrategy:
 
     def callbacks(self) -> list:
         return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values (loadable with ``weights_only=True``); empty when a rebuild is exact."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned, after the strategy was built on a checkpoint's weights."""
 
     def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         non_blocking = self.device.type == "cuda"

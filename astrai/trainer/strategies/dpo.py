@@ -9,8 +9,9 @@ from torch import nn
 
 from astrai.errors import ConfigError
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
-from astrai.trainer.strategies.losses import REDUCTIONS, dpo_loss, sequence_logprobs
-from astrai.trainer.strategies.preference import check_preference_batch, stack_pairs
+from astrai.trainer.strategies.losses import (REDUCTIONS, dpo_loss, response_sums, sequence_logprobs,
+                                              shifted_logprobs_and_aux)
+from astrai.trainer.strategies.preference import check_preference_batch, stack_attention, stack_pairs
 from astrai.trainer.strategies.reference import ReferenceModel
 
 
@@ -19,7 +20,8 @@ class DPOStrategy(BaseStrategy):
     """L = −log σ(β·[(log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))]).
 
     Sequence log-probs are sums over response tokens (``chosen_mask`` /
-    ``rejected_mask``). The reference is ``ref_model`` if given, else the checkpoint at
+    ``rejected_mask``), with padding masked out where the batch has attention masks; an MoE
+    policy's balancing loss is added. The reference is ``ref_model`` if given, else the checkpoint at
     ``ref_path``, else (with LoRA) the base with adapters off, else a frozen snapshot
     of the starting weights.
     """
@@ -43,13 +45,21 @@ class DPOStrategy(BaseStrategy):
         check_preference_batch(batch, "dpo")
         batch = self.to_device(batch)
         ids, mask = stack_pairs(batch)
+        attention = stack_attention(batch)
         n = batch["chosen"].shape[0]
-        policy = sequence_logprobs(self.model, ids, mask)
+        per_token, aux = shifted_logprobs_and_aux(self.model, ids, attention)
+        policy = response_sums(per_token, mask)
         with self.reference.active() as ref:
-            reference = sequence_logprobs(ref, ids, mask)
+            reference = sequence_logprobs(ref, ids, mask, attention)
         loss, metrics = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.beta, self.reduction)
         self.metrics = {"dpo_loss": loss.detach(), **metrics}
-        return loss
+        return self.add_aux_loss(loss, {"aux_loss": aux})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reference.load_state_dict(state.get("reference", {}))
 
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["chosen"].shape[0])

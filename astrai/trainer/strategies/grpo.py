@@ -28,8 +28,8 @@ from astrai.trainer.rewards import compute_rewards, resolve_reward
 from astrai.trainer.rollout import EngineRollout, RolloutBatch, pack_sequences
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
 from astrai.trainer.strategies.losses import (REDUCTIONS, group_advantages, grpo_loss, keyed_group_advantages,
-                                              shifted_token_logprobs)
-from astrai.trainer.strategies.reference import ReferenceModel, frozen, unwrap
+                                              shifted_logprobs_and_aux, shifted_token_logprobs)
+from astrai.trainer.strategies.reference import ReferenceModel, cpu_weights, frozen, load_weights, unwrap
 
 
 def _rows(ids, mask: Optional[torch.Tensor] = None) -> list[list[int]]:
@@ -75,6 +75,7 @@ class GRPOStrategy(BaseStrategy):
         # its log-probs then come from a copy holding the engine's weights.
         self.behaviour = frozen(copy.deepcopy(unwrap(model))) if weight_sync_interval > 1 else None
         self.steps = 0
+        self._requests_done = 0  # rollout requests before a resume (their count seeds the next ones)
 
     @property
     def ref_model(self) -> Optional[nn.Module]:
@@ -85,7 +86,10 @@ class GRPOStrategy(BaseStrategy):
         if self._rollout is None:
             if self.tokenizer is None:
                 raise ConfigError("online GRPO needs a tokenizer (for the engine and the reward); pass tokenizer=")
-            self._rollout = EngineRollout.for_policy(self.model, self.tokenizer, **self._rollout_options)
+            # the engine samples with the behaviour policy: after a resume, the weights of the last refresh
+            source = self.model if self.behaviour is None else self.behaviour
+            self._rollout = EngineRollout.for_policy(source, self.tokenizer, **self._rollout_options)
+            self._rollout.requests = self._requests_done
         return self._rollout
 
     def set_rollout_dtype(self, dtype: Optional[torch.dtype]) -> None:
@@ -112,7 +116,7 @@ class GRPOStrategy(BaseStrategy):
             advantages = group_advantages(rewards, self.group_size)
         advantages = advantages.to(self.device)
         mask = response_mask[:, 1:]
-        logp = shifted_token_logprobs(self.model, input_ids)
+        logp, aux = shifted_logprobs_and_aux(self.model, input_ids)
         if self.behaviour is None:
             old_logp = logp.detach()
         else:
@@ -129,7 +133,7 @@ class GRPOStrategy(BaseStrategy):
             "response_length": mask.sum(dim=1).float().mean(),
             **metrics,
         }
-        return loss
+        return self.add_aux_loss(loss, {"aux_loss": aux})
 
     def compute_loss(self, batch: dict[str, Any]) -> torch.Tensor:
         if "prompts" not in batch:
@@ -172,16 +176,35 @@ class GRPOStrategy(BaseStrategy):
             if self._rollout is not None:
                 self._rollout.update_weights(self.model)
             if self.behaviour is not None:
-                self.behaviour.load_state_dict(unwrap(self.model).state_dict())
+                load_weights(self.behaviour, unwrap(self.model).state_dict())
         if self.sync_interval and self.steps % self.sync_interval == 0:
             self.reference.sync()
 
     def callbacks(self) -> list:
         return [GRPOScheduleCallback(self)]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule position, the sampling seeds used, the reference and the behaviour weights."""
+        requests = self._rollout.requests if self._rollout is not None else self._requests_done
+        state: dict[str, Any] = {"steps": self.steps, "requests": requests, "reference": self.reference.state_dict()}
+        if self.behaviour is not None:
+            state["behaviour"] = cpu_weights(self.behaviour)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
+        self._requests_done = int(state.get("requests", 0))
+        self.reference.load_state_dict(state.get("reference", {}))
+        if self.behaviour is not None and "behaviour" in state:
+            load_weights(self.behaviour, state["behaviour"])
+        if self._rollout is not None:
+            self._rollout.requests = self._requests_done
+            self._rollout.update_weights(self.behaviour if self.behaviour is not None else self.model)
+
     def close(self) -> None:
         """Stop the rollout engine's scheduler thread (the strategy can still compute offline losses)."""
         if self._rollout is not None:
+            self._requests_done = self._rollout.requests
             self._rollout.close()
             self._rollout = None
 

@@ -22,21 +22,42 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def padded_inputs(attention_mask: torch.Tensor | None) -> dict:
+    """Model arguments for a padded batch: padding (1 = real token, 0 = padding, anywhere in the
+    row) is masked out and positions count real tokens only, so each row scores as it would alone."""
+    if attention_mask is None:
+        return {}
+    mask = attention_mask.long()
+    return {"input_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+
+
+def shifted_logprobs_and_aux(model, input_ids: torch.Tensor,
+                             attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of ``input_ids[:, 1:]`` given their prefixes ([B, T] → [B, T-1]) and the
+    model's MoE balancing loss (None for a dense model or outside training)."""
+    mask = None if attention_mask is None else attention_mask[:, :-1]
+    outputs = model(input_ids[:, :-1], **padded_inputs(mask))
+    return token_logprobs(outputs["logits"], input_ids[:, 1:]), outputs.get("aux_loss")
+
+
 def shifted_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token log-probs of ``input_ids[:, 1:]`` given their prefixes: [B, T] → [B, T-1].
 
     Position t of the result scores token t+1, so a response mask aligned with
     ``input_ids`` selects it with ``mask[:, 1:]``.
     """
-    logits = model(input_ids[:, :-1], input_mask=None if attention_mask is None else attention_mask[:, :-1])["logits"]
-    return token_logprobs(logits, input_ids[:, 1:])
+    return shifted_logprobs_and_aux(model, input_ids, attention_mask)[0]
+
+
+def response_sums(per_token: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of shifted per-token log-probs over the tokens where ``response_mask`` is 1: [B, T-1] → [B]."""
+    return (per_token * response_mask[:, 1:].to(per_token.dtype)).sum(-1)
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, response_mask: torch.Tensor,
                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of log p over the tokens where ``response_mask`` is 1: [B, T] → [B]."""
-    per_token = shifted_token_logprobs(model, input_ids, attention_mask)
-    return (per_token * response_mask[:, 1:].to(per_token.dtype)).sum(-1)
+    return response_sums(shifted_token_logprobs(model, input_ids, attention_mask), response_mask)
 
 
 def reduce(values: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -151,10 +172,26 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     return loss, metrics
 
 
+def token_kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor, targets: torch.Tensor,
+             ignore_index: int = -100) -> torch.Tensor:
+    """Exact KL(policy ‖ reference) over the vocabulary, averaged over the positions whose target counts.
+
+    Σ_v p(v)·(log p(v) − log q(v)) per position, in fp32: never negative, zero only where the two
+    distributions agree, and its gradient pulls the policy towards the reference.
+    """
+    logp = torch.log_softmax(policy_logits.float(), dim=-1)
+    logq = torch.log_softmax(reference_logits.detach().float(), dim=-1)
+    per_position = (logp.exp() * (logp - logq)).sum(-1)
+    mask = (targets != ignore_index).to(per_position.dtype)
+    return (per_position * mask).sum() / mask.sum().clamp_min(1)
+
+
 def kl_stage_loss(policy_nll: torch.Tensor, reference_nll: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec 003's second-stage objective: NLL + β·(policy NLL − stop-grad reference NLL).
 
-    Returns (total loss, the penalty term). With β = 0 the total is the plain NLL.
+    Returns (total loss, the penalty term). With β = 0 the total is the plain NLL. The penalty's
+    gradient is the policy NLL's own, so it rescales the step rather than anchoring the model
+    (``token_kl`` does that); the KL stage offers it as the ``nll_difference`` estimate.
     """
     penalty = policy_nll - reference_nll.detach()
     return policy_nll + beta * penalty, penalty

@@ -1,4 +1,9 @@
-"""Reading a preference batch (chosen/rejected ids and response masks), shared by DPO and the reward model."""
+"""Reading a preference batch (chosen/rejected ids and response masks), shared by DPO and the reward model.
+
+A batch may also carry ``chosen_attention_mask``/``rejected_attention_mask`` (1 on real
+tokens): padding anywhere, left-padding from a user's own collate function included, is
+then masked out and each row scores exactly as it would alone.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,16 @@ def check_preference_batch(batch: dict, train_type: str) -> None:
         if empty:
             raise DataError(f"{train_type} batch: pair(s) {empty} have an empty {side} response (its mask is all 0); "
                             f"every record needs a non-empty '{side}' answer")
+        attention = batch.get(f"{side}_attention_mask")
+        if attention is None:
+            continue
+        if attention.shape != batch[side].shape:
+            raise DataError(f"{train_type} batch: {side}_attention_mask has shape {tuple(attention.shape)} but "
+                            f"{side} has {tuple(batch[side].shape)}")
+        padded = ((batch[f"{side}_mask"] != 0) & (attention == 0)).any(dim=1).nonzero().flatten().tolist()
+        if padded:
+            raise DataError(f"{train_type} batch: pair(s) {padded} mark padding (attention mask 0) as part of the "
+                            f"{side} response")
 
 
 def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -37,3 +52,13 @@ def stack_pairs(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.cat([_pad_to(batch["chosen"], length), _pad_to(batch["rejected"], length)])
     mask = torch.cat([_pad_to(batch["chosen_mask"], length), _pad_to(batch["rejected_mask"], length)])
     return ids, mask
+
+
+def stack_attention(batch: dict) -> torch.Tensor | None:
+    """The attention masks in ``stack_pairs``' layout, or None when the batch has none (no padding
+    inside a row: right padding after the response cannot affect it under causal attention)."""
+    if "chosen_attention_mask" not in batch and "rejected_attention_mask" not in batch:
+        return None
+    length = max(batch["chosen"].shape[1], batch["rejected"].shape[1])
+    sides = [batch.get(f"{side}_attention_mask", torch.ones_like(batch[side])) for side in ("chosen", "rejected")]
+    return torch.cat([_pad_to(mask, length) for mask in sides])

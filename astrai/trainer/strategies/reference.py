@@ -3,6 +3,8 @@
 Three sources, cheapest first: with LoRA the base model itself (adapters switched
 off, no second copy); a checkpoint directory given as ``ref_path``; otherwise a
 frozen snapshot of the policy's weights at the moment the strategy is built.
+A resumed run builds its strategy from the checkpoint's weights, so a snapshot (or a
+reference re-synced to the policy) travels in the checkpoint (``state_dict``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,21 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
+def cpu_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's weights as CPU tensors (gathered whole when sharded), for a training checkpoint."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        full = getattr(tensor, "full_tensor", None)
+        state[name] = (full() if callable(full) else tensor).detach().cpu()
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state[name])
+
+
 def frozen(model: nn.Module) -> nn.Module:
     model.eval()
     for p in model.parameters():
@@ -37,6 +54,8 @@ class ReferenceModel:
                  use_lora_base: bool = True):
         self.policy = unwrap(policy)
         param = next(self.policy.parameters())
+        self.is_snapshot = ref_model is None and not ref_path and not (use_lora_base and has_lora(self.policy))
+        self.synced = False
         if ref_model is not None:
             self.model: Optional[nn.Module] = frozen(ref_model)
         elif ref_path:
@@ -64,8 +83,18 @@ class ReferenceModel:
         """Copy the policy's current weights into the reference; False for the LoRA base (fixed by design)."""
         if self.model is None:
             return False
-        with torch.no_grad():
-            source = self.policy.state_dict()
-            for name, tensor in self.model.state_dict().items():
-                tensor.copy_(source[name])
+        load_weights(self.model, self.policy.state_dict())
+        self.synced = True
         return True
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights a resumed run cannot rebuild: a snapshot's, or any reference's once re-synced.
+        A given model, a ``ref_path`` and the LoRA base are rebuilt exactly from their source."""
+        if self.model is None or not (self.is_snapshot or self.synced):
+            return {}
+        return cpu_weights(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            load_weights(self.model, state)
+            self.synced = not self.is_snapshot

@@ -10,15 +10,21 @@ from torch import nn
 from astrai.errors import ConfigError
 from astrai.model.reward import RewardModel, last_token_index
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
-from astrai.trainer.strategies.losses import REDUCTIONS, pairwise_reward_loss
-from astrai.trainer.strategies.preference import check_preference_batch, stack_pairs
+from astrai.trainer.strategies.losses import REDUCTIONS, padded_inputs, pairwise_reward_loss
+from astrai.trainer.strategies.preference import check_preference_batch, stack_attention, stack_pairs
 from astrai.trainer.strategies.reference import unwrap
 
 
-def pair_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of the chosen and the rejected answers, read at each answer's last response token."""
+def pair_outputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reward model's outputs on chosen rows then rejected rows, read at each answer's last
+    response token (padding masked out where the batch has attention masks)."""
     ids, mask = stack_pairs(batch)
-    rewards = model(ids, logits_index=last_token_index(mask, ids))["rewards"]
+    return model(ids, logits_index=last_token_index(mask, ids), **padded_inputs(stack_attention(batch)))
+
+
+def pair_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of the chosen and the rejected answers."""
+    rewards = pair_outputs(model, batch)["rewards"]
     n = batch["chosen"].shape[0]
     return rewards[:n], rewards[n:]
 
@@ -40,10 +46,11 @@ class RMStrategy(BaseStrategy):
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         check_preference_batch(batch, "rm")
         batch = self.to_device(batch)
-        chosen, rejected = pair_scores(self.model, batch)
-        loss, metrics = pairwise_reward_loss(chosen, rejected, self.reduction)
+        outputs = pair_outputs(self.model, batch)
+        n = batch["chosen"].shape[0]
+        loss, metrics = pairwise_reward_loss(outputs["rewards"][:n], outputs["rewards"][n:], self.reduction)
         self.metrics = {"rm_loss": loss.detach(), **metrics}
-        return loss
+        return self.add_aux_loss(loss, outputs)
 
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["chosen"].shape[0])

@@ -137,7 +137,7 @@ def test_onednn_is_chosen_by_measuring_this_cpu(monkeypatch, mkl_s, onednn_s, fo
 
 @pytest.mark.parametrize("forward_pays, transposed_s, expected", [
     (True, (1.0, 0.6), True),  # oneDNN wins the transposed layout too
-    (True, (1.0, 1.2), False),  # the forward layout only
+    (True, (1.0, 1.2), False),  # oneDNN wins the forward layout only
     (False, (1.0, 0.6), False),  # no oneDNN for the forward product: none for its gradient
 ])
 def test_the_weight_gradient_layout_is_measured_on_its_own(monkeypatch, forward_pays, transposed_s, expected):

@@ -1,0 +1,55 @@
+"""The same seed and the same stage plan give the same numbers; the plan a run writes
+pins the next one; a bad plan file is refused before anything runs."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from astrai.cli import main
+from astrai.errors import ConfigError
+from astrai.quickstart import PLAN_FILE, load_plan, run_quickstart
+
+SMALL = dict(
+    minutes=5, vocab_size=300, window_size=64, batch_size=4, eval_problems=24, ppl_max_tokens=300,
+    sample_max_new_tokens=4, sft_arithmetic=300, dpo_arithmetic=40, grpo_problems=40, grpo_prompts_per_step=2,
+    grpo_group_size=2, model_overrides=dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, dim_ffn=64, max_len=128),
+    progress=False, corpus="bundled",
+)
+PLAN = {"pretrain": 6, "sft": 4, "dpo": 2, "grpo": 2}
+
+
+def numbers(summary: dict) -> list:
+    """Every evaluation number and answer of every stage (timings left out)."""
+    return [{key: value for key, value in stage["eval"].items() if key != "seconds"} | {"loss": stage["final_loss"]}
+            for stage in summary["stages"]]
+
+
+def test_same_seed_and_plan_give_identical_numbers(tmp_path):
+    first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, **SMALL)
+    written = json.loads((tmp_path / "a" / PLAN_FILE).read_text())
+    assert written["steps"] == PLAN and written["source"] == "pinned (--plan)"
+    assert first["plan"] == written and "--plan" in first["commands"]["rerun"]
+    again = run_quickstart(out=str(tmp_path / "b"), seed=3, steps=load_plan(tmp_path / "a" / PLAN_FILE), **SMALL)
+    assert numbers(again) == numbers(first)
+    task = first["stages"][-1]["eval"]["task"]
+    assert task["n"] == SMALL["eval_problems"] and len(task["interval"]) == 2
+    weights = [load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("a", "b")]
+    assert all(weights[0][name].equal(weights[1][name]) for name in weights[0])
+    assert "bits/byte en" in (tmp_path / "a" / "report.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "file not found"),
+    ("not json", "expected JSON with a 'steps' object"),
+    (json.dumps({"steps": {"pretrain": 5}}), "positive integer for each of pretrain, sft, dpo, grpo"),
+    (json.dumps({"steps": {"pretrain": 5, "sft": 0, "dpo": 1, "grpo": 1}}), "positive integer"),
+])
+def test_bad_plan_files_are_refused(tmp_path, capsys, content, message):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        load_plan(path)
+    assert main(["quickstart", "--plan", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
