@@ -75,6 +75,12 @@ class ParallelModel(nn.Module):
             raise ValueError(f"{name} ({size}) must be divisible by the tensor-parallel world size ({self.world_size})")
         return size // self.world_size
 
+    def _parameters_of_shape(self, out_features: int, in_features: int, bias: bool) -> None:
+        """This rank's weight [out, in] (normal, std 0.02) and, when asked, a zero bias [out]."""
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
 
 class ColumnParallelLinear(ParallelModel):
     """y = x Wᵀ with W's rows (output features) split; ``gather_output`` concatenates the shards."""
@@ -83,10 +89,7 @@ class ColumnParallelLinear(ParallelModel):
                  process_group: Optional[dist.ProcessGroup] = None):
         super().__init__(process_group)
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
-        local = self._shard(out_features, "out_features")
-        self.weight = nn.Parameter(torch.empty(local, in_features))
-        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
-        nn.init.normal_(self.weight, std=0.02)
+        self._parameters_of_shape(self._shard(out_features, "out_features"), in_features, bias)
 
     def load_dense(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "ColumnParallelLinear":
         """Take this rank's slice of a full [out, in] weight."""
@@ -116,10 +119,7 @@ class RowParallelLinear(ParallelModel):
                  process_group: Optional[dist.ProcessGroup] = None):
         super().__init__(process_group)
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
-        local = self._shard(in_features, "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, local))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        nn.init.normal_(self.weight, std=0.02)
+        self._parameters_of_shape(out_features, self._shard(in_features, "in_features"), bias)
 
     def load_dense(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "RowParallelLinear":
         with torch.no_grad():
