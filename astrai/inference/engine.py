@@ -14,6 +14,7 @@ option; ``astrai.backends.cpu.tune_process`` is the explicit call for those.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Union
@@ -26,6 +27,7 @@ from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
 
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+SETTING_NAMES = frozenset(inspect.signature(InferenceScheduler).parameters) - {"model", "tokenizer"}
 Prompt = Union[str, list[int], list[dict]]
 
 
@@ -35,6 +37,10 @@ class InferenceEngine:
     to it as they are; ``default_params`` fill the sampling fields a request leaves out."""
 
     def __init__(self, model, tokenizer=None, default_params: Optional[SamplingParams] = None, **settings: Any):
+        unknown = sorted(set(settings) - SETTING_NAMES)
+        if unknown:
+            raise RequestError(f"unknown engine setting(s): {', '.join(unknown)}; "
+                               f"known: {', '.join(sorted(SETTING_NAMES))}")
         self.tokenizer = tokenizer
         self.default_params = default_params or SamplingParams()
         self.scheduler = InferenceScheduler(model, tokenizer, **settings)

@@ -42,3 +42,10 @@ def test_in_place_is_the_callers_explicit_choice():
     model = make_model("tiny")
     with InferenceEngine(model, None, num_pages=16, in_place=True) as engine:
         assert engine.model is model and not model.training
+
+
+def test_an_unknown_setting_is_named():
+    from astrai.errors import RequestError
+
+    with pytest.raises(RequestError, match="pack_weights"):
+        InferenceEngine(make_model("tiny"), None, pack_weights=False)
