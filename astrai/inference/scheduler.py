@@ -347,7 +347,7 @@ class InferenceScheduler:
     def _plan_prefill(self, prefill: list[Task]) -> tuple[list[Task], list[int]]:
         """Rows of prompt chunks, FIFO, whose padded size (rows x longest chunk) stays
         within ``prefill_chunk_size`` tokens; a task alone may use the whole budget. When
-        the executor packs prefill rows (no padding), the budget counts real tokens."""
+        the runner packs prefill rows (no padding), the budget counts real tokens."""
         batch, n_new, width = [], [], 0
         budget = self.prefill_chunk_size
         if self._runner.packs_prefill:

@@ -75,7 +75,7 @@ class FusedDecode:
 
     def __call__(self, token: int, target: RowTarget) -> Optional[tuple[torch.Tensor, int]]:
         """Logits [1, vocab] of one decode step of one row whose new token is ``token``, its K/V
-        written where ``target`` (``KVCache.decode_target``) says, and the index of their maximum
+        written where ``target`` (``CpuModelRunner.decode_target``) says, and the index of their maximum
         (``torch.argmax``'s); None when the step does not qualify (the caller runs the usual
         forward). Call when ``ready()`` has just said True."""
         plan = self._checked_plan(token, target)

@@ -69,10 +69,6 @@ class KvcacheView:
         else:
             self.attn_mask = (s_idx.view(1, 1, S) <= self.position_ids.unsqueeze(2)).unsqueeze(1)
 
-    @property
-    def total_len(self) -> int:
-        return self._total_len
-
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._storage.write(layer_idx, self._write_slots, k, v)
 
@@ -124,9 +120,6 @@ class KVCache:
 
     def pages_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.page_size)
-
-    def has_task(self, task_id: str) -> bool:
-        return task_id in self._table
 
     def task_alloc(self, task_id: str, token_ids: Sequence[int], reserve: int = 0) -> bool:
         """Give a task pages for ``token_ids``, reusing cached full pages of its prefix.
