@@ -27,6 +27,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from astrai.errors import AstraiError
+
 from .accesslog import AccessLogMiddleware
 from .anthropic_handler import AnthropicHandler
 from .errors import APIError, describe_validation_errors, error_body, is_anthropic_path
@@ -128,7 +130,8 @@ def parse_body(model_cls, data: dict):
 def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = None, tokenizer=None,
                model_name: str = "astrai", api_key: Optional[str] = None,
                cors_origins: Optional[list[str]] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               default_max_tokens: int = 512, allowed_hosts: Optional[list[str]] = None) -> FastAPI:
+               default_max_tokens: int = 512, allowed_hosts: Optional[list[str]] = None,
+               on_load_error: Optional[Callable[[Exception], None]] = None) -> FastAPI:
     """Build the app around ``engine``, or around what ``load_engine()`` returns once loaded.
 
     ``allowed_hosts`` lists the ``Host`` names answered (``*`` any, ``*.example.com``
@@ -136,7 +139,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
 
     With ``load_engine`` the engine is built in a background thread when the app starts
     and shut down when it stops; until it is ready ``/health`` says so and /v1 routes
-    answer 503.
+    answer 503. If loading fails, ``on_load_error`` gets the exception.
     """
     if (engine is None) == (load_engine is None):
         raise ValueError("pass exactly one of engine= or load_engine=")
@@ -159,9 +162,13 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
                 try:
                     install(load_engine())
                     logger.info("model %s loaded; ready", model_name)
-                except Exception as exc:  # reported by /health instead of killing the server silently
-                    holder["error"] = f"{type(exc).__name__}: {exc}"
-                    logger.exception("loading the model failed")
+                except Exception as exc:  # reported by /health, and to on_load_error (the CLI stops there)
+                    holder["error"] = str(exc) if isinstance(exc, AstraiError) else f"{type(exc).__name__}: {exc}"
+                    logger.debug("loading the model failed", exc_info=True)
+                    if on_load_error is None:
+                        logger.error("loading the model failed: %s", holder["error"])
+                    else:
+                        on_load_error(exc)
                     return
                 # The thread that built the engine stays alive while it serves: with torch's
                 # OpenMP pool, an engine created by a thread that then exits decodes ~20x slower.
