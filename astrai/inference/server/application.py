@@ -17,7 +17,8 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Callable, Optional
+from importlib.metadata import version
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +37,9 @@ from .hosts import LOCAL_NAMES, AllowedHostsMiddleware
 from .metrics import ServerMetrics
 from .openai_handler import OpenAICompletionHandler, OpenAIHandler
 from .protocol import ServerState
-from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from .openapi import (ChatCompletion, Completion, Health, Message, ModelCard, ModelList, OpenAIError, Readiness,
+                      TokenCount, error_responses, install_openapi, streamed)
+from .schemas import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 
 logger = logging.getLogger("astrai.server")
 
@@ -181,7 +184,9 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
             stop.set()
             loader_thread.join()
 
-    app = FastAPI(title="astrai", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="astrai", version=version("astrai"), docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan,
+                  description="OpenAI- and Anthropic-compatible API of an astrai model (see docs/serving.md).")
     app.state.metrics = metrics
 
     def state() -> ServerState:
@@ -226,7 +231,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         return _error_response(request, APIError("internal", f"internal error: {type(exc).__name__}"))
 
     # ---- operations -------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}})
     async def health():
         ready = holder["state"] is not None
         body = {"status": "ok", "ready": ready, "model": model_name}
@@ -234,16 +239,16 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
             body["error"] = holder["error"]
         return body
 
-    @app.get("/health/ready")
+    @app.get("/health/ready", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
     async def health_ready():
         ready = holder["state"] is not None
         return JSONResponse({"ready": ready, "model": model_name}, status_code=200 if ready else 503)
 
-    @app.get("/stats")
+    @app.get("/stats", responses={200: {"model": dict[str, Any]}, 503: {"model": OpenAIError}})
     async def stats():
         return {"model": model_name, **state().engine.get_stats()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         current = holder["state"]
         engine_stats = current.engine.get_stats() if current is not None else None
@@ -258,7 +263,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
     app.mount("/static", StaticFiles(directory=static_dir()), name="static")
 
     # ---- the protocols ----------------------------------------------------------
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses()})
     async def list_models(request: Request):
         check_key(request)
         if "anthropic-version" in request.headers:
@@ -268,7 +273,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(metrics.started),
                                             "owned_by": "astrai"}]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={200: {"model": ModelCard}, **error_responses()})
     async def get_model(model_id: str, request: Request):
         check_key(request)
         if model_id != model_name:
@@ -276,25 +281,25 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
                            code="model_not_found")
         return {"id": model_name, "object": "model", "created": int(metrics.started), "owned_by": "astrai"}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=streamed(ChatCompletion))
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(ChatCompletionRequest, await read_json_body(request, max_body_bytes))
         return await OpenAIHandler(state(), body, request).handle()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=streamed(Completion))
     async def completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(CompletionRequest, await read_json_body(request, max_body_bytes))
         return await OpenAICompletionHandler(state(), body, request).handle()
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", responses=streamed(Message, anthropic=True))
     async def messages(request: Request) -> Response:
         check_key(request)
         body = parse_body(MessagesRequest, await read_json_body(request, max_body_bytes))
         return await AnthropicHandler(state(), body, request).handle()
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", responses={200: {"model": TokenCount}, **error_responses(anthropic=True)})
     async def count_tokens(request: Request):
         check_key(request)
         data = await read_json_body(request, max_body_bytes)
@@ -304,6 +309,8 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         handler.check_model()
         return {"input_tokens": len(handler.build_prompt()[0])}
 
+    install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest})
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"])
