@@ -51,15 +51,18 @@ class ChatChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletion(BaseModel):
-    """``chat.completion``; with ``stream: true`` a ``text/event-stream`` of ``chat.completion.chunk`` instead."""
-
+class _OpenAIResponse(BaseModel):
     id: str
     object: str
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Usage
+
+
+class ChatCompletion(_OpenAIResponse):
+    """``chat.completion``; with ``stream: true`` a ``text/event-stream`` of ``chat.completion.chunk`` instead."""
+
+    choices: list[ChatChoice]
 
 
 class CompletionLogprobs(BaseModel):
@@ -76,15 +79,10 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class Completion(BaseModel):
+class Completion(_OpenAIResponse):
     """``text_completion``; with ``stream: true`` a ``text/event-stream`` of them instead."""
 
-    id: str
-    object: str
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
 
 
 class MessageUsage(BaseModel):
