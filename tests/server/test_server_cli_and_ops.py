@@ -6,6 +6,7 @@ import json
 import logging
 
 import httpx
+import pytest
 from server_helpers import MODEL_NAME, ScriptedEngine, live_server
 
 from astrai.cli import build_parser, main
@@ -52,3 +53,71 @@ def test_access_log_is_one_json_line_per_request_with_the_request_id(tokenizer, 
     assert line["method"] == "POST" and line["path"] == "/v1/chat/completions" and line["status"] == 200
     assert line["bytes"] == len(resp.content) and line["duration_ms"] >= 0
     assert by_id[missing.headers["x-request-id"]]["status"] == 404
+
+
+def test_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from astrai.inference.server import cli as serve_cli
+
+    seen = {}
+    monkeypatch.setattr("astrai.inference.server.runner.run_server", lambda model, **kw: seen.update(kw))
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n", encoding="utf-8")
+    assert main(["serve", "--model", "m", "--api-key-file", str(key_file)]) == 0
+    assert seen["api_key"] == "sk-from-file"
+    assert serve_cli.read_api_key_file(str(key_file)) == "sk-from-file"
+    key_file.write_text("\n", encoding="utf-8")
+    assert main(["serve", "--model", "m", "--api-key-file", str(key_file)]) == 2
+    assert main(["serve", "--model", "m", "--api-key-file", str(tmp_path / "absent")]) == 2
+
+
+def test_api_key_from_the_environment_guards_the_server(tmp_path, monkeypatch):
+    from astrai.inference.server import runner
+
+    class Built(Exception):
+        """Stops run_server once the app's settings are known."""
+
+    def record(**settings):
+        raise Built(settings)
+
+    monkeypatch.setenv(runner.API_KEY_ENV, "sk-env")
+    monkeypatch.setattr(runner, "create_app", record)
+    (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(Built) as built:
+        runner.run_server(str(tmp_path), host="0.0.0.0")
+    settings = built.value.args[0]
+    assert settings["api_key"] == "sk-env" and settings["allowed_hosts"] == ["*"]
+
+
+def broken_copies(model_dir, root):
+    """Model directories that cannot be loaded, each with the words its error must say."""
+    import shutil
+
+    def copy(name):
+        shutil.copytree(model_dir, root / name)
+        return root / name
+
+    weights = copy("truncated") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (copy("no_weights") / "model.safetensors").unlink()
+    (copy("bad_config") / "config.json").write_text("{oops", encoding="utf-8")
+    config = copy("unknown_type") / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "martian"}), encoding="utf-8")
+    (copy("no_tokenizer") / "tokenizer.json").unlink()
+    return {"truncated": ("model.safetensors", "safetensors"), "no_weights": ("no_weights", "model.safetensors"),
+            "bad_config": ("config.json", "not valid JSON"), "unknown_type": ("config.json", "martian"),
+            "no_tokenizer": ("no_tokenizer", "tokenizer.json")}
+
+
+def test_serve_on_an_unloadable_model_exits_with_one_line_naming_the_problem(tiny_model_dir, tmp_path, capsys):
+    import socket
+
+    for name, words in broken_copies(tiny_model_dir, tmp_path).items():
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        code = main(["serve", "--model", str(tmp_path / name), "--port", str(port), "--log-level", "warning"])
+        err = capsys.readouterr().err
+        assert code == 2, (name, err)
+        lines = [l for l in err.splitlines() if l.startswith("astrai serve: error:")]
+        assert len(lines) == 1 and all(w in lines[0] for w in words), (name, err)
+        assert "Traceback" not in err, (name, err)

@@ -17,7 +17,8 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Callable, Optional
+from importlib.metadata import version
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from astrai.errors import AstraiError
+
 from .accesslog import AccessLogMiddleware
 from .anthropic_handler import AnthropicHandler
 from .errors import APIError, describe_validation_errors, error_body, is_anthropic_path
@@ -34,7 +37,9 @@ from .hosts import LOCAL_NAMES, AllowedHostsMiddleware
 from .metrics import ServerMetrics
 from .openai_handler import OpenAICompletionHandler, OpenAIHandler
 from .protocol import ServerState
-from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from .openapi import (ChatCompletion, Completion, Health, Message, ModelCard, ModelList, OpenAIError, Readiness,
+                      TokenCount, error_responses, install_openapi, streamed)
+from .schemas import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 
 logger = logging.getLogger("astrai.server")
 
@@ -128,7 +133,8 @@ def parse_body(model_cls, data: dict):
 def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = None, tokenizer=None,
                model_name: str = "astrai", api_key: Optional[str] = None,
                cors_origins: Optional[list[str]] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               default_max_tokens: int = 512, allowed_hosts: Optional[list[str]] = None) -> FastAPI:
+               default_max_tokens: int = 512, allowed_hosts: Optional[list[str]] = None,
+               on_load_error: Optional[Callable[[Exception], None]] = None) -> FastAPI:
     """Build the app around ``engine``, or around what ``load_engine()`` returns once loaded.
 
     ``allowed_hosts`` lists the ``Host`` names answered (``*`` any, ``*.example.com``
@@ -136,7 +142,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
 
     With ``load_engine`` the engine is built in a background thread when the app starts
     and shut down when it stops; until it is ready ``/health`` says so and /v1 routes
-    answer 503.
+    answer 503. If loading fails, ``on_load_error`` gets the exception.
     """
     if (engine is None) == (load_engine is None):
         raise ValueError("pass exactly one of engine= or load_engine=")
@@ -159,9 +165,13 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
                 try:
                     install(load_engine())
                     logger.info("model %s loaded; ready", model_name)
-                except Exception as exc:  # reported by /health instead of killing the server silently
-                    holder["error"] = f"{type(exc).__name__}: {exc}"
-                    logger.exception("loading the model failed")
+                except Exception as exc:  # reported by /health, and to on_load_error (the CLI stops there)
+                    holder["error"] = str(exc) if isinstance(exc, AstraiError) else f"{type(exc).__name__}: {exc}"
+                    logger.debug("loading the model failed", exc_info=True)
+                    if on_load_error is None:
+                        logger.error("loading the model failed: %s", holder["error"])
+                    else:
+                        on_load_error(exc)
                     return
                 # The thread that built the engine stays alive while it serves: with torch's
                 # OpenMP pool, an engine created by a thread that then exits decodes ~20x slower.
@@ -174,7 +184,9 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
             stop.set()
             loader_thread.join()
 
-    app = FastAPI(title="astrai", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="astrai", version=version("astrai"), docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan,
+                  description="OpenAI- and Anthropic-compatible API of an astrai model (see docs/serving.md).")
     app.state.metrics = metrics
 
     def state() -> ServerState:
@@ -219,7 +231,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         return _error_response(request, APIError("internal", f"internal error: {type(exc).__name__}"))
 
     # ---- operations -------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}})
     async def health():
         ready = holder["state"] is not None
         body = {"status": "ok", "ready": ready, "model": model_name}
@@ -227,16 +239,16 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
             body["error"] = holder["error"]
         return body
 
-    @app.get("/health/ready")
+    @app.get("/health/ready", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
     async def health_ready():
         ready = holder["state"] is not None
         return JSONResponse({"ready": ready, "model": model_name}, status_code=200 if ready else 503)
 
-    @app.get("/stats")
+    @app.get("/stats", responses={200: {"model": dict[str, Any]}, 503: {"model": OpenAIError}})
     async def stats():
         return {"model": model_name, **state().engine.get_stats()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         current = holder["state"]
         engine_stats = current.engine.get_stats() if current is not None else None
@@ -251,7 +263,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
     app.mount("/static", StaticFiles(directory=static_dir()), name="static")
 
     # ---- the protocols ----------------------------------------------------------
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses()})
     async def list_models(request: Request):
         check_key(request)
         if "anthropic-version" in request.headers:
@@ -261,7 +273,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(metrics.started),
                                             "owned_by": "astrai"}]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={200: {"model": ModelCard}, **error_responses()})
     async def get_model(model_id: str, request: Request):
         check_key(request)
         if model_id != model_name:
@@ -269,25 +281,25 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
                            code="model_not_found")
         return {"id": model_name, "object": "model", "created": int(metrics.started), "owned_by": "astrai"}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=streamed(ChatCompletion))
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(ChatCompletionRequest, await read_json_body(request, max_body_bytes))
         return await OpenAIHandler(state(), body, request).handle()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=streamed(Completion))
     async def completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(CompletionRequest, await read_json_body(request, max_body_bytes))
         return await OpenAICompletionHandler(state(), body, request).handle()
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", responses=streamed(Message, anthropic=True))
     async def messages(request: Request) -> Response:
         check_key(request)
         body = parse_body(MessagesRequest, await read_json_body(request, max_body_bytes))
         return await AnthropicHandler(state(), body, request).handle()
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", responses={200: {"model": TokenCount}, **error_responses(anthropic=True)})
     async def count_tokens(request: Request):
         check_key(request)
         data = await read_json_body(request, max_body_bytes)
@@ -297,6 +309,8 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         handler.check_model()
         return {"input_tokens": len(handler.build_prompt()[0])}
 
+    install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest})
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"])

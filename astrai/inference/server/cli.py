@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Optional
 
 from astrai.errors import ConfigError
@@ -17,8 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None,
-                        help=f"require this key on /v1 routes (default: ${API_KEY_ENV} if set, else no key)")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None,
+                      help=f"require this key on /v1 routes (shows in `ps`: prefer --api-key-file or ${API_KEY_ENV}; "
+                           f"default: ${API_KEY_ENV} if set, else no key)")
+    keys.add_argument("--api-key-file", default=None, metavar="PATH",
+                      help="read the key from this file's first line (kept out of the process list)")
     parser.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME]",
                         help="Host header names to answer (repeatable; '*' any, '*.example.com' subdomains). Default: "
                              "the bound address and localhost; any host when bound to 0.0.0.0 with an API key")
@@ -41,6 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def read_api_key_file(path: str) -> str:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--api-key-file {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError(f"--api-key-file {path}: the first line is empty; write the key there")
+    return key
+
+
 def split_names(values: Optional[list[str]]) -> Optional[list[str]]:
     """Repeated and comma-separated flag values, as one list (None when not given)."""
     names = [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
@@ -54,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     device, dtype = resolve_placement(args.device, args.dtype)
-    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name,
+    api_key = read_api_key_file(args.api_key_file) if args.api_key_file else args.api_key
+    run_server(args.model, host=args.host, port=args.port, api_key=api_key, model_name=args.served_model_name,
                cors_origins=args.cors_origin, allowed_hosts=split_names(args.allowed_hosts), max_body_bytes=args.max_body_bytes,
                default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,

@@ -174,3 +174,9 @@ class MessagesRequest(_Body):
     def _check_stop(cls, value):
         _stop_list(value)
         return value
+
+
+class CountTokensRequest(MessagesRequest):
+    """Body of ``POST /v1/messages/count_tokens``: a message request whose ``max_tokens`` is optional."""
+
+    max_tokens: Optional[Int] = Field(default=None, ge=1)

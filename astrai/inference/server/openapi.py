@@ -1,0 +1,167 @@
+"""The OpenAPI document (``/openapi.json``, browsable at ``/docs``).
+
+Request bodies are read and checked by the app itself (size limit, content type,
+nesting), not by FastAPI, so FastAPI cannot see them: ``install_openapi`` adds each
+route's request schema from the pydantic models in schemas.py. The response models
+here exist only to document the JSON the handlers build, so that client generators
+and schema-driven testers (schemathesis) know every route's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: str
+    error: AnthropicErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: dict[str, Any]
+    logprobs: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+
+
+class _OpenAIResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    usage: Usage
+
+
+class ChatCompletion(_OpenAIResponse):
+    """``chat.completion``; with ``stream: true`` a ``text/event-stream`` of ``chat.completion.chunk`` instead."""
+
+    choices: list[ChatChoice]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class Completion(_OpenAIResponse):
+    """``text_completion``; with ``stream: true`` a ``text/event-stream`` of them instead."""
+
+    choices: list[CompletionChoice]
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class Message(BaseModel):
+    """An Anthropic ``message``; with ``stream: true`` a ``text/event-stream`` of message events instead."""
+
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Optional[str] = None
+    stop_sequence: Optional[str] = None
+    usage: MessageUsage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """OpenAI's list; with an ``anthropic-version`` header, Anthropic's (``data``, ``has_more``, ...)."""
+
+    data: list[dict[str, Any]]
+    object: Optional[str] = None
+    has_more: Optional[bool] = None
+
+
+class Health(BaseModel):
+    status: str
+    ready: bool
+    model: str
+    error: Optional[str] = None
+
+
+class Readiness(BaseModel):
+    ready: bool
+    model: str
+
+
+def error_responses(anthropic: bool = False) -> dict:
+    model = AnthropicError if anthropic else OpenAIError
+    return {status: {"model": model, "description": meaning} for status, meaning in (
+        (400, "bad JSON or UTF-8, bad Host, a refusal naming the problem"), (401, "API key missing or wrong"),
+        (404, "unknown model"), (413, "body too large"), (415, "body not sent as JSON"),
+        (422, "body breaks the schema"), (503, "busy or still loading"))}
+
+
+def streamed(model: type[BaseModel], anthropic: bool = False) -> dict:
+    """A POST route's responses: the JSON ``model``, an SSE stream, or an error."""
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **error_responses(anthropic)}
+
+
+def install_openapi(app: FastAPI, request_models: dict[str, type[BaseModel]]) -> None:
+    """Build the document once, with ``request_models`` (path -> body model) as POST request bodies."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, description=app.description,
+                                   routes=app.routes)
+            _, definitions = models_json_schema([(m, "validation") for m in request_models.values()],
+                                                ref_template="#/components/schemas/{model}")
+            document.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+            for path, model in request_models.items():
+                document["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
