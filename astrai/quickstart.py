@@ -537,6 +537,15 @@ class Quickstart:
         return results
 
     # --- the end ---------------------------------------------------------------------------
+    def rerun_arguments(self) -> str:
+        """The flags that repeat this run: its seed, its plan, and whatever shaped its data
+        (the budget sizes the share of the large corpus; the corpus as it was resolved)."""
+        s = self.s
+        corpus = self.corpus.get("dir", "bundled")
+        flags = ["--seed", str(s.seed), "--plan", str((self.out / PLAN_FILE).resolve()), "--minutes", f"{s.minutes:g}",
+                 "--corpus", corpus, "--preset", s.preset, "--vocab-size", str(s.vocab_size)]
+        return " ".join(shlex.quote(flag) for flag in flags)
+
     def finish(self, records: list[dict]) -> dict:
         from astrai.eval.report import STAGE_TITLES, plot_curves, write_report
 
@@ -574,8 +583,7 @@ class Quickstart:
                 "serve": f"{astrai} serve --model {model_path} --port 8000",
                 "chat": f"{astrai} chat --model {model_path}",
                 "eval": f"{astrai} eval --model {model_path}",
-                "rerun": f"{astrai} quickstart --seed {self.s.seed} --plan {shlex.quote(str((self.out / PLAN_FILE).resolve()))}"
-                         f" --out NEW_DIR",
+                "rerun": f"{astrai} quickstart {self.rerun_arguments()} --out NEW_DIR",
             },
         }
         write_json(self.out / PLAN_FILE, summary["plan"])

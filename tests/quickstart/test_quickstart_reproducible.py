@@ -30,7 +30,9 @@ def test_same_seed_and_plan_give_identical_numbers(tmp_path):
     first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, **SMALL)
     written = json.loads((tmp_path / "a" / PLAN_FILE).read_text())
     assert written["steps"] == PLAN and written["source"] == "pinned (--plan)"
-    assert first["plan"] == written and "--plan" in first["commands"]["rerun"]
+    assert first["plan"] == written
+    assert f"--seed 3 --plan {(tmp_path / 'a' / PLAN_FILE).resolve()} --minutes 5 --corpus bundled" in \
+        first["commands"]["rerun"]
     again = run_quickstart(out=str(tmp_path / "b"), seed=3, steps=load_plan(tmp_path / "a" / PLAN_FILE), **SMALL)
     assert numbers(again) == numbers(first)
     task = first["stages"][-1]["eval"]["task"]
