@@ -78,6 +78,7 @@ class Settings:
     sft_arithmetic: int = 4000            # task conversations for SFT, from the training pool
     dpo_arithmetic: int = 1000            # task preference pairs for DPO, from the training pool
     grpo_problems: int = 2000             # GRPO prompts, from the training pool
+    pretrain_arithmetic: int = 20_000     # worked problems from the training pool mixed into the pre-training text
     sft_replay: float = SFT_REPLAY        # share of SFT batches that are pre-training text
     eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
@@ -234,8 +235,24 @@ class Quickstart:
                               f"`bash scripts/build_large_corpus.sh` or use --corpus bundled")
         else:
             log("pre-training text: the bundled sample (build the large corpus with `bash scripts/build_large_corpus.sh`)")
+        if self.s.pretrain_arithmetic:
+            record["train"].append(str(self.arithmetic_text()))
         write_json(marker, record)
         self.corpus = record
+
+    def arithmetic_text(self) -> Path:
+        """Worked problems from the task's training pool as plain documents ("23+45=68", one
+        per line, fifty to a document): the sums are learnt during pre-training, when the
+        model sees the most tokens, and SFT has only the answer format left to teach."""
+        from astrai.dataset.arithmetic import training_problems
+
+        problems = training_problems(self.s.pretrain_arithmetic, seed=5000 + self.s.seed)
+        lines = [p["prompt"] + (" " if p["style"] != "short" else "") + p["answer"] for p in problems]
+        path = self.out / "data" / "arithmetic_pretrain.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"text": "\n".join(lines[i:i + 50])}, ensure_ascii=False) + "\n"
+                                for i in range(0, len(lines), 50)), encoding="utf-8")
+        return path
 
     def heldout(self) -> dict:
         from astrai.eval.runner import DEFAULT_HELDOUT
@@ -520,6 +537,15 @@ class Quickstart:
         return results
 
     # --- the end ---------------------------------------------------------------------------
+    def rerun_arguments(self) -> str:
+        """The flags that repeat this run: its seed, its plan, and whatever shaped its data
+        (the budget sizes the share of the large corpus; the corpus as it was resolved)."""
+        s = self.s
+        corpus = self.corpus.get("dir", "bundled")
+        flags = ["--seed", str(s.seed), "--plan", str((self.out / PLAN_FILE).resolve()), "--minutes", f"{s.minutes:g}",
+                 "--corpus", corpus, "--preset", s.preset, "--vocab-size", str(s.vocab_size)]
+        return " ".join(shlex.quote(flag) for flag in flags)
+
     def finish(self, records: list[dict]) -> dict:
         from astrai.eval.report import STAGE_TITLES, plot_curves, write_report
 
@@ -557,8 +583,7 @@ class Quickstart:
                 "serve": f"{astrai} serve --model {model_path} --port 8000",
                 "chat": f"{astrai} chat --model {model_path}",
                 "eval": f"{astrai} eval --model {model_path}",
-                "rerun": f"{astrai} quickstart --seed {self.s.seed} --plan {shlex.quote(str((self.out / PLAN_FILE).resolve()))}"
-                         f" --out NEW_DIR",
+                "rerun": f"{astrai} quickstart {self.rerun_arguments()} --out NEW_DIR",
             },
         }
         write_json(self.out / PLAN_FILE, summary["plan"])

@@ -84,7 +84,8 @@ def _fmt(value, digits: int = 2) -> str:
 
 def eval_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows: one row per evaluated stage, plus the unigram baseline."""
-    names = sorted({n for s in summary["stages"] for n in s.get("eval", {}).get("perplexity", {})})
+    names = sorted({n for s in summary["stages"] for n in s.get("eval", {}).get("perplexity", {})},
+                   key=lambda n: (n.startswith("corpus-"), n))  # the bundled held-out files first
     header = (["stage"] + [f"perplexity {n}" for n in names] + [f"bits/byte {n}" for n in names]
               + ["held-out task accuracy [95% interval]", "task mean reward"])
     rows = []

@@ -2,6 +2,7 @@
 pins the next one; a bad plan file is refused before anything runs."""
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -14,7 +15,7 @@ SMALL = dict(
     minutes=5, vocab_size=300, window_size=64, batch_size=4, eval_problems=24, ppl_max_tokens=300,
     sample_max_new_tokens=4, sft_arithmetic=300, dpo_arithmetic=40, grpo_problems=40, grpo_prompts_per_step=2,
     grpo_group_size=2, model_overrides=dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, dim_ffn=64, max_len=128),
-    progress=False, corpus="bundled",
+    progress=False, corpus="bundled", pretrain_arithmetic=500,
 )
 PLAN = {"pretrain": 6, "sft": 4, "dpo": 2, "grpo": 2}
 
@@ -29,7 +30,9 @@ def test_same_seed_and_plan_give_identical_numbers(tmp_path):
     first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, **SMALL)
     written = json.loads((tmp_path / "a" / PLAN_FILE).read_text())
     assert written["steps"] == PLAN and written["source"] == "pinned (--plan)"
-    assert first["plan"] == written and "--plan" in first["commands"]["rerun"]
+    assert first["plan"] == written
+    assert f"--seed 3 --plan {(tmp_path / 'a' / PLAN_FILE).resolve()} --minutes 5 --corpus bundled" in \
+        first["commands"]["rerun"]
     again = run_quickstart(out=str(tmp_path / "b"), seed=3, steps=load_plan(tmp_path / "a" / PLAN_FILE), **SMALL)
     assert numbers(again) == numbers(first)
     task = first["stages"][-1]["eval"]["task"]
@@ -37,6 +40,26 @@ def test_same_seed_and_plan_give_identical_numbers(tmp_path):
     weights = [load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("a", "b")]
     assert all(weights[0][name].equal(weights[1][name]) for name in weights[0])
     assert "bits/byte en" in (tmp_path / "a" / "report.md").read_text(encoding="utf-8")
+
+
+def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
+    """The generated pre-training lines, SFT conversations, DPO pairs and GRPO prompts of a
+    run all come from the training pool."""
+    import re
+
+    from astrai.dataset.arithmetic import heldout_problems, problem_key
+    from astrai.quickstart import Quickstart, Settings
+
+    qs = Quickstart(Settings(out=str(tmp_path), **{**SMALL, "pretrain_arithmetic": 2000}))
+    qs.stage_corpus()
+    assert qs.corpus["train"][-1].endswith("arithmetic_pretrain.jsonl")
+    files = [Path(qs.corpus["train"][-1]), *qs.arithmetic_data().values()]
+    text = "".join(path.read_text(encoding="utf-8") for path in files)
+    asked = {(int(a), op, int(b)) for a, op, b in re.findall(r"(\d+)([+-])(\d+)", text)}
+    assert len(asked) > 2000 and not asked & {problem_key(p) for p in heldout_problems()}
+    first = json.loads(Path(qs.corpus["train"][-1]).read_text(encoding="utf-8").splitlines()[0])["text"]
+    a, op, b, answer = re.match(r"(?:What is )?(\d+)([+-])(\d+)\D*?(\d+)$", first.splitlines()[0]).groups()
+    assert int(answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
 
 
 @pytest.mark.parametrize("content,message", [

@@ -3,7 +3,8 @@
 The tiny model is exported to the Hugging Face Llama format; lm-eval then runs the same
 local tasks (multiple choice, rolling perplexity, generate_until; JSONL files written
 here, no hub access) once with ``local-completions`` against the live server and once
-with ``hf`` on the exported copy. Per-sample log-likelihoods and generations must agree.
+with ``hf`` on the exported copy (and generate_until once more through
+``local-chat-completions``). Per-sample log-likelihoods and generations must agree.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from server_helpers import live_server
 
 
@@ -60,29 +60,38 @@ def hf_dir(tiny_model_dir, tokenizer, tmp_path_factory):
     return out
 
 
-def evaluate(model: str, model_args: dict, tasks_dir: Path) -> dict:
+def evaluate(model: str, model_args: dict, tasks_dir: Path, tasks=("astrai_mc", "astrai_ppl", "astrai_gen"),
+             chat: bool = False) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    return simple_evaluate(model=model, model_args=model_args, tasks=["astrai_mc", "astrai_ppl", "astrai_gen"],
+    return simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
                            task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-                           batch_size=4, log_samples=True, device="cpu")
+                           batch_size=4, log_samples=True, device="cpu", apply_chat_template=chat)
+
+
+@pytest.fixture
+def offline_tasks(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    return write_tasks(tmp_path)
+
+
+# astrai's tokenizer adds no BOS; the hf backend would (transformers adds the bos_token by default)
+def hf_args(hf_dir: Path) -> dict:
+    return {"pretrained": str(hf_dir), "dtype": "float32", "add_bos_token": False}
 
 
 def by_doc(results: dict, task: str) -> list:
     return [s["filtered_resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
-def test_lm_eval_scores_through_the_server_equal_the_hf_backend(tiny_engine, hf_dir, tmp_path, monkeypatch):
+def test_lm_eval_scores_through_the_server_equal_the_hf_backend(tiny_engine, hf_dir, offline_tasks):
     from astrai.inference.server import create_app
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    tasks = write_tasks(tmp_path)
-    torch.manual_seed(0)
-    # astrai's tokenizer adds no BOS; the hf backend would (transformers adds the bos_token by default)
-    reference = evaluate("hf", {"pretrained": str(hf_dir), "dtype": "float32", "add_bos_token": False}, tasks)
+    tasks = offline_tasks
+    reference = evaluate("hf", hf_args(hf_dir), tasks)
     with live_server(create_app(tiny_engine, model_name="tiny-eval")) as url:
         served = evaluate("local-completions", {"model": "tiny-eval", "base_url": f"{url}/v1/completions",
                                                 "tokenizer": str(hf_dir), "tokenizer_backend": "huggingface",
@@ -100,3 +109,17 @@ def test_lm_eval_scores_through_the_server_equal_the_hf_backend(tiny_engine, hf_
     assert ppl == pytest.approx(reference["results"]["astrai_ppl"]["word_perplexity,none"], rel=1e-3)
     assert by_doc(served, "astrai_gen") == by_doc(reference, "astrai_gen")
     assert any(r[0].strip() for r in by_doc(served, "astrai_gen"))  # something was generated
+
+
+def test_lm_eval_chat_generation_through_the_server_equals_the_hf_backend(tiny_engine, hf_dir, offline_tasks):
+    """local-chat-completions: the server's chat template and the hf backend's (from
+    tokenizer_config.json) render the same prompt, so greedy generations agree."""
+    from astrai.inference.server import create_app
+
+    reference = evaluate("hf", hf_args(hf_dir), offline_tasks, tasks=["astrai_gen"], chat=True)
+    with live_server(create_app(tiny_engine, model_name="tiny-eval")) as url:
+        served = evaluate("local-chat-completions", {"model": "tiny-eval", "base_url": f"{url}/v1/chat/completions",
+                                                     "num_concurrent": 1, "max_retries": 1}, offline_tasks,
+                          tasks=["astrai_gen"], chat=True)
+    assert by_doc(served, "astrai_gen") == by_doc(reference, "astrai_gen")
+    assert all(r[0] for r in by_doc(served, "astrai_gen"))  # eight tokens each, not an empty agreement

@@ -196,7 +196,7 @@ class OpenAICompletionHandler(_OpenAIBase):
 
     body: CompletionRequest
     _prompts: Optional[list[list[int]]] = None  # each distinct prompt's ids, once built
-    _prompt_scores: list[list[TokenLogprob]] = []  # their tokens' logprobs, when echo asks for them
+    _prompt_scores: tuple[list[TokenLogprob], ...] = ()  # their tokens' logprobs, when echo asks for them
 
     def create_response_id(self) -> str:
         return new_id("cmpl-")
@@ -245,7 +245,7 @@ class OpenAICompletionHandler(_OpenAIBase):
         prompts = self.build_prompt()
         if self.scores_prompt:
             self.state.check_fits_queue(len(self._prompts))
-            self._prompt_scores = [await self._score(p) for p in self._prompts]
+            self._prompt_scores = tuple([await self._score(p) for p in self._prompts])
         if not score_only:
             return await super().handle()
         contexts = [StreamContext(self.resp_id, self.state.model_name, index=i, created=self.created,

@@ -142,6 +142,19 @@ class CompletionRequest(_OpenAISampling):
     logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     echo: bool = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value):
+        """One sentence for a prompt of the wrong shape, instead of one per union member."""
+        def token_ids(items) -> bool:
+            return isinstance(items, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+        if isinstance(value, str) or (isinstance(value, list) and (
+                all(isinstance(p, str) for p in value) or token_ids(value) or all(token_ids(p) for p in value))):
+            return value
+        raise ValueError("expected a string, a list of strings, a list of token ids (integers, not booleans) "
+                         "or a list of token-id lists")
+
 
 class AnthropicContentBlock(_Body):
     type: str
