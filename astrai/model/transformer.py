@@ -98,7 +98,9 @@ class Transformer(AutoModel):
         label_smoothing: float = 0.0,
     ) -> dict[str, torch.Tensor]:
         B, T = input_ids.shape
-        if T > self.config.max_len:  # past max_len the RoPE scaling and any imported window no longer hold
+        # past max_len the RoPE scaling and any imported window no longer hold; with a paged cache the
+        # positions are the cache's (a step may lay several requests' tokens out in one row)
+        if paged_cache is None and T > self.config.max_len:
             raise DataError(f"input of {T} positions is longer than the model's max_len ({self.config.max_len}); "
                             f"split it into windows of at most {self.config.max_len} tokens")
         x = self.embed_tokens(input_ids)

@@ -107,3 +107,17 @@ def test_packed_prefill_steps_fill_the_budget_with_real_tokens():
     waiting = [SimpleNamespace(remaining=n) for n in (100, 120, 90, 400)]
     with InferenceEngine(make_model("tiny"), None, max_batch_size=8, num_pages=64, prefill_chunk_size=512) as engine:
         assert engine.scheduler._plan_prefill(waiting)[1] == [100, 120, 90, 202]
+
+
+def test_a_packed_step_may_hold_more_tokens_than_max_len():
+    """Prompts of different lengths below max_len prefilled together lay more than max_len
+    tokens out in one packed row; every position is still within max_len."""
+    model = make_model("tiny", max_len=32)
+    prompts = [[(7 * i + j) % 256 for j in range(30 - 5 * i)] for i in range(3)]  # 75 tokens, packed
+    expected = [greedy_reference(model, p, 1) for p in prompts]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with InferenceEngine(model, None, max_batch_size=3, page_size=4, num_pages=64, prefill_chunk_size=96,
+                         prefix_cache=False) as engine:
+        with engine.scheduler._lock:  # all three queued before the loop plans its first step
+            handles = [engine.submit(p, params) for p in prompts]
+        assert [h.result(timeout=60).token_ids for h in handles] == expected
