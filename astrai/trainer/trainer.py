@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -202,4 +203,8 @@ def host_values(metrics: dict) -> dict:
 
 
 def _train_in_worker(trainer: Trainer, checkpoint) -> None:
+    if trainer.model is not None:
+        # spawn hands every process the model's tensors in one shared-memory block: without a private
+        # copy each rank's optimizer would update the same weights, every step once per rank
+        trainer.model = copy.deepcopy(trainer.model)
     trainer._run(trainer._build_context(checkpoint))

@@ -7,6 +7,7 @@ from torch.utils.data import Dataset
 
 from astrai.config import TrainConfig, preset
 from astrai.model import AutoModel
+from astrai.trainer import TrainCallback
 
 VOCAB = 64
 
@@ -49,3 +50,19 @@ def config(tmp_path, **overrides) -> TrainConfig:
                 random_seed=1, adamw_weight_decay=0.01)
     base.update(overrides)
     return TrainConfig(**base)
+
+
+class WeightSums(TrainCallback):
+    """Writes each rank's per-parameter weight sums after every step to ``<out>/r<rank>_s<step>.json``
+    (defined here, importable, so spawned processes can unpickle it)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_step_end(self, context) -> None:
+        import json
+
+        from astrai.parallel.wrap import unwrap_model
+
+        sums = {n: float(p.detach().double().sum()) for n, p in unwrap_model(context.model).named_parameters()}
+        (self.out / f"r{context.rank}_s{context.step}.json").write_text(json.dumps(sums))

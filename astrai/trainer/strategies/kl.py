@@ -135,7 +135,7 @@ def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Opt
     Returns the model.
     """
     from astrai.parallel.wrap import load_full_model_state
-    from astrai.serialization import Checkpoint
+    from astrai.serialization import Checkpoint, latest_checkpoint
     from astrai.trainer.builder import load_model
     from astrai.trainer.trainer import Trainer
 
@@ -158,8 +158,6 @@ def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Opt
                           strategy_extra={"reference": reference, "stage": i})
         context = trainer.train(checkpoint if i == start else None)
         if context is None:  # the stage ran in spawned processes: its final save holds the weights
-            from astrai.serialization import latest_checkpoint
-
             final = Checkpoint.load(latest_checkpoint(stage_config.ckpt_dir))
             model.load_state_dict(final.state_dict)
             progress = {"tokens_seen": final.meta["tokens_seen"], "epoch": final.epoch, "iteration": final.iteration}
