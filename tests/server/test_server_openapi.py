@@ -7,7 +7,6 @@ import collections
 
 import pytest
 import schemathesis
-import torch
 from hypothesis import HealthCheck, settings
 from schemathesis.generation import GenerationMode
 from server_helpers import MODEL_NAME
@@ -60,9 +59,6 @@ def test_no_generated_request_gets_a_server_error(api_schema):
     """Each operation gets a bounded number of generated cases, run through hypothesis here."""
     from hypothesis import given
 
-    # Loading the engine's native kernels (built with -ffast-math) turns on flush-to-zero in
-    # this thread, and hypothesis refuses to generate floats then; generation needs it off.
-    torch.set_flush_denormal(False)
     tried = []
     cases = [(op, mode) for op in operations(api_schema)
              for mode in (GenerationMode if op.method.lower() == "post" else [GenerationMode.POSITIVE])]

@@ -45,7 +45,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
+# -ffast-math's parts but -ffinite-math-only, named one by one: the reductions need reassociation,
+# but -ffast-math (and -funsafe-math-optimizations) on the link line also links crtfastmath.o,
+# which turns on flush-to-zero for the whole process when the library loads.
+FAST_MATH = ["-fno-math-errno", "-fassociative-math", "-freciprocal-math", "-fno-signed-zeros", "-fno-trapping-math",
+             "-fno-rounding-math", "-fno-signaling-nans", "-fcx-limited-range", "-fexcess-precision=fast",
+             "-ffp-contract=fast"]
+FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]
 
 
 def _cache_dir() -> Path:
