@@ -58,6 +58,7 @@ class TrainContext:
     metrics: dict = field(default_factory=dict)
     stop_requested: bool = False
     error: Optional[BaseException] = None
+    cpu_products: Optional[dict] = None  # the run's choice of fp32 CPU products (agree_on_products)
 
     @property
     def micro_loss(self) -> Optional[float]:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from astrai.parallel.wrap import full_model_state, full_optimizer_state, load_full_optimizer_state
 from astrai.serialization import Checkpoint, prune_checkpoints
 
+PRODUCTS_KEY = "cpu_products"  # the run's fp32 products decision (backends/cpu/training.py), kept for a resume
+
 
 def capture_rng() -> dict:
     """All RNG streams as tensors and plain values (loadable with weights_only=True)."""
@@ -46,7 +48,7 @@ def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
         trainer_state = {"step": context.step, "epoch": context.epoch, "batch_in_epoch": context.batch_in_epoch,
                          "tokens_seen": context.tokens_seen, "world_size": context.world_size, "rng": capture_rng()}
         meta = {"step": context.step, "tokens_seen": context.tokens_seen, "world_size": context.world_size,
-                "train_config": context.config.to_dict()}
+                "train_config": context.config.to_dict(), PRODUCTS_KEY: context.cpu_products}
         extra = {"optimizer": optimizer, "scheduler": context.scheduler.state_dict(), "trainer_state": trainer_state}
         if strategy:
             extra["strategy"] = strategy

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.backends.cpu import fast_training_products
+from astrai.backends.cpu.training import agree_on_products
 from astrai.parallel import is_distributed, setup_parallel, spawn_parallel_fn, torchrun_env, unwrap_model
 from astrai.parallel.setup import default_device_type
 from astrai.parallel.wrap import no_sync
@@ -22,6 +23,7 @@ from astrai.serialization import Checkpoint
 from astrai.trainer.builder import TrainContextBuilder, resolve_device
 from astrai.trainer.callbacks import CallbackFactory, TrainCallback
 from astrai.trainer.context import TrainContext
+from astrai.trainer.state import PRODUCTS_KEY
 
 TOKEN_KEYS = ("input_ids", "chosen", "rejected", "prompts", "responses")
 
@@ -98,8 +100,12 @@ class Trainer:
 
         try:
             fire("on_train_begin")
-            # the CPU's faster fp32 products, for this run only (astrai/backends/cpu/training.py)
-            with fast_training_products(unwrap_model(context.model)):
+            # the CPU's faster fp32 products, for this run only (astrai/backends/cpu/training.py), decided
+            # once for all ranks and kept across a resume: products that round differently diverge
+            model = unwrap_model(context.model)
+            recorded = context.checkpoint.meta.get(PRODUCTS_KEY) if context.checkpoint is not None else None
+            context.cpu_products = agree_on_products(model, recorded)
+            with fast_training_products(model, context.cpu_products):
                 while not context.done and not context.stop_requested:
                     self._run_epoch(context, fire)
             fire("on_train_end")

@@ -1,12 +1,16 @@
 """The trainer opts into the CPU's faster fp32 products for its run only: during training the
 model's plain linears run as OneDnnLinear (where oneDNN pays here), and afterwards the model is
-given back with its own classes and the same parameters."""
+given back with its own classes and the same parameters. The decision is the run's: every rank
+takes rank 0's, and a resumed run keeps the one its checkpoint records."""
 
-from trainer_helpers import TokenWindows, config, tiny_model
+import json
+
+from trainer_helpers import ProductsByRank, TokenWindows, config, tiny_model
 
 from astrai.backends.cpu import training
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.layers import Linear
+from astrai.serialization import Checkpoint
 from astrai.trainer import TrainCallback, Trainer
 
 
@@ -28,3 +32,43 @@ def test_the_run_swaps_in_fast_products_and_gives_the_model_back(tmp_path, monke
     assert seen.heads and set(seen.heads) == {OneDnnLinear}
     assert type(model.lm_head) is Linear and all(type(m) is not OneDnnLinear for m in model.modules())
     assert dict(model.named_parameters()) == params
+
+
+def _measures(monkeypatch, pays: bool) -> None:
+    """This process's measurement says ``pays`` for both layouts."""
+    monkeypatch.setattr(training, "_forward_layout_pays", lambda: pays)
+    monkeypatch.setattr(training, "_weight_grad_layout_pays", lambda: pays)
+
+
+def test_a_resumed_run_keeps_the_decision_its_checkpoint_records(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
+    _measures(monkeypatch, True)
+    run = dict(save_final_model=False, ckpt_interval=1)
+    Trainer(config(tmp_path, max_steps=1, **run), model=tiny_model(), train_dataset=TokenWindows(n=8)).train()
+    first = tmp_path / "ckpt" / "step_00000001"
+    assert Checkpoint.read_meta(first)["meta"]["cpu_products"] == {"forward": True, "weight_grad": True}
+
+    _measures(monkeypatch, False)  # the resuming process would choose MKL on its own
+    seen = ClassesSeen()
+    Trainer(config(tmp_path, max_steps=2, **run), callbacks=[seen], model=tiny_model(),
+            train_dataset=TokenWindows(n=8)).train(str(first))
+    assert seen.heads and set(seen.heads) == {OneDnnLinear}
+    second = Checkpoint.read_meta(tmp_path / "ckpt" / "step_00000002")["meta"]
+    assert second["cpu_products"] == {"forward": True, "weight_grad": True}
+
+    monkeypatch.setenv("ASTRAI_ONEDNN_LINEAR", "0")  # the environment still decides
+    seen = ClassesSeen()
+    Trainer(config(tmp_path, max_steps=2, **run), callbacks=[seen], model=tiny_model(),
+            train_dataset=TokenWindows(n=8)).train(str(first))
+    assert seen.heads and set(seen.heads) == {Linear}
+
+
+def test_ranks_whose_measurements_disagree_take_rank_zeros_decision(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
+    out = tmp_path / "heads"
+    out.mkdir()
+    cfg = config(tmp_path, nprocs=2, max_steps=1, save_final_model=False, master_port=0, ckpt_interval=1)
+    Trainer(cfg, callbacks=[ProductsByRank(out)], model=tiny_model(), train_dataset=TokenWindows(n=8)).train()
+    assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [["OneDnnLinear"]] * 2
+    meta = Checkpoint.read_meta(tmp_path / "ckpt" / "step_00000001")["meta"]
+    assert meta["cpu_products"] == {"forward": True, "weight_grad": True}

@@ -66,3 +66,28 @@ class WeightSums(TrainCallback):
 
         sums = {n: float(p.detach().double().sum()) for n, p in unwrap_model(context.model).named_parameters()}
         (self.out / f"r{context.rank}_s{context.step}.json").write_text(json.dumps(sums))
+
+
+class ProductsByRank(TrainCallback):
+    """Makes each rank's own measurement of the fp32 products disagree (oneDNN pays on rank 0
+    only) and writes, per rank, the classes its head ran as to ``<out>/r<rank>.json``
+    (importable, so spawned processes can unpickle it)."""
+
+    def __init__(self, out):
+        self.out, self.heads = out, set()
+
+    def on_train_begin(self, context) -> None:
+        from astrai.backends.cpu import training
+
+        pays = context.rank == 0
+        training._forward_layout_pays = training._weight_grad_layout_pays = lambda: pays
+
+    def on_batch_begin(self, context) -> None:
+        from astrai.parallel.wrap import unwrap_model
+
+        self.heads.add(type(unwrap_model(context.model).lm_head).__name__)
+
+    def on_train_end(self, context) -> None:
+        import json
+
+        (self.out / f"r{context.rank}.json").write_text(json.dumps(sorted(self.heads)))

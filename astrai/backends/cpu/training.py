@@ -5,12 +5,15 @@ MKL BLAS, which keeps its fastest code for Intel CPUs. oneDNN's matmul, which Py
 ships beside it and uses for bf16, does the same fp32 arithmetic with its own kernels;
 how much faster that is depends on the CPU, and may differ between the forward layout
 (``x @ Wᵀ``, also the input's gradient) and the weight gradient's (both operands
-transposed). So each layout is asked of the CPU once per process (``onednn_fp32_pays``,
-``onednn_weight_grad_pays``), and ``ASTRAI_ONEDNN_LINEAR=0`` or ``=1`` decides both without
-the measurement. The results differ from MKL's by rounding only.
+transposed). So each layout is asked of the CPU once per process (``measured_choice``),
+and ``ASTRAI_ONEDNN_LINEAR=0`` or ``=1`` decides both without the measurement. The results
+differ from MKL's by rounding only, which is enough to make two runs differ: so a run decides
+once (``agree_on_products``) and every process of it keeps that decision. Under
+torch.distributed every rank takes rank 0's; a resumed run takes the one its checkpoint
+records (the environment variable still overrides both).
 
-The trainer opts in with ``fast_training_products(model)``: for the duration of a run the
-model's plain linears become ``OneDnnLinear`` (same parameters, nothing copied), and the
+The trainer opts in with ``fast_training_products(model, choice)``: for the duration of a run
+the model's plain linears become ``OneDnnLinear`` (same parameters, nothing copied), and the
 model is given back with its own classes afterwards. Autocast (bf16 on a CPU already goes
 to oneDNN), other devices and dtypes and tensor subclasses keep the plain product. Inside
 ``torch.compile`` the product is a custom op the compiler leaves as it is
@@ -24,9 +27,10 @@ import contextlib
 import functools
 import os
 import time
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -102,22 +106,71 @@ def training_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 
 @contextlib.contextmanager
-def fast_training_products(model: nn.Module) -> Iterator[int]:
-    """Within the block, ``model``'s plain fp32 CPU linears run their products on oneDNN,
-    where this CPU runs them faster (yields how many linears were switched; 0 elsewhere).
+def fast_training_products(model: nn.Module, choice: Optional[dict] = None) -> Iterator[int]:
+    """Within the block, ``model``'s plain fp32 CPU linears run their products on oneDNN
+    where ``choice`` (``agree_on_products``' answer; asked here when not given) says so, and
+    every product follows that choice (yields how many linears were switched; 0 elsewhere).
     Their parameters stay the same objects; the classes are restored on leaving."""
+    global _run_choice
+    choice = choice if choice is not None else agree_on_products(model)
     swapped = []
-    if any(type(m) in (Linear, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-           for m in model.modules()) and onednn_fp32_pays():
+    if choice is not None and choice["forward"]:
         for module in model.modules():
             if type(module) in (Linear, nn.Linear):
                 swapped.append((module, type(module)))
                 module.__class__ = OneDnnLinear
+    outer, _run_choice = _run_choice, choice if choice is not None else _run_choice
     try:
         yield len(swapped)
     finally:
+        _run_choice = outer
         for module, cls in swapped:
             module.__class__ = cls
+
+
+_run_choice: Optional[dict] = None  # the decision of the run in progress, within fast_training_products
+
+
+def agree_on_products(model: nn.Module, recorded: Any = None) -> Optional[dict]:
+    """The run's decision ``{"forward": bool, "weight_grad": bool}`` for ``model``'s fp32 CPU
+    products, or None when it has none to decide. ``ASTRAI_ONEDNN_LINEAR`` decides if set;
+    else ``recorded`` (a resumed run's checkpoint) if it is such a decision; else this CPU's
+    ``measured_choice``. Under torch.distributed every rank takes rank 0's (a collective:
+    call it on every rank), so the ranks' products round alike."""
+    if not any(type(m) in (Linear, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+               for m in model.modules()):
+        return None
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    choice = {"forward": False, "weight_grad": False}
+    if not distributed or dist.get_rank() == 0:
+        forced = os.environ.get("ASTRAI_ONEDNN_LINEAR")
+        if forced in ("0", "1"):
+            choice = {"forward": forced == "1", "weight_grad": forced == "1"}
+        elif _is_choice(recorded):
+            choice = {"forward": recorded["forward"], "weight_grad": recorded["forward"] and recorded["weight_grad"]}
+        else:
+            choice = measured_choice()
+    if distributed:
+        flags = torch.tensor([choice["forward"], choice["weight_grad"]], dtype=torch.int64)
+        dist.broadcast(flags, src=0)
+        choice = {"forward": bool(flags[0]), "weight_grad": bool(flags[1])}
+    available = _onednn_available()
+    return {name: value and available for name, value in choice.items()}
+
+
+def measured_choice() -> dict:
+    """This process's own answers (measured once, or ``ASTRAI_ONEDNN_LINEAR``'s)."""
+    forward = onednn_fp32_pays()
+    return {"forward": forward, "weight_grad": forward and onednn_weight_grad_pays()}
+
+
+def _is_choice(recorded: Any) -> bool:
+    return (isinstance(recorded, dict) and isinstance(recorded.get("forward"), bool)
+            and isinstance(recorded.get("weight_grad"), bool))
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
@@ -134,15 +187,16 @@ def _plain_fp32(t: torch.Tensor) -> bool:
 @torch.compiler.assume_constant_result
 def onednn_fp32_pays() -> bool:
     """True when oneDNN's fp32 matmul is here and clearly (5%) faster than MKL's on a
-    training-sized ``x @ Wᵀ`` (``product_seconds``); ``ASTRAI_ONEDNN_LINEAR`` overrides."""
-    return _forward_layout_pays()
+    training-sized ``x @ Wᵀ`` (``product_seconds``); ``ASTRAI_ONEDNN_LINEAR`` overrides.
+    Within a run, the run's decision."""
+    return _run_choice["forward"] if _run_choice is not None else _forward_layout_pays()
 
 
 @torch.compiler.assume_constant_result
 def onednn_weight_grad_pays() -> bool:
     """The same question for a weight gradient's layout, ``gradᵀ @ x`` with both operands
     transposed; asked only where the first answer is yes."""
-    return _weight_grad_layout_pays()
+    return _run_choice["weight_grad"] if _run_choice is not None else _weight_grad_layout_pays()
 
 
 @functools.cache
@@ -157,8 +211,7 @@ def _weight_grad_layout_pays() -> bool:
 
 def _measured_pays(transposed: bool) -> bool:
     forced = os.environ.get("ASTRAI_ONEDNN_LINEAR")
-    available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    if not available or forced == "0":
+    if not _onednn_available() or forced == "0":
         return False
     if forced == "1":
         return True
