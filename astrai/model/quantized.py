@@ -1,0 +1,201 @@
+"""Weight-only int8 and int4 linears in llama.cpp's Q8_0 and Q4_0 numbers.
+
+Weights are cut into blocks of 32 along the input dimension, each with one fp16
+scale; int8 keeps a signed byte per weight, int4 a nibble (two per byte). The
+numbers are GGUF's exactly, so a Q8_0/Q4_0 tensor of a GGUF file is split into
+``qweight``/``scales`` without requantizing, and a model quantized here holds what
+llama.cpp would hold. Only weights are quantized: activations stay float, and
+``QuantizedLinear.forward`` is the plain PyTorch reference that fast kernels are
+checked against.
+
+What ``quantize_model`` quantizes: every linear of the transformer blocks (attention
+and MLP projections, experts included) in the requested format, except MoE routers,
+which are tiny and decide which experts run; and the output head always as int8 (as
+llama.cpp keeps its output at higher precision than Q4_0). The token embedding stays
+float: a lookup reads one row per token, so its size costs memory, not time. A head
+tied to the embedding gets its own int8 copy, and the model is no longer tied.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from astrai.errors import ConfigError
+
+GROUP_SIZE = 32
+FORMATS = {"int8": 8, "int4": 4}
+HEAD_BITS = 8
+SKIPPED_NAMES = ("router",)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in (8, 4):
+        raise ConfigError(f"quantized weights have 8 or 4 bits, not {bits!r}")
+
+
+def format_bits(name: str) -> int:
+    """The bits of a format name ("int8" → 8, "int4" → 4); anything else is a ConfigError."""
+    if name not in FORMATS:
+        raise ConfigError(f"unknown quantization {name!r}; choose one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero without the error of floor(|x| + 0.5) (ggml's roundf)."""
+    a = x.abs()
+    floored = torch.floor(a)
+    return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
+
+
+def quantize_weight(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight, scales) of a float [out, in] weight, as GGUF's Q8_0 (bits 8) or Q4_0 (bits 4).
+
+    The input dimension is zero-padded to a multiple of 32. Values are computed in float32
+    as ggml does (multiplying by the scale's reciprocal), so the bytes equal ggml's.
+    """
+    _check_bits(bits)
+    if weight.dim() != 2:
+        raise ConfigError(f"quantize_weight takes a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    padded = -(-in_features // GROUP_SIZE) * GROUP_SIZE
+    w = F.pad(weight.detach().to(torch.float32), (0, padded - in_features))
+    blocks = w.reshape(out_features, padded // GROUP_SIZE, GROUP_SIZE)
+    if bits == 8:
+        d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        qweight = _round_half_away(blocks * inverse).to(torch.int8).reshape(out_features, padded)
+    else:
+        largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
+        d = largest / -8
+        inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = torch.trunc(blocks * inverse + 8.5).clamp(0, 15).to(torch.uint8)
+        qweight = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_features, padded // 2)
+    return qweight.contiguous(), d.squeeze(-1).to(torch.float16).contiguous()
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """The float32 [out, in_features] weight that (qweight, scales) stand for."""
+    _check_bits(bits)
+    out_features, groups = scales.shape
+    if bits == 8:
+        values = qweight.to(torch.float32).reshape(out_features, groups, GROUP_SIZE)
+    else:
+        packed = qweight.reshape(out_features, groups, GROUP_SIZE // 2)
+        values = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32) - 8
+    weight = values * scales.to(torch.float32).unsqueeze(-1)
+    return weight.reshape(out_features, groups * GROUP_SIZE)[:, :in_features]
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is held as int8 or int4 blocks with fp16 scales.
+
+    ``forward`` dequantizes and multiplies in the input's dtype: slow, but the exact
+    reference. Casting the module (``model.to(torch.bfloat16)``) leaves the packed
+    weight, the fp16 scales and the fp32 bias as they are, since they are the format.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, bias: bool = False,
+                 device: Optional[torch.device | str] = None):
+        super().__init__()
+        _check_bits(bits)
+        self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, GROUP_SIZE
+        padded = -(-in_features // GROUP_SIZE) * GROUP_SIZE
+        qdtype, qwidth = (torch.int8, padded) if bits == 8 else (torch.uint8, padded // 2)
+        self.register_buffer("qweight", torch.zeros(out_features, qwidth, dtype=qdtype, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, padded // GROUP_SIZE, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int) -> "QuantizedLinear":
+        module = cls(linear.in_features, linear.out_features, bits, bias=False, device=linear.weight.device)
+        module.qweight, module.scales = quantize_weight(linear.weight, bits)
+        if linear.bias is not None:
+            module.bias = linear.bias.detach().to(torch.float32).clone()
+        return module
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_weight(self.qweight, self.scales, self.bits, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: self._buffers[name] for name in ("scales", "bias") if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, original in kept.items():
+            moved = self._buffers[name]
+            if moved.dtype != original.dtype:  # a dtype cast: keep the format's dtype, follow the device
+                self._buffers[name] = original.to(moved.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+def quantization_targets(model: nn.Module, bits: int) -> Iterator[tuple[str, int]]:
+    """(module name, bits) for each linear ``quantize_model`` replaces: the blocks' linears
+    in ``bits`` (routers skipped) and the output head in int8."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name == "lm_head":
+            yield name, HEAD_BITS
+        elif name.startswith("layers.") and not name.endswith(SKIPPED_NAMES):
+            yield name, bits
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def quantize_model(model: nn.Module, format: str) -> nn.Module:
+    """Replace ``model``'s linears by QuantizedLinear ("int8" or "int4", see the module
+    docstring for which ones) in place, and return it.
+
+    The model remembers its format (``model.quantization``), which ``save_pretrained``
+    writes to config.json. An already quantized model is refused.
+    """
+    bits = format_bits(format)
+    if getattr(model, "quantization", None):
+        raise ConfigError(f"the model is already quantized ({model.quantization['format']}); "
+                          "quantize the float model instead")
+    targets = list(quantization_targets(model, bits))
+    for name, target_bits in targets:
+        _replace(model, name, QuantizedLinear.from_linear(model.get_submodule(name), target_bits))
+    _untie(model)
+    model.quantization = {"format": format, "group_size": GROUP_SIZE}
+    return model
+
+
+def _untie(model: nn.Module) -> None:
+    """A quantized head no longer shares the embedding's tensor; the config says so."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_weight", False) and isinstance(getattr(model, "lm_head", None),
+                                                                                    QuantizedLinear):
+        config.tie_weight = False
+
+
+def install_quantized_layout(model: nn.Module, state: dict[str, torch.Tensor], quantization: dict) -> None:
+    """Give ``model`` an empty QuantizedLinear wherever ``state`` holds a ``<name>.qweight``
+    (its bits read from the tensor's dtype), so the state loads into it by name."""
+    for key, tensor in state.items():
+        if not key.endswith(".qweight"):
+            continue
+        name = key[: -len(".qweight")]
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            continue  # left to the loader's "unexpected weights" report
+        if not isinstance(linear, nn.Linear):
+            continue
+        bits = 8 if tensor.dtype == torch.int8 else 4
+        _replace(model, name, QuantizedLinear(linear.in_features, linear.out_features, bits,
+                                              bias=linear.bias is not None, device="cpu"))
+    model.quantization = dict(quantization)
