@@ -2,7 +2,9 @@
 
 A model directory is Hugging Face-shaped: ``config.json`` plus ``model.safetensors``
 (or shards ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``
-above ``max_shard_bytes``). A directory whose config.json names a Hugging Face family
+above ``max_shard_bytes``). A quantized model (``astrai.model.quantized``) stores each
+quantized linear as ``<name>.qweight`` and ``<name>.scales`` and says so in config.json's
+``"quantization": {"format": "int8" | "int4", "group_size": 32}``; it opens as it is. A directory whose config.json names a Hugging Face family
 (llama, qwen2, qwen3, mistral) is converted on load by ``astrai.model.hf``.
 """
 
@@ -45,8 +47,11 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
         return AutoModel.get_component_class(config.model_type)(config)
 
     def num_parameters(self) -> int:
-        """Parameter count with tied weights counted once."""
-        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        """Parameter count with tied weights counted once and quantized weights counted as the weights they hold."""
+        from astrai.model.quantized import QuantizedLinear
+
+        packed = sum(m.out_features * (m.in_features + (m.bias is not None)) for m in self.modules() if isinstance(m, QuantizedLinear))
+        return packed + sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
     # --- saving -----------------------------------------------------------------
     def _unique_state_dict(self) -> dict[str, torch.Tensor]:
@@ -64,15 +69,23 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
         ``astrai.model.hf.export_hf``). Files go to a temporary name first and are
         renamed into place, so an interrupted save leaves either the old files or the new ones.
         """
+        quantization = getattr(self, "quantization", None)
         if format != "astrai":
             from astrai.model import hf
+
+            if quantization:
+                raise ConfigError(f"a {quantization['format']} quantized model cannot be exported to {format}; "
+                                  "export the float model it was quantized from")
 
             return hf.export_hf(self, save_directory, "auto" if format == "hf" else format, max_shard_bytes)
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
         write_safetensors(self._unique_state_dict(), out, max_shard_bytes,
                           {"format": "pt", "model_type": self.config.model_type})
-        _atomic_write_text(out / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        config = self.config.to_dict()
+        if quantization:
+            config["quantization"] = quantization
+        _atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         return out
 
     # --- loading ----------------------------------------------------------------
@@ -100,6 +113,7 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
         if model_type not in AutoModel._registry:
             known = ", ".join(AutoModel._registry.list_names() + sorted(hf.HF_FAMILIES))
             raise CheckpointError(f"{config_path}: unknown model_type {model_type!r}; known: {known}")
+        quantization = checked_quantization(raw.pop("quantization", None), config_path)
         try:
             config = ModelConfig.from_dict(raw, source=str(config_path)).validate()
         except (ConfigError, TypeError) as exc:
@@ -107,15 +121,30 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
         origins: dict[str, Path] = {}
         state = read_safetensors_dir(directory, origins)
         return build_and_load(AutoModel.get_component_class(model_type), config, state, directory, dtype, device,
-                              random_init=not disable_random_init, origins=origins)
+                              random_init=not disable_random_init, origins=origins, quantization=quantization)
+
+
+def checked_quantization(entry, config_path: Path) -> Optional[dict]:
+    """config.json's ``quantization`` entry, refused unless it names a format astrai reads."""
+    from astrai.model.quantized import FORMATS, GROUP_SIZE
+
+    if entry is None:
+        return None
+    formats = (*FORMATS, "mixed")
+    if not isinstance(entry, dict) or entry.get("format") not in formats or entry.get("group_size") != GROUP_SIZE:
+        raise CheckpointError(f"{config_path}: quantization {entry!r} is not one astrai reads; expected "
+                              f'{{"format": one of {", ".join(formats)}, "group_size": {GROUP_SIZE}}}')
+    return entry
 
 
 def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor], directory: Path,
-                   dtype=None, device="cpu", random_init: bool = False, origins: Optional[dict] = None) -> AutoModel:
+                   dtype=None, device="cpu", random_init: bool = False, origins: Optional[dict] = None,
+                   quantization: Optional[dict] = None) -> AutoModel:
     """Construct on the meta device (no wasted init), then load weights by assignment.
 
     ``origins`` maps a tensor name to the file (and original name) it was read from,
-    so a shape mismatch names the file to fix.
+    so a shape mismatch names the file to fix. With ``quantization``, every linear whose
+    ``qweight`` the state holds becomes a QuantizedLinear first.
     """
     if random_init:
         model = model_cls(config)
@@ -124,6 +153,10 @@ def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor
             model = model_cls(config)
         model = model.to_empty(device="cpu")
         model.rotary_embedding.reset_buffers()
+    if quantization is not None:
+        from astrai.model.quantized import install_quantized_layout
+
+        install_quantized_layout(model, state, quantization, directory)
     expected = model.state_dict()
     if config.tie_weight:
         expected.pop("lm_head.weight", None)
@@ -134,10 +167,12 @@ def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor
     if unexpected:
         raise CheckpointError(f"{directory}: unexpected weights {', '.join(unexpected[:5])}{' …' if len(unexpected) > 5 else ''}")
     for name, tensor in state.items():
+        where = (origins or {}).get(name, directory)
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            where = (origins or {}).get(name, directory)
             raise CheckpointError(f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {tuple(expected[name].shape)}")
+        if not expected[name].is_floating_point() and tensor.dtype != expected[name].dtype:
+            raise CheckpointError(f"{where}: tensor '{name}' has dtype {tensor.dtype}, expected {expected[name].dtype}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     if dtype is not None:

@@ -1,4 +1,4 @@
-"""``astrai model``: create, describe, import or export model directories."""
+"""``astrai model``: create, describe, import, export or quantize model directories."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.add_argument("--out", required=True, help="output Hugging Face model directory")
     exp.add_argument("--format", default="hf", choices=EXPORT_FORMATS,
                      help="hf picks llama, qwen2 (q/k/v bias) or qwen3 (QK-norm) to fit the model")
+    quantize = sub.add_parser("quantize", help="write an int8 or int4 weight-only quantized copy of a model")
+    quantize.add_argument("path", help="astrai or Hugging Face model directory, or a .gguf file")
+    quantize.add_argument("--to", required=True, choices=("int8", "int4"), help="block-wise format (GGUF Q8_0 / Q4_0)")
+    quantize.add_argument("--out", required=True, help="output model directory")
 
 
 def _copy_companions(source: str, destination: str) -> list[str]:
@@ -41,11 +45,27 @@ def _copy_companions(source: str, destination: str) -> list[str]:
     return copied
 
 
+def _save_with_tokenizer(model, source: str, out: str) -> str:
+    """Write ``model`` to ``out`` with its tokenizer: a GGUF's from its metadata, a directory's copied."""
+    from astrai.model.gguf import is_gguf
+
+    if is_gguf(source):
+        from astrai.tokenize import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source)  # first: an unsupported tokenizer stops before any write
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return " (+ tokenizer and chat template)"
+    model.save_pretrained(out)
+    copied = _copy_companions(source, out)
+    return f" (+ {', '.join(copied)})" if copied else ""
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from astrai.model import AutoModel
-    from astrai.model.gguf import is_gguf
+    from astrai.model.gguf import is_gguf, load_gguf_model
 
     if args.action == "create":
         torch.manual_seed(args.seed)
@@ -54,13 +74,16 @@ def run(args: argparse.Namespace) -> int:
         model.save_pretrained(args.out)
         print(f"wrote {args.out}: preset {args.preset}, {model.num_parameters():,} parameters")
     elif args.action == "import" and is_gguf(args.path):
-        from astrai.tokenize import AutoTokenizer
+        model = load_gguf_model(args.path, keep_quantized=True)  # Q8_0/Q4_0 linears stay int8/int4
+        extra = _save_with_tokenizer(model, args.path, args.out)
+        kept = f", {model.quantization['format']} weights kept" if getattr(model, "quantization", None) else ""
+        print(f"wrote {args.out}: {model.num_parameters():,} parameters{kept}{extra}")
+    elif args.action == "quantize":
+        from astrai.model.quantized import quantize_model
 
-        tokenizer = AutoTokenizer.from_pretrained(args.path)  # first: an unsupported tokenizer stops before any write
-        model = AutoModel.from_pretrained(args.path)
-        model.save_pretrained(args.out)
-        tokenizer.save_pretrained(args.out)
-        print(f"wrote {args.out}: {model.num_parameters():,} parameters (+ tokenizer and chat template)")
+        model = quantize_model(AutoModel.from_pretrained(args.path), args.to)
+        extra = _save_with_tokenizer(model, args.path, args.out)
+        print(f"wrote {args.out}: {model.num_parameters():,} parameters, {args.to} weights{extra}")
     elif args.action in ("import", "export"):
         model = AutoModel.from_pretrained(args.path)
         model.save_pretrained(args.out, format="astrai" if args.action == "import" else args.format)

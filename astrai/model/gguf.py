@@ -4,9 +4,14 @@ A GGUF file holds the weights under llama.cpp's tensor names and the configurati
 as ``{architecture}.*`` metadata. Both are translated to their Hugging Face
 counterparts first, so the family rules of ``astrai.model.hf`` (biases for Qwen2,
 QK-norm for Qwen3, rope scaling, what is refused) apply unchanged. Files are read
-with the ``gguf`` package (llama.cpp's own reader) and every supported tensor type is
-dequantized with ``gguf.quants`` to float32, then cast to the requested dtype:
-astrai keeps no GGUF block format of its own.
+with the ``gguf`` package (llama.cpp's own reader). Every supported tensor type is
+dequantized with ``gguf.quants`` to float32, then cast to the requested dtype, unless
+the caller keeps quantized weights (``keep_quantized``, as ``astrai model import``
+does): then the Q8_0 and Q4_0 matrices of the linears and the output head, whose
+blocks are astrai's int8 and int4 formats byte for byte (``astrai.model.quantized``),
+are split into ``qweight``/``scales`` without being dequantized. A head tied to a
+Q8_0/Q4_0 token embedding becomes its own quantized head then, while the embedding
+table itself is dequantized for lookups.
 
 One layout difference needs undoing: for the ``llama`` architecture (Mistral files
 use it too) llama.cpp's converter interleaves the two rotary halves of every Q and K
@@ -250,8 +255,38 @@ def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, head_half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
-    """The GGUF file's tensors, dequantized, in Hugging Face names and half-split rotary layout."""
+def kept_blocks(tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(qweight, scales) of a Q8_0 or Q4_0 matrix in astrai's layout, or None for other types.
+
+    A GGUF block is an fp16 scale followed by the block's 32 bytes (Q8_0) or 16 bytes of
+    nibbles (Q4_0), which are astrai's qweight bytes as they are.
+    """
+    from gguf import GGMLQuantizationType
+
+    kind = GGMLQuantizationType(tensor.tensor_type)
+    if kind not in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0) or len(tensor.shape) != 2:
+        return None
+    rows, columns = int(tensor.shape[1]), int(tensor.shape[0])
+    block_bytes = 34 if kind == GGMLQuantizationType.Q8_0 else 18
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, columns // 32, block_bytes))
+    scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, columns // 32)
+    qweight = blocks[..., 2:].reshape(rows, -1).contiguous()
+    return (qweight.view(torch.int8) if kind == GGMLQuantizationType.Q8_0 else qweight), scales
+
+
+def _is_projection(name: str) -> bool:
+    return name == "lm_head.weight" or name.endswith(QUANTIZABLE_PROJECTIONS)
+
+
+QUANTIZABLE_PROJECTIONS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"))
+
+
+def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[torch.dtype],
+                    keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+    """The GGUF file's tensors in Hugging Face names and half-split rotary layout: dequantized,
+    or with ``keep_quantized`` the linears' Q8_0/Q4_0 matrices as ``<name>.qweight`` and
+    ``<name>.scales`` (and, for a head tied to such an embedding, ``lm_head.qweight``/``scales``)."""
     permuted = raw["model_type"] == "llama"
     heads = {"q_proj": raw["num_attention_heads"], "k_proj": raw["num_key_value_heads"]}
     state: dict[str, torch.Tensor] = {}
@@ -262,16 +297,27 @@ def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[to
         if name is None:
             raise CheckpointError(f"{source}: tensor '{tensor.name}' has no astrai counterpart "
                                   f"(architecture {raw['model_type']})")
-        value = torch.from_numpy(dequantized(tensor, source))
         projection = name.split(".")[-2]
+        kept = kept_blocks(tensor) if keep_quantized else None
+        head_copy = kept is not None and name == "model.embed_tokens.weight" and raw["tie_word_embeddings"]
+        if kept is not None and (_is_projection(name) or head_copy):
+            if permuted and projection in heads:  # rows are whole blocks: permuting rows keeps them intact
+                kept = tuple(unpermute_rotary_rows(part, heads[projection]) for part in kept)
+            prefix = "lm_head" if head_copy else name[: -len(".weight")]
+            state[f"{prefix}.qweight"], state[f"{prefix}.scales"] = kept
+            if not head_copy:
+                continue
+        value = torch.from_numpy(dequantized(tensor, source))
         if permuted and projection in heads:
             value = unpermute_rotary_rows(value, heads[projection])
         state[name] = value if dtype is None else value.to(dtype)
     return state
 
 
-def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu"):
-    """An astrai Transformer holding a GGUF file's weights (dequantized to float32, or ``dtype``)."""
+def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu",
+                    keep_quantized: bool = False):
+    """An astrai Transformer holding a GGUF file's weights (dequantized to float32, or ``dtype``;
+    with ``keep_quantized`` its Q8_0/Q4_0 linears as int8/int4 QuantizedLinear layers)."""
     from astrai.model import hf
     from astrai.model.automodel import AutoModel, build_and_load
 
@@ -290,9 +336,24 @@ def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None
     config = hf.hf_to_config(raw, source)
     state = {}
     origins = {}
-    for name, tensor in gguf_state_dict(reader, raw, source, dtype).items():
-        new_name = hf.hf_to_astrai_name(name)
+    for name, tensor in gguf_state_dict(reader, raw, source, dtype, keep_quantized).items():
+        stem, _, suffix = name.rpartition(".")
+        new_name = (hf.hf_to_astrai_name(f"{stem}.weight")[: -len(".weight")] + f".{suffix}"
+                    if suffix in ("qweight", "scales") else hf.hf_to_astrai_name(name))
         state[new_name] = tensor
         origins[new_name] = f"{source} ('{name}')"
+    quantization = kept_quantization(state)
+    if quantization and config.tie_weight and "lm_head.qweight" in state:
+        config.tie_weight = False  # the head reads its own quantized copy of the embedding
     return build_and_load(AutoModel.get_component_class(config.model_type), config, state, Path(source), dtype, device,
-                          origins=origins)
+                          origins=origins, quantization=quantization)
+
+
+def kept_quantization(state: dict[str, torch.Tensor]) -> Optional[dict]:
+    """The ``quantization`` entry describing the quantized tensors of ``state`` (None when it has none)."""
+    from astrai.model.quantized import GROUP_SIZE
+
+    kinds = {"int8" if t.dtype == torch.int8 else "int4" for n, t in state.items() if n.endswith(".qweight")}
+    if not kinds:
+        return None
+    return {"format": kinds.pop() if len(kinds) == 1 else "mixed", "group_size": GROUP_SIZE}

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.errors import ConfigError
+from astrai.errors import CheckpointError, ConfigError
 
 GROUP_SIZE = 32
 FORMATS = {"int8": 8, "int4": 4}
@@ -182,13 +182,17 @@ def _untie(model: nn.Module) -> None:
         config.tie_weight = False
 
 
-def install_quantized_layout(model: nn.Module, state: dict[str, torch.Tensor], quantization: dict) -> None:
+def install_quantized_layout(model: nn.Module, state: dict[str, torch.Tensor], quantization: dict, source) -> None:
     """Give ``model`` an empty QuantizedLinear wherever ``state`` holds a ``<name>.qweight``
-    (its bits read from the tensor's dtype), so the state loads into it by name."""
+    (int8: 8 bits, uint8: 4 bits), so the state loads into it by name."""
     for key, tensor in state.items():
         if not key.endswith(".qweight"):
             continue
         name = key[: -len(".qweight")]
+        scales = state.get(f"{name}.scales")
+        if tensor.dtype not in (torch.int8, torch.uint8) or scales is None or scales.dtype != torch.float16:
+            raise CheckpointError(f"{source}: '{key}' must be int8 or uint8 with float16 '{name}.scales' beside it, "
+                                  f"found {tensor.dtype} and {None if scales is None else scales.dtype}")
         try:
             linear = model.get_submodule(name)
         except AttributeError:

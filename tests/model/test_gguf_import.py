@@ -357,3 +357,41 @@ def test_packaged_gguf_names_the_package_to_install(monkeypatch):
         astrai_gguf.packaged_gguf("absent")
     with pytest.raises(AstraiError, match="no packaged GGUF model named 'nope'"):
         astrai_gguf.packaged_gguf("nope")
+
+
+# --- Q8_0 / Q4_0 kept quantized ----------------------------------------------------------
+@pytest.mark.parametrize("family,tensor_type", [("llama", Q.Q8_0), ("llama", Q.Q4_0), ("qwen2", Q.Q8_0)],
+                         ids=["llama-Q8_0", "llama-Q4_0", "qwen2-tied-Q8_0"])
+def test_q8_0_and_q4_0_linears_are_kept_quantized_with_the_dequantized_models_logits(family, tensor_type, vocab,
+                                                                                       tmp_path):
+    from astrai.model.quantized import QuantizedLinear
+
+    reference, tensors = build_case(family, tensor_type, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, tensor_type, vocab)
+    model = astrai_gguf.load_gguf_model(path, keep_quantized=True).eval()
+    bits = 8 if tensor_type == Q.Q8_0 else 4
+    quantized = {name: m.bits for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert quantized == {name: bits for name, m in AutoModel.from_pretrained(path).named_modules()
+                         if isinstance(m, torch.nn.Linear)}  # every linear, the head of a tied model too
+    assert model.quantization == {"format": f"int{bits}", "group_size": 32}
+    down = model.layers[1].mlp.down  # the GGUF's own blocks, byte for byte
+    blocks = tensors["model.layers.1.mlp.down_proj.weight"].reshape(down.out_features, -1, 34 if bits == 8 else 18)
+    assert np.array_equal(down.qweight.view(torch.uint8).numpy().reshape(blocks.shape[0], -1, blocks.shape[2] - 2),
+                          blocks[..., 2:])
+    ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)["logits"], reference(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_import_verb_keeps_q8_0_weights_in_a_quantized_directory(vocab, tmp_path):
+    from astrai.model.quantized import QuantizedLinear
+
+    reference, tensors = build_case("llama", Q.Q8_0, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.Q8_0, vocab)
+    out = tmp_path / "imported"
+    assert astrai_main(["model", "import", str(path), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization"] == {"format": "int8", "group_size": 32}
+    assert isinstance(AutoModel.from_pretrained(out).layers[0].attention.q_proj, QuantizedLinear)
+    assert not any(isinstance(m, QuantizedLinear) for m in AutoModel.from_pretrained(path).modules())
+    got, expected = logits_pair(reference, out)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
