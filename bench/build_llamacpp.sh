@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Build llama.cpp from the source that llama-cpp-python's PyPI sdist vendors, so the
+# comparison in bench/vs_llamacpp.py runs against a release users can reproduce with pip.
+# Idempotent: does nothing when the binaries already exist.
+#
+# Usage: bash bench/build_llamacpp.sh            (prints the bin directory on its last line)
+# Env:   LLAMACPP_VERSION (0.3.36), LLAMACPP_CACHE (~/.cache/astrai/llamacpp),
+#        LLAMACPP_JOBS (2), PIP (pip of the project venv when present)
+set -euo pipefail
+
+version="${LLAMACPP_VERSION:-0.3.36}"
+cache="${LLAMACPP_CACHE:-$HOME/.cache/astrai/llamacpp}"
+jobs="${LLAMACPP_JOBS:-2}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PIP:-}" ]]; then
+    if [[ -x "$here/.venv/bin/pip" ]]; then PIP="$here/.venv/bin/pip"; else PIP="pip"; fi
+fi
+targets=(llama-bench llama-server llama-quantize llama-simple)
+# convert_hf_to_gguf.py imports sentencepiece, which astrai does not need: kept beside the build
+pydeps="$cache/pydeps"
+
+src="$cache/llama_cpp_python-$version/vendor/llama.cpp"
+build="$src/build"
+bin="$build/bin"
+
+all_built() {
+    for t in "${targets[@]}"; do [[ -x "$bin/$t" ]] || return 1; done
+    [[ -d "$pydeps/sentencepiece" ]]
+}
+
+if all_built; then
+    echo "llama.cpp $version already built" >&2
+    echo "$bin"
+    exit 0
+fi
+
+mkdir -p "$cache"
+if [[ ! -f "$src/CMakeLists.txt" ]]; then
+    sdist="$(ls "$cache"/llama_cpp_python-"$version".tar.gz 2>/dev/null || true)"
+    if [[ -z "$sdist" ]]; then
+        "$PIP" download --no-deps --no-binary llama-cpp-python --dest "$cache" "llama-cpp-python==$version" >&2
+        sdist="$cache/llama_cpp_python-$version.tar.gz"
+    fi
+    tar -xzf "$sdist" -C "$cache"
+fi
+
+if ! command -v cmake >/dev/null; then
+    echo "cmake not found: install it (apt-get install -y cmake, or pip install cmake)" >&2
+    exit 1
+fi
+
+if [[ ! -d "$pydeps/sentencepiece" ]]; then
+    "$PIP" install --quiet --no-deps --target "$pydeps" sentencepiece >&2
+fi
+
+generator=()
+if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+cmake -S "$src" -B "$build" "${generator[@]}" \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >&2
+nice -n 10 cmake --build "$build" -j "$jobs" --target "${targets[@]}" >&2
+
+all_built || { echo "llama.cpp build finished without all of: ${targets[*]}" >&2; exit 1; }
+echo "$bin"

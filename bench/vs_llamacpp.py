@@ -1,0 +1,419 @@
+"""Benchmark: astrai against llama.cpp on the same weights, alternated in one sitting.
+
+llama.cpp is built from the source that llama-cpp-python's PyPI sdist vendors
+(bench/build_llamacpp.sh); the models are made locally (bench/llamacpp_models.py):
+SmolLM2-135M-Instruct and a random Llama 3.2 1B-shaped model, each as one Hugging Face
+directory for astrai and GGUFs of the same weights for llama.cpp. For each model and each
+precision pair (astrai fp32/bf16/int8/int4 against llama.cpp F32/BF16/Q8_0/Q4_0), in
+rounds that alternate the systems:
+
+- decode: single-stream greedy, ``--new-tokens`` (128) after a 32-token prompt. astrai's
+  rate counts the steps after the first token (the prompt's prefill excluded), as
+  ``llama-bench -n 128 -d 32`` does. Quantized GGUFs run twice: with llama.cpp's
+  default repacked weight buffers (what users get) and with ``--repack 0``.
+  On SmolLM2 at fp32, transformers' ``generate`` runs in the same rounds.
+- prefill: a 512-token prompt (astrai: its time to first token; ``llama-bench -p 512 -n 0``).
+- server (SmolLM2): 64 streamed requests of mixed lengths sent at once to
+  ``llama-server -np 16`` and to ``astrai serve --max-batch-size 16``: output tokens/s and
+  time to first token (p50, p95).
+
+Beside each decode figure: the bound, the weights' bytes read per token (from the GGUF)
+over the machine's streaming-read bandwidth (2 threads summing a 1 GiB buffer, no writes),
+and each system's rate as a fraction of it. A precision astrai does not offer yet (the
+engine refuses the ``quantize`` keyword) is reported as not available.
+
+Usage: OMP_NUM_THREADS=2 .venv/bin/python bench/vs_llamacpp.py [--models smollm2,llama1b]
+       [--precisions fp32,bf16,int8,int4] [--parts decode,prefill,server] [--repeats N] [--quick]
+Writes a dated JSON file to bench/results/ (see results_file.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from astrai.backends.cpu import tune_process  # noqa: E402
+from astrai.errors import AstraiError  # noqa: E402
+from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
+from generate import FirstTokenClock, hf_generate  # noqa: E402  (bench/ is on sys.path when a script runs)
+from llamacpp_models import (GGUF_TYPES, MODELS, build_llamacpp, ensure_gguf, ensure_hf, tensor_types,  # noqa: E402
+                             weight_bytes_per_token)
+from llamacpp_tools import ServerProcess, free_port, llama_bench  # noqa: E402
+from results_file import write_result  # noqa: E402
+from serving_load import mixed_requests, run_load  # noqa: E402
+
+PARTS = ("decode", "prefill", "server")
+PROMPT_TOKENS = 32
+PROMPT_VOCAB = 49152  # both models carry SmolLM2's tokenizer; prompts stay inside it
+QUANTIZED = ("int8", "int4")
+ASTRAI_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class NotAvailable(Exception):
+    """astrai does not offer this precision (yet)."""
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Streaming-read bandwidth in bytes/s: the best of ``repeats`` sums of a buffer far larger
+    than any last-level cache, on ``threads`` threads; a sum reads and writes nothing back,
+    the access pattern of a one-row matrix product."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(nbytes // 4)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def open_astrai(model_dir: Path, precision: str, max_seq_len: int) -> InferenceEngine:
+    """One-stream engine at ``precision``; NotAvailable when astrai refuses the quantize keyword."""
+    settings = dict(max_batch_size=1, page_size=16, max_seq_len=max_seq_len)
+    if precision in ASTRAI_DTYPES:
+        return InferenceEngine.from_pretrained(model_dir, dtype=ASTRAI_DTYPES[precision], **settings)
+    try:
+        return InferenceEngine.from_pretrained(model_dir, quantize=precision, **settings)
+    except (TypeError, AstraiError) as exc:
+        if "quantize" in str(exc):
+            raise NotAvailable(f"astrai has no quantize={precision!r} here ({type(exc).__name__}: {exc})") from None
+        raise
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, PROMPT_VOCAB) for _ in range(n)]
+
+
+def astrai_decode(engine: InferenceEngine, n_new: int, seed: int) -> dict:
+    engine.scheduler.clear_prefix_cache()
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    handle = engine.submit(prompt_ids(PROMPT_TOKENS, seed), params)
+    tokens = handle.result().token_ids
+    seconds = time.perf_counter() - start
+    first = handle.time_to_first_token
+    return {"tok_s": (len(tokens) - 1) / (seconds - first), "end_to_end_tok_s": len(tokens) / seconds,
+            "tokens": len(tokens)}
+
+
+def astrai_prefill(engine: InferenceEngine, n_prompt: int, seed: int) -> float:
+    engine.scheduler.clear_prefix_cache()
+    handle = engine.submit(prompt_ids(n_prompt, seed), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    handle.result()
+    return n_prompt / handle.time_to_first_token
+
+
+def transformers_decode(hf, n_new: int, seed: int) -> float:
+    clock = FirstTokenClock()
+    start = time.perf_counter()
+    _, seconds = hf_generate(hf, [prompt_ids(PROMPT_TOKENS, seed)], n_new, streamer=clock)
+    return (n_new - 1) / (seconds - (clock.first - start))
+
+
+def load_transformers(model_dir: Path):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def summary(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "best": max(samples), "samples": samples} if samples else {}
+
+
+def bench_rate(row: dict) -> float | None:
+    return None if "error" in row else float(row["avg_ts"])
+
+
+def run_pair(model: str, precision: str, llamacpp, args, bandwidth: float) -> dict:
+    """All single-stream measurements of one (model, precision) pair, rounds alternating the systems."""
+    gguf = ensure_gguf(model, GGUF_TYPES[precision], llamacpp)
+    model_dir = ensure_hf(model)
+    bench = llamacpp.tool("llama-bench")
+    parts = args.parts
+    weight_bytes = weight_bytes_per_token(gguf)
+    out = {"model": model, "precision": precision, "gguf_type": GGUF_TYPES[precision], "gguf": gguf.name,
+           "gguf_tensor_types": tensor_types(gguf), "weight_bytes_per_token": weight_bytes,
+           "bound_tok_s": bandwidth / weight_bytes}
+    # llama.cpp's configurations: (label, extra llama-bench arguments)
+    configs = [("default", [])] + ([("repack0", ["--repack", "0"])] if precision in QUANTIZED else [])
+    decode_args = ["-p", "0", "-n", str(args.new_tokens), "-d", str(PROMPT_TOKENS), "-r", "1"]
+    prefill_args = ["-p", str(args.prefill_tokens), "-n", "0", "-r", "1"]
+    samples: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+
+    def add(key: str, value) -> None:
+        samples.setdefault(key, []).append(value)
+
+    def llama(key: str, bench_args: list[str]) -> None:
+        if key in errors:
+            return
+        row = llama_bench(bench, gguf, args.threads, bench_args)
+        rate = bench_rate(row)
+        if rate is None:
+            errors[key] = row["error"]
+            print(f"  llama.cpp {key}: {row['error']}", flush=True)
+        else:
+            add(key, rate)
+            out.setdefault("llamacpp_build", {k: row.get(k) for k in ("build_commit", "build_number", "cpu_info",
+                                                                       "backends")})
+
+    started = time.perf_counter()
+    try:
+        engine = open_astrai(model_dir, precision, max_seq_len=max(args.prefill_tokens, PROMPT_TOKENS + args.new_tokens) + 16)
+    except NotAvailable as exc:
+        engine, out["astrai"] = None, f"not available: {exc}"
+        print(f"[{model} {precision}] astrai: not available ({exc})", flush=True)
+    out["astrai_load_s"] = time.perf_counter() - started
+    hf = load_transformers(model_dir) if (model == "smollm2" and precision == "fp32" and "decode" in parts
+                                          and not args.no_transformers) else None
+    try:
+        if engine is not None:  # warm up on every shape before timing
+            astrai_decode(engine, 8, seed=99)
+            if "prefill" in parts:
+                astrai_prefill(engine, args.prefill_tokens, seed=98)
+        if hf is not None:
+            transformers_decode(hf, 8, seed=99)
+        for r in range(args.repeats):
+            if "decode" in parts:
+                if engine is not None:
+                    got = astrai_decode(engine, args.new_tokens, seed=r)
+                    add("astrai_decode", got["tok_s"])
+                    add("astrai_end_to_end", got["end_to_end_tok_s"])
+                for label, extra in configs:
+                    llama(f"llamacpp_decode_{label}", decode_args + extra)
+                if hf is not None:
+                    add("transformers_decode", transformers_decode(hf, args.new_tokens, seed=r))
+            if "prefill" in parts:
+                if engine is not None:
+                    add("astrai_prefill", astrai_prefill(engine, args.prefill_tokens, seed=100 + r))
+                for label, extra in configs:
+                    llama(f"llamacpp_prefill_{label}", prefill_args + extra)
+        if engine is not None:
+            out["astrai_stats"] = engine.get_stats()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        del engine, hf
+        gc.collect()
+    out |= {key: summary(values) for key, values in samples.items()}
+    out["errors"] = errors
+    for kind in ("decode", "prefill"):
+        ours = out.get(f"astrai_{kind}", {}).get("median")
+        theirs = out.get(f"llamacpp_{kind}_default", {}).get("median")
+        if ours and theirs:
+            out[f"{kind}_ratio"] = ours / theirs
+        plain = out.get(f"llamacpp_{kind}_repack0", {}).get("median")
+        if ours and plain:
+            out[f"{kind}_ratio_repack0"] = ours / plain
+    for key in ("astrai_decode", "llamacpp_decode_default", "llamacpp_decode_repack0", "transformers_decode"):
+        if out.get(key):
+            out[key]["fraction_of_bound"] = out[key]["median"] / out["bound_tok_s"]
+    if out.get("transformers_decode") and out.get("astrai_decode"):
+        out["vs_transformers_ratio"] = out["astrai_decode"]["median"] / out["transformers_decode"]["median"]
+    print_pair(out)
+    return out
+
+
+def _fmt(out: dict, key: str) -> str:
+    value = out.get(key, {})
+    return f"{value['median']:.1f}" if value else "-"
+
+
+def print_pair(out: dict) -> None:
+    head = f"[{out['model']} {out['precision']}/{out['gguf_type']}]"
+    for kind in ("decode", "prefill"):
+        keys = [k for k in (f"astrai_{kind}", f"llamacpp_{kind}_default", f"llamacpp_{kind}_repack0")
+                if k in out or k in out["errors"]]
+        if not keys:
+            continue
+        line = f"{head} {kind} tok/s: astrai {_fmt(out, f'astrai_{kind}')}, llama.cpp {_fmt(out, f'llamacpp_{kind}_default')}"
+        if f"llamacpp_{kind}_repack0" in keys:
+            line += f" (--repack 0: {_fmt(out, f'llamacpp_{kind}_repack0')})"
+        if f"{kind}_ratio" in out:
+            line += f", ratio {out[f'{kind}_ratio']:.2f}x"
+        if kind == "decode":
+            if "transformers_decode" in out:
+                line += f"; transformers {_fmt(out, 'transformers_decode')}"
+                if "vs_transformers_ratio" in out:
+                    line += f", astrai/transformers {out['vs_transformers_ratio']:.2f}x"
+            line += f"; bound {out['bound_tok_s']:.1f} tok/s"
+            for key, name in (("astrai_decode", "astrai"), ("llamacpp_decode_default", "llama.cpp")):
+                if out.get(key):
+                    line += f", {name} {out[key]['fraction_of_bound']:.2f} of it"
+        print(line, flush=True)
+
+
+def astrai_serve_supports(flag: str) -> bool:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "astrai", "serve", "--help"], capture_output=True, text=True)
+    return flag in done.stdout
+
+
+def run_server(model: str, precision: str, llamacpp, args) -> dict:
+    """The load test against llama-server and astrai serve, alternated ``server_repeats`` times."""
+    gguf = ensure_gguf(model, GGUF_TYPES[precision], llamacpp)
+    model_dir = ensure_hf(model)
+    requests = mixed_requests(args.server_requests, PROMPT_VOCAB, (16, 256), (32, 128), seed=7)
+    warmup = mixed_requests(2, PROMPT_VOCAB, (16, 32), (4, 4), seed=8)
+    slots = args.server_slots
+    threads = str(args.threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    ctx = slots * (256 + 128 + 64)
+    llama_cmd = [str(llamacpp.tool("llama-server")), "-m", str(gguf), "-t", threads, "-tb", threads, "-np", str(slots),
+                 "-c", str(ctx), "--host", "127.0.0.1", "--no-webui"]
+    if precision in QUANTIZED:
+        llama_cmd.append("--no-repack")  # repacked buffers can crash when prefilling on some CPUs (see README)
+    astrai_cmd = [sys.executable, "-m", "astrai", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+                  "--max-batch-size", str(slots), "--max-seq-len", "512"]
+    astrai_note = None
+    if precision in ASTRAI_DTYPES:
+        astrai_cmd += ["--dtype", str(ASTRAI_DTYPES[precision]).removeprefix("torch.")]
+    elif astrai_serve_supports("--quantize"):
+        astrai_cmd += ["--quantize", precision]
+    else:
+        astrai_cmd, astrai_note = None, f"not available: astrai serve has no --quantize {precision}"
+    out = {"model": model, "precision": precision, "gguf_type": GGUF_TYPES[precision], "slots": slots,
+           "requests": len(requests), "output_tokens": sum(n for _, n in requests),
+           "llama_server_command": llama_cmd[1:], "astrai_serve_command": astrai_cmd and astrai_cmd[1:]}
+    if astrai_note:
+        out["astrai"] = astrai_note
+    runs: dict[str, list[dict]] = {"llamacpp": [], "astrai": []}
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    for r in range(args.server_repeats):
+        for side, cmd in (("llamacpp", llama_cmd), ("astrai", astrai_cmd)):
+            if cmd is None:
+                continue
+            port = free_port()
+            cmd = cmd + ["--port", str(port)]
+            ready = "/health" if side == "llamacpp" else "/health/ready"
+            try:
+                with ServerProcess(cmd, port, ready, env=env, log=logs / f"{side}-{model}-{precision}.log") as server:
+                    run_load(server.base_url, "bench", warmup)
+                    result = run_load(server.base_url, "bench", requests)
+            except (RuntimeError, OSError) as exc:
+                result = {"error": str(exc)}
+            runs[side].append(result)
+            if "error" in result:
+                print(f"[server {model} {precision}] {side}: {result['error']}", flush=True)
+            else:
+                print(f"[server {model} {precision}] {side}: {result['output_tok_s']:.1f} output tok/s, TTFT p50 "
+                      f"{result['ttft_p50_s']:.2f} s, p95 {result['ttft_p95_s']:.2f} s", flush=True)
+    for side, results in runs.items():
+        good = [r for r in results if "error" not in r]
+        out[side] = results if not good else {
+            "output_tok_s": statistics.median(r["output_tok_s"] for r in good),
+            "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in good),
+            "ttft_p95_s": statistics.median(r["ttft_p95_s"] for r in good), "runs": results}
+    if isinstance(out.get("astrai"), dict) and isinstance(out.get("llamacpp"), dict):
+        out["ratio"] = out["astrai"]["output_tok_s"] / out["llamacpp"]["output_tok_s"]
+        print(f"[server {model} {precision}] astrai / llama-server: {out['ratio']:.2f}x output tok/s", flush=True)
+    return out
+
+
+def print_table(pairs: list[dict], servers: list[dict]) -> None:
+    """The ratios of the whole sitting, one line per pair."""
+    print("\nmodel     precision  decode astrai/llama.cpp (repack 0)  prefill astrai/llama.cpp  decode bound fractions astrai, llama.cpp")
+    for p in pairs:
+        def r(key):
+            return f"{p[key]:.2f}x" if key in p else "-"
+        fractions = ", ".join(f"{p[k]['fraction_of_bound']:.2f}" if p.get(k) else "-"
+                              for k in ("astrai_decode", "llamacpp_decode_default"))
+        print(f"{p['model']:<9} {p['precision']:<10} {r('decode_ratio'):>7} ({r('decode_ratio_repack0')})"
+              f"{'':<20} {r('prefill_ratio'):>7}{'':<18} {fractions}"
+              + ("" if "astrai" not in p else f"   astrai {p['astrai']}"))
+    for s in servers:
+        print(f"server {s['model']} {s['precision']}: astrai/llama-server " + (f"{s['ratio']:.2f}x" if "ratio" in s else "-"))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--precisions", default=",".join(GGUF_TYPES))
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="alternating rounds per pair (default 3 on SmolLM2, 1 on the 1B model; --quick: 1)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=None, help="decode length (default 128; --quick 32)")
+    parser.add_argument("--prefill-tokens", type=int, default=None, help="prefill length (default 512; --quick 128)")
+    parser.add_argument("--server-precisions", default="fp32", help="precisions of the server part (SmolLM2 only)")
+    parser.add_argument("--server-requests", type=int, default=None, help="default 64 (--quick 16)")
+    parser.add_argument("--server-slots", type=int, default=16, help="llama-server -np and astrai --max-batch-size")
+    parser.add_argument("--server-repeats", type=int, default=1)
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' decode on SmolLM2 fp32")
+    parser.add_argument("--quick", action="store_true", help="one round, shorter runs (a smoke run, not a result)")
+    parser.add_argument("--log-dir", default=str(Path.home() / ".cache" / "astrai" / "bench-logs"),
+                        help="where the servers' logs go")
+    parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
+    args = parser.parse_args()
+    for name, given, known in (("--models", args.models, MODELS), ("--precisions", args.precisions, GGUF_TYPES),
+                               ("--parts", args.parts, PARTS), ("--server-precisions", args.server_precisions, GGUF_TYPES)):
+        unknown = [v for v in given.split(",") if v not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    args.models, args.precisions = args.models.split(","), args.precisions.split(",")
+    args.parts, args.server_precisions = set(args.parts.split(",")), args.server_precisions.split(",")
+    args.new_tokens = args.new_tokens or (32 if args.quick else 128)
+    args.prefill_tokens = args.prefill_tokens or (128 if args.quick else 512)
+    args.server_requests = args.server_requests or (16 if args.quick else 64)
+    if args.quick:
+        args.repeats = args.repeats or 1
+    for name in ("repeats", "threads", "new_tokens", "prefill_tokens", "server_requests", "server_slots", "server_repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    tune_process()  # as the CLI verbs do
+    llamacpp = build_llamacpp()
+    for model in args.models:  # make everything first, so no conversion lands inside the sitting
+        ensure_hf(model)
+        for precision in set(args.precisions) | (set(args.server_precisions) if "server" in args.parts else set()):
+            ensure_gguf(model, GGUF_TYPES[precision], llamacpp)
+    started = time.perf_counter()
+    bandwidths = [read_bandwidth(args.threads)]
+    print(f"streaming-read bandwidth ({args.threads} threads): {bandwidths[0] / 1e9:.1f} GB/s", flush=True)
+    pairs, servers = [], []
+    for model in args.models:
+        saved_repeats = args.repeats
+        if args.repeats is None:
+            args.repeats = 3 if model == "smollm2" else 1
+        for precision in args.precisions:
+            if args.parts & {"decode", "prefill"}:
+                pairs.append(run_pair(model, precision, llamacpp, args, bandwidths[0]))
+        args.repeats = saved_repeats
+        if "server" in args.parts and model == "smollm2":
+            servers += [run_server(model, precision, llamacpp, args) for precision in args.server_precisions]
+    bandwidths.append(read_bandwidth(args.threads))
+    print(f"streaming-read bandwidth after the sitting: {bandwidths[1] / 1e9:.1f} GB/s", flush=True)
+    print_table(pairs, servers)
+    results = {"threads": args.threads, "quick": args.quick, "new_tokens": args.new_tokens,
+               "prompt_tokens": PROMPT_TOKENS, "prefill_tokens": args.prefill_tokens,
+               "read_bandwidth_gb_s": [b / 1e9 for b in bandwidths],
+               "bound_note": "bound_tok_s = streaming-read bandwidth before the sitting / weight_bytes_per_token",
+               "seconds": time.perf_counter() - started, "pairs": pairs, "server": servers}
+    write_result("vs_llamacpp-quick" if args.quick else "vs_llamacpp", results, args.out)
+
+
+if __name__ == "__main__":
+    main()
