@@ -17,6 +17,7 @@ from tqdm import tqdm
 from astrai.errors import DataError, RequestError
 from astrai.inference.placement import DTYPE_CHOICES, resolve_placement
 from astrai.jsonl import iter_jsonl
+from astrai.model.quantized import FORMATS
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "frequency_penalty", "presence_penalty", "seed")
@@ -39,6 +40,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (a visible GPU, else the CPU), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="weights' dtype; auto: bfloat16 on GPUs with native bf16, else as saved")
+    parser.add_argument("--quantize", choices=tuple(FORMATS), default=None,
+                        help="quantize the linears' weights as they load (block-wise, as GGUF Q8_0/Q4_0); "
+                             "a quantized model directory needs no flag")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +74,8 @@ def build_engine(args: argparse.Namespace):
     from astrai.inference.engine import InferenceEngine
 
     device, dtype = resolve_placement(args.device, args.dtype)
-    return InferenceEngine.from_pretrained(args.model, device=device, dtype=dtype, max_batch_size=args.max_batch_size,
+    return InferenceEngine.from_pretrained(args.model, device=device, dtype=dtype, quantize=getattr(args, "quantize", None),
+                                           max_batch_size=args.max_batch_size,
                                            max_seq_len=args.max_seq_len, num_pages=args.num_pages,
                                            page_size=args.page_size)
 

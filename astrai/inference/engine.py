@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 import torch
 
-from astrai.errors import RequestError
+from astrai.errors import ConfigError, RequestError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
@@ -49,12 +49,17 @@ class InferenceEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: Optional[torch.dtype] = None,
-                        device: str | torch.device = "cpu", **limits: Any) -> "InferenceEngine":
-        """Model, tokenizer and (optional) generation_config.json defaults from one directory."""
-        from astrai.model import AutoModel
+                        device: str | torch.device = "cpu", quantize: Optional[str] = None,
+                        **limits: Any) -> "InferenceEngine":
+        """Model, tokenizer and (optional) generation_config.json defaults from one directory.
+
+        ``quantize`` ("int8" or "int4") quantizes the float weights as they load (see
+        ``astrai.model.quantized``); ``dtype`` then applies to what stays float. A directory
+        that is already quantized opens as it is, without the argument.
+        """
         from astrai.tokenize import AutoTokenizer
 
-        model = AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
+        model = load_model(model_dir, dtype, device, quantize)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         limits.setdefault("default_params", _read_generation_config(Path(model_dir)))
         limits.setdefault("in_place", True)  # the model was loaded for this engine alone
@@ -193,3 +198,22 @@ def _read_generation_config(directory: Path) -> SamplingParams:
     if raw.get("do_sample") is False:
         params.temperature = 0.0
     return params
+
+
+def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str | torch.device,
+               quantize: Optional[str] = None):
+    """The model of ``model_dir``, quantized to ``quantize`` from its float32 weights when asked."""
+    from astrai.model import AutoModel
+    from astrai.model.quantized import format_bits, quantize_model
+
+    if quantize is None:
+        return AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
+    format_bits(quantize)  # an unknown format stops before the weights are read
+    model = AutoModel.from_pretrained(model_dir)
+    saved = getattr(model, "quantization", None)
+    if saved is None:
+        model = quantize_model(model, quantize)
+    elif saved["format"] != quantize:
+        raise ConfigError(f"{model_dir} holds {saved['format']} weights; it cannot be served as {quantize} "
+                          f"(quantize the float model instead, or leave out the quantize option)")
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

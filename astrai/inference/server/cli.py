@@ -76,5 +76,6 @@ def run(args: argparse.Namespace) -> int:
                default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,
                page_size=args.page_size, num_pages=args.num_pages, max_queue=args.max_queue,
-               prefix_cache=not args.no_prefix_cache, device=device, dtype=dtype)
+               prefix_cache=not args.no_prefix_cache, device=device, dtype=dtype,
+               quantize=args.quantize)
     return 0

@@ -1,0 +1,103 @@
+"""The engine serving int8, int4 and bf16 weights: greedy tokens equal the plain model's
+full recomputation under the same weights, whichever way the weights got there."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from astrai.cli import main
+from astrai.errors import AstraiError
+from astrai.inference import InferenceEngine, SamplingParams
+from astrai.model.quantized import QuantizedLinear, quantize_model
+from inference_helpers import greedy_reference, make_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts(lengths, seed=5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+def engine_tokens(model, requests, n) -> list[list[int]]:
+    with InferenceEngine(model, None, max_batch_size=4, page_size=4, num_pages=64, prefill_chunk_size=8) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, **GREEDY)) for p in requests]
+        return [h.result(timeout=60).token_ids for h in handles]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,precision", [("tiny", "int8"), ("tiny", "int4"), ("tiny", "bf16"), ("tiny-moe", "int4")])
+def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(kind, precision):
+    model = make_model(kind)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    else:
+        quantize_model(model, precision)
+        assert any(isinstance(m, QuantizedLinear) for m in model.layers.modules())
+    requests = prompts([5, 19, 1])
+    expected = [greedy_reference(model, p, 8) for p in requests]
+    assert engine_tokens(model, requests, 8) == expected
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir):
+    import shutil
+
+    out = tmp_path_factory.mktemp("float")
+    make_model("tiny", vocab_size=1000).save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out
+
+
+def reference_text(model_dir, tokenizer, prompt, fmt=None, dtype=None, n=6) -> str:
+    from astrai.model import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir).eval()
+    if fmt:
+        quantize_model(model, fmt)
+    if dtype is not None:
+        model = model.to(dtype)
+    return tokenizer.decode(greedy_reference(model, tokenizer.encode(prompt), n))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags,fmt,dtype", [(["--quantize", "int4"], "int4", None),
+                                             (["--quantize", "int8", "--dtype", "bfloat16"], "int8", torch.bfloat16),
+                                             (["--dtype", "bfloat16"], None, torch.bfloat16)])
+def test_generate_flags_quantize_and_cast_as_they_load(flags, fmt, dtype, model_dir, tokenizer, capsys):
+    prompt = "The cat sat on"
+    assert main(["generate", "--model", str(model_dir), "--prompt", prompt, "--max-tokens", "6", "--temperature", "0",
+                 "--device", "cpu", *flags]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["completion_tokens"] == 6
+    assert row["text"] == reference_text(model_dir, tokenizer, prompt, fmt, dtype)
+
+
+@pytest.mark.timeout(120)
+def test_a_quantized_directory_opens_without_the_option(model_dir, tokenizer, tmp_path, capsys):
+    quantized = tmp_path / "int8"
+    assert main(["model", "quantize", str(model_dir), "--to", "int8", "--out", str(quantized)]) == 0
+    with InferenceEngine.from_pretrained(quantized, max_batch_size=1, num_pages=16) as engine:
+        assert isinstance(engine.model.layers[0].mlp.down, QuantizedLinear)
+        text = engine.generate("The cat sat on", max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert text == reference_text(model_dir, tokenizer, "The cat sat on", "int8")
+    with InferenceEngine.from_pretrained(quantized, quantize="int8", max_batch_size=1, num_pages=16) as engine:
+        assert engine.model.quantization["format"] == "int8"
+    with pytest.raises(AstraiError, match="holds int8 weights; it cannot be served as int4"):
+        InferenceEngine.from_pretrained(quantized, quantize="int4")
+    with pytest.raises(AstraiError, match="unknown quantization 'int2'"):
+        InferenceEngine.from_pretrained(model_dir, quantize="int2")
+
+
+def test_serve_passes_quantize_and_dtype_to_the_engine(model_dir, monkeypatch):
+    from astrai.inference.server import runner
+
+    seen = {}
+    monkeypatch.setattr(runner, "run_server", lambda model, **kwargs: seen.update(kwargs, model=model))
+    assert main(["serve", "--model", str(model_dir), "--quantize", "int4", "--dtype", "bfloat16", "--device", "cpu"]) == 0
+    assert (seen["quantize"], seen["dtype"]) == ("int4", torch.bfloat16)
