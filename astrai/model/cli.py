@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from astrai.config import PRESETS, preset
+from astrai.model.quantized import FORMATS
 
 # Files beside the weights that belong to the model directory and travel with a conversion.
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="hf picks llama, qwen2 (q/k/v bias) or qwen3 (QK-norm) to fit the model")
     quantize = sub.add_parser("quantize", help="write an int8 or int4 weight-only quantized copy of a model")
     quantize.add_argument("path", help="astrai or Hugging Face model directory, or a .gguf file")
-    quantize.add_argument("--to", required=True, choices=("int8", "int4"), help="block-wise format (GGUF Q8_0 / Q4_0)")
+    quantize.add_argument("--to", required=True, choices=tuple(FORMATS), help="block-wise format (GGUF Q8_0 / Q4_0)")
     quantize.add_argument("--out", required=True, help="output model directory")
 
 
@@ -95,4 +96,6 @@ def run(args: argparse.Namespace) -> int:
         for key, value in model.config.to_dict().items():
             print(f"{key:>22}: {value}")
         print(f"{'parameters':>22}: {model.num_parameters():,}")
+        if getattr(model, "quantization", None):
+            print(f"{'quantization':>22}: {model.quantization}")
     return 0

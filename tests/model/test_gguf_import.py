@@ -395,3 +395,18 @@ def test_import_verb_keeps_q8_0_weights_in_a_quantized_directory(vocab, tmp_path
     assert not any(isinstance(m, QuantizedLinear) for m in AutoModel.from_pretrained(path).modules())
     got, expected = logits_pair(reference, out)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("tensor_type", [Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
+def test_quantizing_a_dequantized_gguf_gives_back_its_own_blocks(tensor_type, vocab, tmp_path):
+    """What the engine does with quantize= on a .gguf (dequantize, then quantize) loses nothing."""
+    from astrai.model.quantized import quantize_model
+
+    reference, tensors = build_case("llama", tensor_type, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, tensor_type, vocab)
+    kept = astrai_gguf.load_gguf_model(path, keep_quantized=True)
+    requantized = quantize_model(AutoModel.from_pretrained(path), "int8" if tensor_type == Q.Q8_0 else "int4")
+    for name, module in kept.named_modules():
+        if hasattr(module, "qweight") and name != "lm_head":
+            other = requantized.get_submodule(name)
+            assert torch.equal(module.qweight, other.qweight) and torch.equal(module.scales, other.scales), name

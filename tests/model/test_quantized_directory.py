@@ -27,6 +27,8 @@ def test_quantize_verb_writes_a_directory_the_loader_opens_as_it_is(fmt, float_d
     assert f"{fmt} weights" in capsys.readouterr().out
     assert (out / "tokenizer_config.json").is_file()
     assert json.loads((out / "config.json").read_text())["quantization"] == {"format": fmt, "group_size": 32}
+    assert main(["model", "info", str(out)]) == 0
+    assert f"quantization: {{'format': '{fmt}'" in capsys.readouterr().out
     with safe_open(str(out / "model.safetensors"), framework="pt") as reader:
         keys = set(reader.keys())
         qdtype = reader.get_tensor("layers.0.mlp.down.qweight").dtype
