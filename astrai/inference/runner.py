@@ -44,8 +44,17 @@ class GreedyRun:
     max_seconds: float
 
 
+DECODE_PATHS = ("fused", "row_kernels", "torch")
+
+
 class ModelRunner:
-    """Runs a step's forward over the paged cache with the model's own modules."""
+    """Runs a step's forward over the paged cache with the model's own modules.
+
+    It counts its decode steps by the path that ran them (``decode_path_counts``): "fused"
+    (the CPU backend's whole step in one C call, each step of a greedy run counted), "row_kernels"
+    (the model's forward with every product in the backend's C products) and "torch" (the
+    model's forward with at least one product through torch's own ops), so that a model the
+    fast paths do not fit is seen, not silently slow."""
 
     packs_prefill = False  # whether a prefill step's rows go unpadded (its token budget then counts real tokens)
     runs_greedy = False  # whether ``greedy_run`` can take several steps in one call
@@ -54,6 +63,11 @@ class ModelRunner:
         self.model = self.prepare(model if in_place else copy.deepcopy(model))
         self.cache = cache
         self.device = next(self.model.parameters()).device
+        self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # every key present: readers copy it from other threads
+
+    def decode_path_counts(self) -> dict[str, int]:
+        """Decode steps so far by the path that ran them (see the class docstring)."""
+        return dict(self.decode_paths)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Make ``model`` (the runner's own) ready to serve: eval mode."""
@@ -62,8 +76,14 @@ class ModelRunner:
     def forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, Optional[list[int]]]:
         """Each row's last position's logits [B, V], and their argmax when the step found it on
         the way (None here)."""
-        view = self.bind(rows)
-        return self.model_logits(view, rows), None
+        logits = self.model_forward(rows)
+        if all(len(r.tokens) == 1 for r in rows):
+            self.decode_paths["torch"] += 1
+        return logits, None
+
+    def model_forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        """The rows' logits from the model's own forward over the bound cache view."""
+        return self.model_logits(self.bind(rows), rows)
 
     def bind(self, rows: Sequence[Row]):
         table = self.table(rows)

@@ -199,6 +199,7 @@ class InferenceScheduler:
                 "requests_aborted": s["requests_aborted"],
                 "preemptions": s["preemptions"],
                 "output_tokens": s["output_tokens"],
+                "decode_paths": self._runner.decode_path_counts(),
             }
 
     def whole_forward(self, prompt_ids: list[int]) -> torch.Tensor:

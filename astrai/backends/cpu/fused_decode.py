@@ -7,10 +7,12 @@ few hundred floats, each a few microseconds with the Python around it.
 head - in one call, between the same one-row products and decode attention the unfused
 step uses, so the step costs what streaming the weights costs.
 
-It fits a plain model only: GQA attention without QK-norm, output gate or biases, dense
-SwiGLU feed-forwards, fp32 on the CPU, row-major weights with q/k/v and gate/up each stacked
-in one buffer (as serving.py prepares them), no LoRA layers and no hooks, and the C kernels
-built. ``FusedDecode.for_model`` says None for anything else, and a step with several rows
+It fits GQA attention (with or without q/k/v biases and QK-norm; no output gate) and dense
+SwiGLU feed-forwards, activations, norms, embedding and KV cache in fp32 on the CPU, linear
+weights in fp32, bf16 or int8/int4 blocks (QuantizedLinear), mixed as they come (each weight's
+type is a column of the C step's table), with q/k/v (and their biases) and gate/up each
+stacked in one buffer (as serving.py prepares them), a tied or untied head of any of those
+types, no LoRA layers and no hooks, and the C kernels built. ``FusedDecode.for_model`` says None for anything else, and a step with several rows
 takes the usual forward; ``ASTRAI_FUSED_DECODE=0`` turns it off. The first step after a
 prefill is fused too: the runner's ``decode_target`` copies the prompt's K/V from the pages
 into the decode buffers first. Before each step the weights' addresses are compared with
@@ -37,13 +39,14 @@ import torch
 from torch import nn
 
 from astrai.backends.cpu.decode_buffers import RowTarget
-from astrai.backends.cpu.kernels import (DecodePlan, decode_plan, decode_step, decode_steps, kernels_available,
-                                         row_major)
-from astrai.backends.cpu.serving import ServingGQA, ServingLinear, ServingMLP
+from astrai.backends.cpu.kernels import (COLUMNS, DecodePlan, TypedWeight, decode_plan, decode_step, decode_steps,
+                                         kernels_available)
+from astrai.backends.cpu.serving import (ServingGQA, ServingLinear, ServingMLP, ServingQuantizedLinear, typed_weight)
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
+from astrai.model.quantized import QuantizedLinear
 
-PLAIN_LINEARS = (Linear, ServingLinear)  # a stacked group's members stay Linear; the rest are served
-COLUMNS = 14  # int64 values per layer in the C kernel's table (native/decode_step.c)
+# a stacked group's members stay Linear; the rest are served
+PLAIN_LINEARS = (Linear, ServingLinear, QuantizedLinear, ServingQuantizedLinear)
 
 
 class FusedDecode:
@@ -58,6 +61,7 @@ class FusedDecode:
         self._seen = _Snapshot(model)
         self._addresses: Optional[list[int]] = None  # the weights' addresses when the table was last built
         self._static: Optional[torch.Tensor] = None
+        self._head: Optional[TypedWeight] = None
         self._builds = 0  # of _static: a plan made from an earlier one is stale
         self._plan: Optional[DecodePlan] = None  # _static with the current buffers' columns, rotary rows, scratch
         self._plan_key: Optional[tuple] = None
@@ -131,7 +135,7 @@ class FusedDecode:
         cos, sin = rotary_tables(cos, sin, torch.float32)
         return decode_plan(model.embed_tokens.weight, table, self.dims, cos.reshape(capacity, -1).contiguous(),
                            sin.reshape(capacity, -1).contiguous(), capacity, self.eps, self.scale, model.norm.weight,
-                           model.lm_head.weight, threads)
+                           self._head, threads)
 
     def ready(self) -> bool:
         """Whether the table of weight pointers is current: rebuilt (and checked) when a module
@@ -145,7 +149,8 @@ class FusedDecode:
             return False
         if seen.addresses() == self._addresses:
             return self._static is not None
-        self._static = _weight_table(self.model) if _plain_structure(self.model) else None
+        tables = _weight_table(self.model) if _plain_structure(self.model) else None
+        self._static, self._head = tables if tables is not None else (None, None)
         self._builds += 1
         self._addresses = seen.addresses()
         if self._static is not None:
@@ -164,7 +169,7 @@ class _Snapshot:
         self._items = [item for _, _, item in watched]
         modules = [model] + [item for item in self._items if isinstance(item, nn.Module)]
         self._hook_tables = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
-        self._parameters = list(model.parameters())
+        self._parameters = list(model.parameters()) + list(model.buffers())  # quantized weights are buffers
 
     def replaced(self) -> bool:
         """Whether a submodule or parameter was replaced (or removed) since the snapshot."""
@@ -185,7 +190,7 @@ def _plain_structure(model: nn.Module) -> bool:
     layers = getattr(model, "layers", None)
     if config is None or layers is None or not all(hasattr(model, n) for n in ("embed_tokens", "norm", "lm_head")):
         return False
-    if (config.attn_type != "gqa" or config.use_qk_norm or config.use_gated_attention or config.attn_bias
+    if (config.attn_type != "gqa" or config.use_gated_attention
             or config.n_heads % config.n_kv_heads or config.resolved_head_dim % 2):
         return False
     if (type(model.embed_tokens) is not Embedding or type(model.norm) is not RMSNorm
@@ -197,46 +202,65 @@ def _plain_structure(model: nn.Module) -> bool:
             return False
         if type(layer.input_norm) is not RMSNorm or type(layer.post_attention_norm) is not RMSNorm:
             return False
-        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate, mlp.up, mlp.down)
-        if any(type(m) not in PLAIN_LINEARS or m.bias is not None for m in linears):
+        if attention.use_qk_norm and not (type(attention.q_norm) is RMSNorm and type(attention.k_norm) is RMSNorm):
+            return False
+        qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+        others = (attention.o_proj, mlp.gate, mlp.up, mlp.down)
+        if any(type(m) not in PLAIN_LINEARS for m in qkv + others) or any(m.bias is not None for m in others):
+            return False
+        if any(m.bias is not None for m in qkv) and attention.joint.bias is None:  # biases not stacked
             return False
     return not _Snapshot(model).hooked()
 
 
 def _watched(model: nn.Module) -> list[tuple[dict, str, object]]:
-    """(table, name, item) for every submodule and parameter, so that one replaced after the
+    """(table, name, item) for every submodule, parameter and buffer, so that one replaced after the
     table was built (a LoRA layer swapped in, a weight assigned anew) is noticed before a
     step reads through stale pointers."""
     return [(table, name, item) for module in model.modules()
-            for table in (module._modules, module._parameters) for name, item in table.items()]
+            for table in (module._modules, module._parameters, module._buffers) for name, item in table.items()]
 
 
-def _weight_table(model: nn.Module) -> Optional[torch.Tensor]:
-    """[n_layers, 14] int64: each layer's weight pointers and leading dimensions (columns 10-13,
-    the K/V stores and buffers, are filled by ``_with_cache_columns``), or None when a weight is not fp32 CPU memory
-    laid out as the kernel reads it."""
-    for p in model.parameters():
-        if p.dtype != torch.float32 or p.device.type != "cpu":
+def _weight_table(model: nn.Module) -> Optional[tuple[torch.Tensor, TypedWeight]]:
+    """[n_layers, COLUMNS] int64: each layer's norms, biases and weights (columns 5-8, the K/V
+    stores and buffers, are filled by ``_with_cache_columns``), and the head, or None when a
+    weight is not CPU memory of a type and layout the kernel reads, or anything but the linear
+    weights is not fp32."""
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu" or (p.dtype != torch.float32 and not (p.dtype == torch.bfloat16 and p.dim() == 2
+                                                                        and ".embed_tokens." not in f".{name}")):
             return None
-    head = model.lm_head.weight
-    if not (row_major(head) and _contiguous(model.norm.weight)) or model.embed_tokens.weight.dim() != 2:
+    head = _checked(typed_weight(model.lm_head))
+    embedding = model.embed_tokens.weight
+    if head is None or not _contiguous(model.norm.weight) or embedding.dim() != 2 or embedding.dtype != torch.float32:
         return None
     rows = []
     for layer in model.layers:
         attention, mlp = layer.attention, layer.mlp
-        qkv, gate_up = attention.joint.current(), mlp.joint.current()
-        o, down = attention.o_proj.weight, mlp.down.weight
-        norms = (layer.input_norm.weight, layer.post_attention_norm.weight)
-        if qkv is None or gate_up is None or not (row_major(o) and row_major(down)) or not all(map(_contiguous, norms)):
+        weights = [_checked(attention.joint.typed_weight()), _checked(typed_weight(attention.o_proj)),
+                   _checked(mlp.joint.typed_weight()), _checked(typed_weight(mlp.down))]
+        vectors = [layer.input_norm.weight, layer.post_attention_norm.weight]
+        bias = attention.joint.bias if attention.q_proj.bias is not None else None
+        qk_norms = (attention.q_norm.weight, attention.k_norm.weight) if attention.use_qk_norm else (None, None)
+        optional = [bias, *qk_norms]
+        if (None in weights or not all(map(_contiguous, vectors + [v for v in optional if v is not None]))
+                or any(v is not None and v.dtype != torch.float32 for v in optional)):
             return None
-        rows.append([norms[0].data_ptr(), qkv.data_ptr(), qkv.stride(0), o.data_ptr(), o.stride(0),
-                     norms[1].data_ptr(), gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0)]
-                    + [0] * (COLUMNS - 10))  # the K/V stores and buffers: _with_cache_columns
-    return torch.tensor(rows, dtype=torch.int64)
+        rows.append([v.data_ptr() for v in vectors] + [0 if v is None else v.data_ptr() for v in optional]
+                    + [0] * 4  # the K/V stores and buffers: _with_cache_columns
+                    + [value for weight in weights for value in weight.pointers()])
+    return torch.tensor(rows, dtype=torch.int64), head
+
+
+def _checked(weight: Optional[TypedWeight]) -> Optional[TypedWeight]:
+    try:
+        return None if weight is None else weight.check()
+    except ValueError:
+        return None
 
 
 def _with_cache_columns(static: torch.Tensor, buffers, storage) -> Optional[torch.Tensor]:
-    """``static`` with columns 10-13 filled: each layer's K/V page store and the decode
+    """``static`` with columns 5-8 filled: each layer's K/V page store and the decode
     buffers' row 0 for K/V; None unless all of them are contiguous fp32 CPU tensors of the
     widths the kernel assumes."""
     k_cache, v_cache = storage.k_cache, storage.v_cache
@@ -246,10 +270,10 @@ def _with_cache_columns(static: torch.Tensor, buffers, storage) -> Optional[torc
     if not buffers.k or buffers.k[0].shape[-1] != storage.k_width or buffers.v[0].shape[-1] != storage.v_width:
         return None
     table = static.clone()
-    table[:, 10] = torch.tensor([k_cache[layer].data_ptr() for layer in range(len(table))])
-    table[:, 11] = torch.tensor([v_cache[layer].data_ptr() for layer in range(len(table))])
-    table[:, 12] = torch.tensor([b.data_ptr() for b in buffers.k])
-    table[:, 13] = torch.tensor([b.data_ptr() for b in buffers.v])
+    table[:, 5] = torch.tensor([k_cache[layer].data_ptr() for layer in range(len(table))])
+    table[:, 6] = torch.tensor([v_cache[layer].data_ptr() for layer in range(len(table))])
+    table[:, 7] = torch.tensor([b.data_ptr() for b in buffers.k])
+    table[:, 8] = torch.tensor([b.data_ptr() for b in buffers.v])
     return table
 
 

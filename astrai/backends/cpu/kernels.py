@@ -1,6 +1,6 @@
 """Small C kernels for the CPU decode step, compiled on first use with the system's C compiler.
 
-Three kernels live in ``native/``, built into one library.
+Four kernels live in ``native/``, built into one library.
 
 Decode attention. PyTorch has no CPU kernel for attention of one query over rows of
 different lengths: batched products over every row padded to the longest context read the
@@ -10,6 +10,12 @@ vectorised loops.
 One-row products. A single request's decode step is bound by streaming the weights.
 ``native/row_product.c`` reads a row-major weight (nn.Linear's layout) one output row
 at a time, each thread a contiguous stretch of rows: one stream per thread.
+
+Products over smaller weights. ``native/typed_product.c`` is the same product for one to
+``MAX_TYPED_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
+Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout), reading the weight once for all
+rows and summing in fp32 without quantizing the activations. ``TypedWeight`` describes such a
+weight (``typed_product`` takes it).
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a plain
 GQA + SwiGLU model for one row - norms, rotary embedding, K/V writes, attention, SiLU,
@@ -24,6 +30,12 @@ build deletes all but the four most recent older ones), and loaded with ctypes; 
 calls resolve to the libgomp that torch already loaded, so its threads are torch's. Without
 a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``, nothing is built: attention keeps the
 batched products and one-row products the split (a warning says so once).
+
+The build targets this CPU (``-march=native``): with AVX2 and FMA the typed products widen
+their blocks with intrinsics, with F16C the scales convert in one instruction. Any other CPU
+runs the same sums as plain C. ``ASTRAI_PORTABLE_KERNELS=1`` builds that plain form for the
+generic target instead (the same tokens, slower): the fallback a CPU without those features
+takes, forced.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -52,6 +65,17 @@ FAST_MATH = ["-fno-math-errno", "-fassociative-math", "-freciprocal-math", "-fno
              "-fno-rounding-math", "-fno-signaling-nans", "-fcx-limited-range", "-fexcess-precision=fast",
              "-ffp-contract=fast"]
 FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]
+PORTABLE_FLAGS = ["-O3", "-DASTRAI_PORTABLE", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]
+MAX_TYPED_ROWS = 8  # rows a typed product takes at most (ASTRAI_MAX_TYPED_ROWS in native/typed_product.c)
+
+
+def portable_forced() -> bool:
+    """Whether ``ASTRAI_PORTABLE_KERNELS=1`` asks for the plain-C build for the generic target."""
+    return os.environ.get("ASTRAI_PORTABLE_KERNELS", "0") not in ("", "0")
+
+
+def _flags() -> list[str]:
+    return PORTABLE_FLAGS if portable_forced() else FLAGS
 
 
 def _cache_dir() -> Path:
@@ -71,7 +95,8 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     source = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = _flags()
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"astrai-kernels-{key}.so"
     if target.exists():
         return target
@@ -84,7 +109,7 @@ def _build(compiler: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: parallel builds never clash
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             names = ", ".join(path.name for path in SOURCES)
@@ -133,6 +158,11 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_decode_steps_f32.argtypes = ([ctypes.POINTER(DecodePlan)] + [i64] * 2 + [ptr] * 2 + [i64] + [ptr]
                                                  + [i64] * 2 + [ctypes.c_double] + [ptr] * 2)
     library.astrai_decode_steps_f32.restype = i64
+    library.astrai_typed_product.argtypes = ([ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr] + [i64] * 5
+                                             + [ctypes.c_int] * 2)
+    library.astrai_typed_product.restype = i64
+    library.astrai_typed_product_vectorised.argtypes = []
+    library.astrai_typed_product_vectorised.restype = ctypes.c_int
     for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32):
         function.restype = None
     return library
@@ -212,6 +242,82 @@ def row_major(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] == 1) and weight.stride(0) >= weight.shape[1]
 
 
+# weight types of native/typed_product.c
+F32, BF16, Q8, Q4 = 0, 1, 2, 3
+BLOCK = 32  # inputs per quantized block (one fp16 scale each)
+
+
+@dataclass(frozen=True)
+class TypedWeight:
+    """A row-major weight [out, in] as the typed products read it: ``data`` fp32 or bf16
+    [out, >= in], or the quantized values (int8 [out, padded in], or uint8 [out, padded in / 2]
+    for int4) with their fp16 ``scales`` [out, padded in / 32]; rows may lie further apart
+    than their length (a block of a stacked weight), each tensor's last dimension contiguous."""
+
+    data: torch.Tensor
+    scales: Optional[torch.Tensor]
+    kind: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    def check(self) -> "TypedWeight":
+        """This weight, after checking that the kernels can read it (ValueError otherwise)."""
+        data, scales, n_in = self.data, self.scales, self.in_features
+        blocks = -(-n_in // BLOCK)
+        expected = {F32: (torch.float32, n_in), BF16: (torch.bfloat16, n_in), Q8: (torch.int8, blocks * BLOCK),
+                    Q4: (torch.uint8, blocks * BLOCK // 2)}.get(self.kind)
+        ok = expected is not None and data.dim() == 2 and data.dtype == expected[0] and data.shape[1] >= expected[1]
+        ok = ok and (data.stride(1) == 1 or data.shape[1] == 1) and data.stride(0) >= data.shape[1]
+        if self.kind in (Q8, Q4):
+            ok = ok and (scales is not None and scales.dtype == torch.float16 and scales.dim() == 2
+                         and scales.shape[0] == data.shape[0] and scales.shape[1] >= blocks
+                         and (scales.stride(1) == 1 or scales.shape[1] == 1))
+        if not ok:
+            raise ValueError("typed weight: unsupported layout or dtype")
+        return self
+
+    def pointers(self) -> tuple[int, int, int, int, int]:
+        """(data, its row stride in elements, scales or 0, their row stride, type): a weight's
+        columns in decode_step.c's table."""
+        scales = self.scales
+        return (self.data.data_ptr(), self.data.stride(0), 0 if scales is None else scales.data_ptr(),
+                0 if scales is None else scales.stride(0), self.kind)
+
+
+def typed_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` over the weight ``weight`` describes, dequantized, for 1 to
+    ``MAX_TYPED_ROWS`` rows ``x`` [..., in] (fp32, contiguous); fp32 weights take one row
+    only (``row_product`` is theirs). Call only when ``kernels_available()``."""
+    n_in = weight.in_features
+    rows = x.numel() // n_in if n_in else 0
+    if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == n_in and 1 <= rows <= MAX_TYPED_ROWS
+            and (weight.kind != F32 or rows == 1)
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
+                                  and bias.numel() == weight.out_features))):
+        raise ValueError("typed_product: unsupported rows, layout or dtype")
+    weight.check()
+    n_out = weight.out_features
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    data, stride, scales, scale_ld, kind = weight.pointers()
+    _library().astrai_typed_product(x.data_ptr(), rows, n_in, data, scales, kind,
+                                    0 if bias is None else bias.data_ptr(), out.data_ptr(), n_out, n_in, n_out,
+                                    stride, scale_ld, max(torch.get_num_threads(), 1), 0)
+    return out.view(*x.shape[:-1], n_out)
+
+
+def typed_products_vectorised() -> bool:
+    """Whether the loaded build reads typed weights with AVX2 intrinsics (else plain C)."""
+    library = _library()
+    return bool(library is not None and library.astrai_typed_product_vectorised())
+
+
+COLUMNS = 29  # int64 values per layer in decode_step.c's table
+WEIGHT_VALUES = 5  # of them per weight: TypedWeight.pointers()
+
+
 class DecodePlan(ctypes.Structure):
     """``struct astrai_decode_plan`` (native/decode_step.c): what a model's one-row decode step
     reads that stays fixed from step to step. Make it with ``decode_plan``, which also keeps
@@ -223,32 +329,34 @@ class DecodePlan(ctypes.Structure):
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("ffn", ctypes.c_int64),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("capacity", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
-                ("head", ctypes.c_void_p), ("head_ld", ctypes.c_int64), ("vocab", ctypes.c_int64),
+                ("head", ctypes.c_int64 * WEIGHT_VALUES), ("vocab", ctypes.c_int64),
                 ("work", ctypes.c_void_p), ("attention_workspace", ctypes.c_void_p), ("threads", ctypes.c_int64)]
 
 
 def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, int, int, int, int],
                 cos: torch.Tensor, sin: torch.Tensor, capacity: int, eps: float, scale: float,
-                final_norm: torch.Tensor, head: torch.Tensor, threads: int) -> DecodePlan:
+                final_norm: torch.Tensor, head: TypedWeight, threads: int) -> DecodePlan:
     """The plan of ``native/decode_step.c`` for one model and one set of decode buffers.
 
-    ``layers`` [n_layers, 14] int64 is the per-layer table that file describes, ``dims`` is
+    ``layers`` [n_layers, COLUMNS] int64 is the per-layer table that file describes, ``dims`` is
     (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [capacity, head_dim] contiguous
     are ``rotary_tables``' rows for positions 0..capacity-1, ``capacity`` the decode buffers'
-    length and ``head`` the row-major [vocab, dim] output weight. Every pointer in ``layers``
-    must be valid fp32 memory of the sizes the table names (``fused_decode``
+    length and ``head`` the output weight [vocab, dim] (checked). Every pointer in ``layers``
+    must be valid memory of the sizes and types the table names (``fused_decode``
     checks them); the plan keeps the tensors given here, and its scratch memory, alive.
     """
     dim, heads, kv_heads, head_dim, ffn = dims
     if not (cos.shape == sin.shape == (capacity, head_dim) and cos.is_contiguous() and sin.is_contiguous()
-            and layers.dtype == torch.int64 and layers.is_contiguous() and layers.shape[1] == 14):
-        raise ValueError("decode_plan: rotary tables or layer table of the wrong shape")
+            and layers.dtype == torch.int64 and layers.is_contiguous() and layers.shape[1] == COLUMNS
+            and head.in_features == dim and embedding.dtype == torch.float32):
+        raise ValueError("decode_plan: rotary tables, layer table, head or embedding of the wrong shape")
+    head.check()
     work = torch.empty(4 * dim + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * ffn, dtype=torch.float32)
     workspace = torch.empty(threads, heads // kv_heads, capacity, dtype=torch.float32)  # each thread's scores
     plan = DecodePlan(embedding.data_ptr(), embedding.stride(0), embedding.stride(1), layers.data_ptr(),
                       layers.shape[0], dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(),
-                      capacity, eps, scale, final_norm.data_ptr(), head.data_ptr(), head.stride(0), head.shape[0],
-                      work.data_ptr(), workspace.data_ptr(), threads)
+                      capacity, eps, scale, final_norm.data_ptr(), (ctypes.c_int64 * WEIGHT_VALUES)(*head.pointers()),
+                      head.out_features, work.data_ptr(), workspace.data_ptr(), threads)
     plan.keep = (embedding, layers, cos, sin, final_norm, head, work, workspace)
     return plan
 

@@ -4,7 +4,9 @@ It prepares its model for serving (serving.py: stacked weights, serving modules,
 copies, huge pages), keeps the decode batch's contexts in dense buffers across steps
 (decode_buffers.py), binds the CPU attention views (attention.py), and runs a single
 request's decode step, or a run of greedy steps, through the fused C step when the model
-fits it (fused_decode.py). Every step's result is the one the plain runner would give; only
+fits it (fused_decode.py), counting the decode steps each path ran (``decode_path_counts``:
+a step of the model's forward is "row_kernels" when every product in it took the C kernels,
+per serving.py's tally of routes). Every step's result is the one the plain runner would give; only
 the route differs.
 """
 
@@ -18,7 +20,7 @@ from torch import nn
 from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView
 from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
 from astrai.backends.cpu.fused_decode import FusedDecode
-from astrai.backends.cpu.serving import prepare_for_serving
+from astrai.backends.cpu.serving import prepare_for_serving, route_counts
 from astrai.backends.cpu.tuning import release_thread_pool
 from astrai.inference.cache import KVCache
 from astrai.inference.runner import GreedyRun, ModelRunner, Row
@@ -44,8 +46,16 @@ class CpuModelRunner(ModelRunner):
             target = self.decode_target(row.task_id, row.start)
             fused = None if target is None else self.fused_decode(row.tokens[0], target)
             if fused is not None:
+                self.decode_paths["fused"] += 1
                 return fused[0], [fused[1]]
-        return super().forward(rows)
+        if any(len(r.tokens) != 1 for r in rows):
+            return self.model_forward(rows), None
+        counts = route_counts()
+        kernel, total = counts["kernel"], sum(counts.values())
+        logits = self.model_forward(rows)
+        in_kernels = counts["kernel"] - kernel == sum(counts.values()) - total
+        self.decode_paths["row_kernels" if in_kernels else "torch"] += 1
+        return logits, None
 
     def bind(self, rows: Sequence[Row]):
         table = self.table(rows)
@@ -77,7 +87,10 @@ class CpuModelRunner(ModelRunner):
         target = self.decode_target(row.task_id, row.start, run.steps)
         if target is None:
             return None
-        return self.fused_decode.greedy_steps(row.tokens[0], target, run.stop_ids, run.max_seconds)
+        tokens = self.fused_decode.greedy_steps(row.tokens[0], target, run.stop_ids, run.max_seconds)
+        if tokens is not None:
+            self.decode_paths["fused"] += len(tokens)
+        return tokens
 
     def decode_target(self, task_id: str, pos: int, steps: int = 1) -> Optional[RowTarget]:
         """``steps`` decode steps of ``task_id`` alone, the first one's token at ``pos``, prepared

@@ -17,24 +17,55 @@ serving subclass, whose ``project`` runs the group as one product over the joint
 one longer stream per thread, one call instead of three; large weights sit in huge-page
 memory (huge_pages.py); every other plain linear becomes a ``ServingLinear``. Values,
 parameter names and ties never change, so the model's state dict is the same.
+
+Smaller weights take the typed products of native/typed_product.c (``typed_serving_product``):
+a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
+``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_TYPED_ROWS``
+rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
+fp32; more rows (a prefill) multiply the weight dequantized once for the call with torch. Their
+groups stack too: stacking along the outputs concatenates rows, so the joint weight of
+quantized members is their values and scales, each concatenated.
+
+Every product notes which route it took in a per-thread tally (``route_counts``), which the
+runner turns into its count of decode steps per path.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import threading
+from collections import Counter
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
-from astrai.backends.cpu.kernels import kernels_available, row_major, row_product
+from astrai.backends.cpu.kernels import (BF16, F32, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, kernels_available,
+                                         row_major, row_product, typed_product)
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.layers import Linear
+from astrai.model.quantized import QuantizedLinear, dequantize_weight
 
 SPLIT_MAX_ROWS = 64  # products of at most this many rows are split in two (see serving_product)
+SERVED_DTYPES = (torch.float32, torch.bfloat16)  # float weights the serving layout takes
+_tally = threading.local()
+
+
+def route_counts() -> Counter:
+    """This thread's count of products by route since it started: "kernel" (astrai's C
+    products), "packed" (oneDNN's packed copy), "split" (two halves in one bmm), "dense"
+    (a typed weight dequantized for torch's product) and "torch" (F.linear as it is)."""
+    counts = getattr(_tally, "counts", None)
+    if counts is None:
+        counts = _tally.counts = Counter()
+    return counts
+
+
+def _note(route: str) -> None:
+    route_counts()[route] += 1
 
 
 def onednn_available() -> bool:
@@ -71,14 +102,35 @@ def serving_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         if x.numel() != x.shape[-1]:  # one row streams the plain weight faster than the packed copy
             copy = None if packed is None else packed.get()
             if copy is not None:
+                _note("packed")
                 return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
         elif (weight.dtype == torch.float32 and x.is_contiguous() and row_major(weight)
               and (bias is None or bias.dtype == torch.float32) and kernels_available()):
+            _note("kernel")
             return row_product(x, weight, None if bias is None else bias.contiguous())
         if (x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.is_contiguous()
                 and weight.shape[0] % 2 == 0 and torch.get_num_threads() > 1):
+            _note("split")
             return _split_product(x, weight, bias)
+    _note("torch")
     return F.linear(x, weight, bias)
+
+
+def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: Optional[torch.Tensor],
+                          dense: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, dense(), bias)`` for a bf16 or quantized weight that ``weight`` describes
+    (None: not readable by the kernels), ``dense()`` giving it as a float tensor: up to
+    ``MAX_TYPED_ROWS`` rows of a product without autograd through ``typed_product`` (in fp32,
+    the result cast back to x's dtype), anything else through torch over ``dense()``."""
+    if (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
+            and x.shape[-1] == weight.in_features and kernels_available()):
+        rows = x.numel() // max(x.shape[-1], 1)
+        if 1 <= rows <= MAX_TYPED_ROWS:
+            _note("kernel")
+            out = typed_product(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
+            return out.to(x.dtype)
+    _note("dense")
+    return F.linear(x, dense().to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -93,13 +145,72 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return out.view(*x.shape[:-1], n_out)
 
 
+def typed_weight(module: nn.Module) -> Optional[TypedWeight]:
+    """How the C products read ``module``'s weight: a QuantizedLinear's blocks, a plain linear's
+    fp32 or bf16 weight; None for anything else."""
+    if isinstance(module, QuantizedLinear):
+        return TypedWeight(module.qweight, module.scales, Q8 if module.bits == 8 else Q4, module.in_features)
+    if isinstance(module, nn.Linear):
+        kind = {torch.float32: F32, torch.bfloat16: BF16}.get(module.weight.dtype)
+        return None if kind is None else TypedWeight(module.weight, None, kind, module.in_features)
+    return None
+
+
+class CheckedWeight:
+    """A module's ``typed_weight``, checked once and made again only when the tensors it reads
+    were replaced or moved (a cast, a reload into new memory); None while the kernels cannot
+    read them."""
+
+    def __init__(self, make: Callable[[], Optional[TypedWeight]]):
+        self._make = make
+        self._stamp: Optional[tuple] = None
+        self._weight: Optional[TypedWeight] = None
+
+    def get(self) -> Optional[TypedWeight]:
+        weight = self._make()
+        if weight is None:
+            return None
+        stamp = (weight.data.data_ptr(), weight.data.dtype, weight.data.shape,
+                 None if weight.scales is None else weight.scales.data_ptr())
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._weight = weight.check()
+            except ValueError:
+                self._weight = None
+        return self._weight
+
+
 class ServingLinear(Linear):
-    """A linear whose forward is ``serving_product`` over its weight and packed copy."""
+    """A linear whose forward is ``serving_product`` over its weight and packed copy (fp32),
+    or ``typed_serving_product`` (bf16)."""
 
     packed: Optional[PackedWeight] = None
+    checked: Optional[CheckedWeight] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.bfloat16:
+            if self.checked is None:
+                self.checked = CheckedWeight(lambda: typed_weight(self))
+            return typed_serving_product(x, self.checked.get(), self.bias, lambda: self.weight)
         return serving_product(x, self.weight, self.bias, self.packed)
+
+
+class ServingQuantizedLinear(QuantizedLinear):
+    """A QuantizedLinear whose forward is ``typed_serving_product``: the same numbers as its
+    own forward (but for the order of the additions), from the packed blocks."""
+
+    checked: Optional[CheckedWeight] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checked is None:
+            self.checked = CheckedWeight(lambda: typed_weight(self))
+        return typed_serving_product(x, self.checked.get(), self.bias, self.dequantize)
+
+
+def stored_weight(module: nn.Module) -> torch.Tensor:
+    """The tensor that holds a linear's weight: a QuantizedLinear's values, else ``weight``."""
+    return module.qweight if isinstance(module, QuantizedLinear) else module.weight
 
 
 class JointProduct:
@@ -109,22 +220,46 @@ class JointProduct:
     that consented to in-place preparation may assign new tensors); if not, the group runs
     module by module."""
 
-    def __init__(self, modules: Sequence[nn.Linear], weight: torch.Tensor):
+    def __init__(self, modules: Sequence[nn.Module], stacked: "Stacked"):
         self.modules = tuple(modules)
-        self.weight = weight
+        self.weight = stacked.weight
+        self.typed = stacked.typed
+        self.bias = stacked.bias
         self.sizes = [m.out_features for m in modules]
-        self._addresses = [m.weight.data_ptr() for m in modules]
-        self.packed = PackedWeight(weight, [m.weight for m in modules]) if onednn_available() else None
+        self._addresses = self._member_addresses()
+        fp32 = self.typed.kind == F32
+        self.packed = PackedWeight(self.weight, [m.weight for m in modules]) if fp32 and onednn_available() else None
+
+    def _member_addresses(self) -> list[int]:
+        biases = [m.bias.data_ptr() for m in self.modules] if self.bias is not None else []
+        return [stored_weight(m).data_ptr() for m in self.modules] + biases
 
     def current(self) -> Optional[torch.Tensor]:
-        """The joint weight while every member's weight is still its block of it, else None."""
-        return self.weight if [m.weight.data_ptr() for m in self.modules] == self._addresses else None
+        """The joint weight while every member's weight (and bias, when they were stacked) is
+        still its block of it, else None."""
+        return self.weight if self._member_addresses() == self._addresses else None
+
+    def typed_weight(self) -> Optional[TypedWeight]:
+        """The joint weight as the C products read it, while ``current``."""
+        return self.typed if self.current() is not None else None
+
+    def _dense(self) -> torch.Tensor:
+        typed = self.typed
+        if typed.kind in (Q8, Q4):
+            return dequantize_weight(typed.data, typed.scales, 8 if typed.kind == Q8 else 4, typed.in_features)
+        return typed.data
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.current() is None:
             return [m(x) for m in self.modules]
-        parts = serving_product(x, self.weight, None, self.packed).split(self.sizes, dim=-1)
-        return [part if m.bias is None else part + m.bias for part, m in zip(parts, self.modules)]
+        if self.typed.kind == F32:
+            out = serving_product(x, self.weight, self.bias, self.packed)
+        else:
+            out = typed_serving_product(x, self.typed, self.bias, self._dense)
+        parts = out.split(self.sizes, dim=-1)
+        if self.bias is not None:
+            return list(parts)
+        return [part if m.bias is None else part + m.bias.to(part.dtype) for part, m in zip(parts, self.modules)]
 
 
 class _JointProjection:
@@ -155,8 +290,9 @@ SERVING_CLASSES = {GQA: ServingGQA, MLA: ServingMLA, MLP: ServingMLP}
 
 
 def prepare_for_serving(model: nn.Module) -> None:
-    """Re-lay and re-class ``model``'s fp32 CPU linears for serving (see the module's docstring).
-    The model must be the runner's own: its modules change class and its weights' memory moves."""
+    """Re-lay and re-class ``model``'s fp32, bf16 and quantized CPU linears for serving (see the
+    module's docstring). The model must be the runner's own: its modules change class and its
+    weights' memory moves."""
     with torch.no_grad():
         for module in model.modules():  # a copy taken mid-training: back to the model's own class
             if type(module) is OneDnnLinear:
@@ -165,25 +301,28 @@ def prepare_for_serving(model: nn.Module) -> None:
         for module in list(model.modules()):
             serving = SERVING_CLASSES.get(type(module))
             group = module.input_projections() if serving is not None else ()
-            joint = _stack(group, in_groups)
-            if joint is not None:
+            stacked = _stack(group, in_groups)
+            if stacked is not None:
                 module.__class__ = serving
-                module.joint = JointProduct(group, joint)
+                module.joint = JointProduct(group, stacked)
                 _pack_now(module.joint.packed)
         laid: set[int] = set()
         for module in model.modules():
+            if type(module) is QuantizedLinear and module.qweight.device.type == "cpu":
+                module.__class__ = ServingQuantizedLinear
+                continue
             if type(module) not in (Linear, nn.Linear) or not _movable(module.weight):
                 continue
             weight = module.weight
             if id(weight) in in_groups:
                 continue
             if id(weight) not in laid and weight.nbytes >= HUGE_PAGE_BYTES and huge_pages_available():
-                moved = huge_page_empty(tuple(weight.shape))
+                moved = huge_page_empty(tuple(weight.shape), weight.dtype)
                 moved.copy_(weight.data)
                 weight.data = moved
             laid.add(id(weight))
             module.__class__ = ServingLinear
-            if onednn_available():
+            if onednn_available() and weight.dtype == torch.float32:
                 module.packed = PackedWeight(weight, [weight])
                 _pack_now(module.packed)
 
@@ -195,25 +334,53 @@ def _pack_now(packed: Optional[PackedWeight]) -> None:
 
 
 def _movable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    return weight.device.type == "cpu" and weight.dtype in SERVED_DTYPES and weight.dim() == 2
 
 
-def _stack(group: Sequence[nn.Module], in_groups: set[int]) -> Optional[torch.Tensor]:
-    """Copy the group's weights into one [total, in] buffer, each ``.data`` becoming its block
-    of rows; the buffer, or None when the group is not of plain, distinct fp32 CPU linears of
-    one input width."""
-    if len(group) < 2 or any(type(m) not in (Linear, nn.Linear) for m in group):
+class Stacked:
+    """A group's joint weight: ``weight`` the stacked tensor (the values, for quantized
+    members), ``typed`` how the C products read it, ``bias`` the stacked biases when every
+    member has one (each member's bias then a view of its block), else None."""
+
+    def __init__(self, weight: torch.Tensor, typed: TypedWeight, bias: Optional[torch.Tensor]):
+        self.weight, self.typed, self.bias = weight, typed, bias
+
+
+def _stack(group: Sequence[nn.Module], in_groups: set[int]) -> Optional[Stacked]:
+    """Copy the group's weights (values and scales, for quantized members) into joint [total, ...]
+    buffers, each member's tensors becoming their block of rows; None when the group is not of
+    plain, distinct CPU linears of one kind (fp32, bf16, or quantized in the same bits) and one
+    input width."""
+    if len(group) < 2:
         return None
-    weights = [m.weight for m in group]
-    if (any(id(w) in in_groups for w in weights) or len({id(w) for w in weights}) < len(weights)
-            or not all(_movable(w) for w in weights) or len({w.shape[1] for w in weights}) > 1):
+    quantized = all(type(m) is QuantizedLinear for m in group)
+    if not quantized and any(type(m) not in (Linear, nn.Linear) for m in group):
         return None
-    in_groups.update(id(w) for w in weights)
-    buffer = huge_page_empty((sum(w.shape[0] for w in weights), weights[0].shape[1]))
+    stored = [stored_weight(m) for m in group]
+    kinds = {typed_weight(m).kind if typed_weight(m) is not None else None for m in group}
+    if (any(id(w) in in_groups for w in stored) or len({id(w) for w in stored}) < len(stored) or len(kinds) != 1
+            or None in kinds or not all(w.device.type == "cpu" and w.dim() == 2 for w in stored)
+            or len({m.in_features for m in group}) > 1 or len({w.shape[1] for w in stored}) > 1):
+        return None
+    in_groups.update(id(w) for w in stored)
+    weight = _concatenate(stored)
+    scales = _concatenate([m.scales for m in group]) if quantized else None
+    biases = [m.bias for m in group]
+    bias = None
+    if all(b is not None for b in biases) and len({b.dtype for b in biases}) == 1:
+        bias = _concatenate(biases)
+    return Stacked(weight, TypedWeight(weight, scales, kinds.pop(), group[0].in_features), bias)
+
+
+def _concatenate(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One buffer holding ``tensors`` one after the other along their first dimension, each
+    tensor's ``.data`` becoming its block."""
+    first = tensors[0]
+    buffer = huge_page_empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.dtype)
     start = 0
-    for weight in weights:
-        block = buffer[start:start + weight.shape[0]]
-        block.copy_(weight.data)
-        weight.data = block
-        start += weight.shape[0]
+    for tensor in tensors:
+        block = buffer[start:start + tensor.shape[0]]
+        block.copy_(tensor.data)
+        tensor.data = block
+        start += tensor.shape[0]
     return buffer

@@ -1,4 +1,4 @@
-/* A whole single-request decode step of a plain GQA + SwiGLU model in one call.
+/* A whole single-request decode step of a GQA + SwiGLU model in one call.
  *
  * For one row, each layer's norms, rotary embedding, K/V writes, SiLU and residual
  * additions are a few hundred floats of arithmetic, but through PyTorch each is an
@@ -15,17 +15,21 @@
  * attention are shared out among the team inside it, the arithmetic between them runs on
  * thread 0 between barriers, so no region is opened and closed per product.
  *
- * Per layer, `layers` holds 14 int64 values:
- *   0 input norm weight   1 joint q/k/v weight [q + 2 kv rows][ld] (q, k, v rows)  2 its ld
- *   3 o weight [dim][ld]  4 its ld   5 post-attention norm weight
- *   6 joint gate/up weight [2 ffn][ld]   7 its ld   8 down weight [dim][ld]    9 its ld
- *  10 this layer's K page store [slots][kv_heads][head_dim]   11 the same for V
- *  12 the decode buffer's K for this row [kv_heads][capacity][head_dim]  13 the same for V
- * so the table changes only when the decode buffers are replaced; the token's place in the
- * page store comes per step as `k_offset`/`v_offset` (floats from a layer's start).
+ * Per layer, `layers` holds COLUMNS int64 values:
+ *   0 input norm weight   1 post-attention norm weight
+ *   2 joint q/k/v bias [q + 2 kv] or 0   3 QK-norm's q weight [head_dim] or 0   4 its k weight or 0
+ *   5 this layer's K page store [slots][kv_heads][head_dim]   6 the same for V
+ *   7 the decode buffer's K for this row [kv_heads][capacity][head_dim]   8 the same for V
+ *   9-13 the joint q/k/v weight [q + 2 kv rows] (q, k, v rows)   14-18 o [dim rows]
+ *  19-23 the joint gate/up weight [2 ffn rows]   24-28 down [dim rows]
+ * where each weight is five values: its data, the elements between its rows, its fp16 scales
+ * (quantized types) or 0, the scales between rows, and its type (typed_product.c's: fp32,
+ * bf16, int8 or int4 blocks), so one table serves a model of any of those weights, mixed.
+ * The table changes only when the decode buffers are replaced; the token's place in the page
+ * store comes per step as `k_offset`/`v_offset` (floats from a layer's start).
  * The step returns the index of the logits' maximum (as torch.argmax gives it), which the
  * head's product finds as it writes them: a greedy request needs no other pass.
- * Every weight is row-major, nn.Linear's [out][in], each row `ld` floats apart.
+ * Every weight is row-major, nn.Linear's [out][in].
  */
 #include <math.h>
 #include <omp.h>
@@ -33,17 +37,20 @@
 #include <string.h>
 #include <time.h>
 
+enum { COLUMNS = 29, WEIGHT_VALUES = 5, QKV = 9, O = 14, GATE_UP = 19, DOWN = 24 };
+
 /* Filled by astrai/backends/cpu/kernels.py (a ctypes Structure of the same fields). */
 struct astrai_decode_plan {
     const float *embedding;
     int64_t embedding_row_stride, embedding_col_stride;
-    const int64_t *layers;        /* [n_layers][14], as above */
+    const int64_t *layers;        /* [n_layers][COLUMNS], as above */
     int64_t n_layers, dim, heads, kv_heads, head_dim, ffn;
     const float *cos, *sin;       /* rotary_tables' rows [capacity][head_dim] */
     int64_t capacity;             /* positions the decode buffers (and the rotary rows) hold */
     float eps, scale;
-    const float *final_norm, *head;
-    int64_t head_ld, vocab;
+    const float *final_norm;
+    int64_t head[WEIGHT_VALUES];  /* the output weight [vocab rows], as a layer's weights */
+    int64_t vocab;
     float *work;                  /* 4 dim + 2 heads*head_dim + 2 kv_heads*head_dim + 2 ffn floats */
     float *attention_workspace;   /* [threads][heads / kv_heads][capacity] floats */
     int64_t threads;
@@ -51,9 +58,11 @@ struct astrai_decode_plan {
 
 enum { MAX_TEAM = 256 };  /* threads at most: one argmax slot each, on the stack */
 
-/* row_product.c and decode_attention.c: the work of one thread of a team, no parallel region of their own */
-void astrai_team_row_product(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
-                             int64_t n_out, int64_t ld, int64_t *best, float *top);
+/* typed_product.c, row_product.c and decode_attention.c: the work of one thread of a team, no
+ * parallel region of their own */
+void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, const void *weight,
+                               const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
+                               int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top);
 int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
 void astrai_decode_attention_team(
     const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
@@ -114,6 +123,14 @@ static inline float exp_lanes(float x)
 
 static inline const float *f32(int64_t address) { return (const float *)(intptr_t)address; }
 
+/* This thread's share of y = x W^T (+ bias) for one row, W given by its five table values. */
+static inline void product(const int64_t *w, const float *x, const float *bias, float *y, int64_t n_in,
+                           int64_t n_out, int64_t *best, float *top)
+{
+    astrai_team_typed_product(x, 1, n_in, (const void *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[2], (int)w[4],
+                              bias, y, n_out, n_in, n_out, w[1], w[3], best, top);
+}
+
 /* One step, run by every thread of the team: the one-row products and attention are shared
  * out, the few hundred floats of arithmetic between them run on thread 0 while the others
  * wait at the barrier. Each thread's stretch of the head leaves its argmax in best/top. */
@@ -137,15 +154,19 @@ static void team_step(const struct astrai_decode_plan *plan, int64_t token, int6
     }
     #pragma omp barrier
     for (int64_t l = 0; l < plan->n_layers; ++l) {
-        const int64_t *p = plan->layers + 14 * l;
-        astrai_team_row_product(h, f32(p[1]), 0, qkv, dim, q_width + 2 * kv_width, p[2], 0, 0);
+        const int64_t *p = plan->layers + COLUMNS * l;
+        product(p + QKV, h, f32(p[2]), qkv, dim, q_width + 2 * kv_width, 0, 0);
         #pragma omp barrier
-        float *k_buffer = (float *)(intptr_t)p[12], *v_buffer = (float *)(intptr_t)p[13];
+        float *k_buffer = (float *)(intptr_t)p[7], *v_buffer = (float *)(intptr_t)p[8];
         if (lead) {
+            if (p[3]) {  /* QK-norm: each head's q and k normalised before the rotation */
+                for (int64_t g = 0; g < heads; ++g) rms_norm(q + g * head_dim, f32(p[3]), q + g * head_dim, head_dim, eps);
+                for (int64_t g = 0; g < kv_heads; ++g) rms_norm(k + g * head_dim, f32(p[4]), k + g * head_dim, head_dim, eps);
+            }
             rotate(q, heads, head_dim, cos, sin);
             rotate(k, kv_heads, head_dim, cos, sin);
-            memcpy((float *)(intptr_t)p[10] + k_offset, k, sizeof(float) * (size_t)kv_width);
-            memcpy((float *)(intptr_t)p[11] + v_offset, v, sizeof(float) * (size_t)kv_width);
+            memcpy((float *)(intptr_t)p[5] + k_offset, k, sizeof(float) * (size_t)kv_width);
+            memcpy((float *)(intptr_t)p[6] + v_offset, v, sizeof(float) * (size_t)kv_width);
             for (int64_t g = 0; g < kv_heads; ++g) {
                 memcpy(k_buffer + (g * capacity + pos) * head_dim, k + g * head_dim, sizeof(float) * (size_t)head_dim);
                 memcpy(v_buffer + (g * capacity + pos) * head_dim, v + g * head_dim, sizeof(float) * (size_t)head_dim);
@@ -155,14 +176,14 @@ static void team_step(const struct astrai_decode_plan *plan, int64_t token, int6
         astrai_decode_attention_team(q, k_buffer, v_buffer, attended, &len, plan->attention_workspace, 1, kv_heads,
                                      heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
                                      0, capacity * head_dim, head_dim, plan->scale, capacity);
-        astrai_team_row_product(attended, f32(p[3]), 0, out, q_width, dim, p[4], 0, 0);
+        product(p + O, attended, 0, out, q_width, dim, 0, 0);
         #pragma omp barrier
         if (lead) {
             for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
-            rms_norm(x, f32(p[5]), h, dim, eps);
+            rms_norm(x, f32(p[1]), h, dim, eps);
         }
         #pragma omp barrier
-        astrai_team_row_product(h, f32(p[6]), 0, gate_up, dim, 2 * ffn, p[7], 0, 0);
+        product(p + GATE_UP, h, 0, gate_up, dim, 2 * ffn, 0, 0);
         #pragma omp barrier
         if (lead) {
             #pragma omp simd
@@ -172,15 +193,15 @@ static void team_step(const struct astrai_decode_plan *plan, int64_t token, int6
             }
         }
         #pragma omp barrier
-        astrai_team_row_product(gate_up, f32(p[8]), 0, out, ffn, dim, p[9], 0, 0);
+        product(p + DOWN, gate_up, 0, out, ffn, dim, 0, 0);
         #pragma omp barrier
         if (lead) {  /* the residual, and the next layer's input norm (or the final one) */
             for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
-            rms_norm(x, l + 1 < plan->n_layers ? f32(p[14]) : plan->final_norm, h, dim, eps);
+            rms_norm(x, l + 1 < plan->n_layers ? f32(p[COLUMNS]) : plan->final_norm, h, dim, eps);
         }
         #pragma omp barrier
     }
-    astrai_team_row_product(h, plan->head, 0, logits, dim, plan->vocab, plan->head_ld, best, top);
+    product(plan->head, h, 0, logits, dim, plan->vocab, best, top);
     #pragma omp barrier
 }
 

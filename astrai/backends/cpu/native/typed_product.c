@@ -1,0 +1,279 @@
+/* Products of a few rows by a weight stored in a smaller type: y[r] = x[r] W^T (+ bias) for
+ * r < rows (1 to ASTRAI_MAX_TYPED_ROWS), x fp32, W [out][in] in one of
+ *
+ *   ASTRAI_BF16  bfloat16, `ld` elements between rows;
+ *   ASTRAI_Q8    blocks of 32 int8 along the input with one fp16 scale each (GGUF's Q8_0):
+ *                w[o][i] = q[o][i] * scale[o][i / 32], `ld` bytes between rows;
+ *   ASTRAI_Q4    blocks of 32 4-bit values in 16 bytes (GGUF's Q4_0): byte j of block b holds
+ *                element 32 b + j in its low nibble and 32 b + 16 + j in its high one,
+ *                w[o][i] = (nibble - 8) * scale[o][i / 32], `ld` bytes between rows;
+ *
+ * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
+ * The weight is the decode step's whole cost, so it is read once for all rows and summed in
+ * fp32 without touching the activations: the result is F.linear over the dequantized weight
+ * but for the order of the additions. Blocks past `n_in` are padding and never read; a last
+ * partial block reads only its first n_in % 32 elements.
+ *
+ * As row_product.c, each thread takes a contiguous stretch of the outputs, so each reads one
+ * stream (two: values and scales) front to back, prefetched non-temporally ahead. With AVX2
+ * and FMA (x86-64 builds for a CPU that has them), blocks are widened to fp32 in registers by
+ * intrinsics; otherwise, or built with ASTRAI_PORTABLE, the same sums run as plain C loops.
+ * fp16 scales are converted by F16C where the CPU has it, else by their bits.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#if (defined(__AVX2__) && defined(__FMA__)) && !defined(ASTRAI_PORTABLE)
+#define TYPED_AVX2 1
+#include <immintrin.h>
+#else
+#define TYPED_AVX2 0
+#endif
+
+enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3 };
+enum { ASTRAI_MAX_TYPED_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
+
+static inline float half_to_float(uint16_t h)
+{
+#if defined(__F16C__) && !defined(ASTRAI_PORTABLE)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);  /* inf, NaN */
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) {  /* subnormal: mantissa * 2^-24 exactly */
+        union { uint32_t i; float f; } unit = { .i = 0x33800000u };
+        float value = (float)mantissa * unit.f;
+        return sign ? -value : value;
+    } else {
+        bits = sign;
+    }
+    union { uint32_t i; float f; } out = { .i = bits };
+    return out.f;
+#endif
+}
+
+static inline float bf16_to_float(uint16_t b)
+{
+    union { uint32_t i; float f; } out = { .i = (uint32_t)b << 16 };
+    return out.f;
+}
+
+static inline void prefetch_ahead(const uint8_t *p, const uint8_t *end)
+{
+    if (p + AHEAD_BYTES < end) __builtin_prefetch(p + AHEAD_BYTES, 0, 0);
+}
+
+
+#if TYPED_AVX2
+static inline float horizontal_sum(__m256 a)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 widen8(const int8_t *q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))); }
+
+/* A block's 32 values (before its scale) in four registers. An int4 block's low nibbles go to
+ * the lower half of a register and its high ones to the upper half, shifted in one go, then
+ * are widened 8 at a time from a copy on the stack (a widening read from memory needs no
+ * shuffle of its own). */
+static inline __attribute__((always_inline)) void widen_block(int type, const uint8_t *block, __m256 w[4])
+{
+    if (type == ASTRAI_Q8) {
+        for (int k = 0; k < 4; ++k) w[k] = widen8((const int8_t *)block + 8 * k);
+        return;
+    }
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)block));
+    const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    int8_t v[32] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)v, _mm256_sub_epi8(_mm256_and_si256(shifted, _mm256_set1_epi8(0x0f)),
+                                                    _mm256_set1_epi8(8)));
+    for (int k = 0; k < 4; ++k) w[k] = widen8(v + 8 * k);
+}
+
+/* The 32 products of a widened block with x, summed into 8 lanes. */
+static inline __m256 block_dot(const __m256 w[4], const float *x)
+{
+    __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+    __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(x + 8));
+    t0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), t0);
+    t1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), t1);
+    return _mm256_add_ps(t0, t1);
+}
+#endif
+
+/* Element k of a block as the format stores it: a signed byte, or a nibble minus 8. */
+static inline int block_value(int type, const uint8_t *block, int64_t k)
+{
+    if (type == ASTRAI_Q8) return ((const int8_t *)block)[k];
+    return (k < BLOCK / 2 ? (block[k] & 0x0f) : (block[k - BLOCK / 2] >> 4)) - 8;
+}
+
+/* out[r] = the row's blocks against x[r] for r < rows, for int8 or int4 blocks (`type`, a
+ * literal at each call: the compiler makes a copy per type, and one for a single row with its
+ * sums in registers). Whole blocks are read two at a time into two sets of sums, so that the
+ * additions into them do not wait on each other; a last partial block, and every block
+ * without AVX2, is summed element by element. */
+static inline __attribute__((always_inline)) void dot_blocks(int type, const uint8_t *w, const uint16_t *scales,
+                                                             const float *x, int64_t x_stride, int rows,
+                                                             int64_t n_in, float *out, const uint8_t *end)
+{
+    const int64_t bytes = type == ASTRAI_Q8 ? BLOCK : BLOCK / 2, blocks = (n_in + BLOCK - 1) / BLOCK;
+    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    int64_t b = 0;
+#if TYPED_AVX2
+    __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS], values[4];
+    for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    const int64_t full = n_in / BLOCK;
+    for (; b + 2 <= full; b += 2) {
+        prefetch_ahead(w + b * bytes, end);
+        const __m256 d0 = _mm256_set1_ps(half_to_float(scales[b])), d1 = _mm256_set1_ps(half_to_float(scales[b + 1]));
+        widen_block(type, w + b * bytes, values);
+        for (int r = 0; r < rows; ++r) even[r] = _mm256_fmadd_ps(d0, block_dot(values, x + r * x_stride + b * BLOCK), even[r]);
+        widen_block(type, w + (b + 1) * bytes, values);
+        for (int r = 0; r < rows; ++r)
+            odd[r] = _mm256_fmadd_ps(d1, block_dot(values, x + r * x_stride + (b + 1) * BLOCK), odd[r]);
+    }
+    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+#endif
+    for (; b < blocks; ++b) {
+        const uint8_t *block = w + b * bytes;
+        if ((b & 1) == 0) prefetch_ahead(block, end);
+        const float d = half_to_float(scales[b]);
+        const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
+        for (int r = 0; r < rows; ++r) {
+            const float *xb = x + r * x_stride + b * BLOCK;
+            float t = 0.0f;
+            for (int64_t k = 0; k < n; ++k) t += (float)block_value(type, block, k) * xb[k];
+            sum[r] += d * t;
+        }
+    }
+    for (int r = 0; r < rows; ++r) out[r] = sum[r];
+}
+
+static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
+                            const uint8_t *end)
+{
+    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    int64_t i = 0;
+#if TYPED_AVX2
+    __m256 acc0[ASTRAI_MAX_TYPED_ROWS], acc1[ASTRAI_MAX_TYPED_ROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (; i + 16 <= n_in; i += 16) {
+        if ((i & 31) == 0) prefetch_ahead((const uint8_t *)(w + i), end);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+        for (int r = 0; r < rows; ++r) {
+            const float *xi = x + r * x_stride + i;
+            acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc1[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        sum[r] = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
+    }
+#else
+    for (; i + BLOCK <= n_in; i += BLOCK) {
+        prefetch_ahead((const uint8_t *)(w + i), end);
+        for (int r = 0; r < rows; ++r) {
+            const float *xi = x + r * x_stride + i;
+            float t = 0.0f;
+            for (int k = 0; k < BLOCK; ++k) t += bf16_to_float(w[i + k]) * xi[k];
+            sum[r] += t;
+        }
+    }
+#endif
+    for (; i < n_in; ++i)
+        for (int r = 0; r < rows; ++r) sum[r] += bf16_to_float(w[i]) * x[r * x_stride + i];
+    for (int r = 0; r < rows; ++r) out[r] = sum[r];
+}
+
+static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
+
+/* row_product.c: the fp32 weights' one-row product and the team's argmax */
+void astrai_team_row_product(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
+                             int64_t n_out, int64_t ld, int64_t *best, float *top);
+int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
+
+/* One weight row's products with every row of x. `rows` is a literal at each call below, so
+ * the compiler makes a copy of the loops for one row with its sums in registers. */
+static inline __attribute__((always_inline)) void typed_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
+                             int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
+                             const uint8_t *end)
+{
+    switch (type) {
+    case ASTRAI_Q8:
+        dot_blocks(ASTRAI_Q8, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end);
+        break;
+    case ASTRAI_Q4:
+        dot_blocks(ASTRAI_Q4, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end);
+        break;
+    default:
+        dot_bf16((const uint16_t *)w + j * ld, x, x_stride, rows, n_in, out, end);
+        break;
+    }
+}
+
+static int64_t row_bytes(int type, int64_t ld) { return type == ASTRAI_BF16 ? 2 * ld : ld; }
+
+/* This thread's stretch of the product, for every thread of the team running it: the typed
+ * counterpart of row_product.c's astrai_team_row_product, which it hands one row of an fp32
+ * weight (ASTRAI_F32), so that decode_step.c calls one function for every weight type. With
+ * `best`, each thread notes its stretch's argmax of row 0 for astrai_team_argmax. No barrier. */
+void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, const void *weight,
+                               const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
+                               int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top)
+{
+    if (type == ASTRAI_F32 && rows == 1) {
+        astrai_team_row_product(x, (const float *)weight, bias, y, n_in, n_out, ld, best, top);
+        return;
+    }
+    const int t = omp_get_thread_num();
+    const int64_t size = omp_get_num_threads(), per = (n_out + size - 1) / size;
+    const int64_t first = t * per, last = first + per < n_out ? first + per : n_out;
+    const uint8_t *w = (const uint8_t *)weight;
+    const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
+    int64_t mine = -1;
+    float highest = 0.0f, out[ASTRAI_MAX_TYPED_ROWS];
+    for (int64_t j = first; j < last; ++j) {
+        if (rows == 1)
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end);
+        else
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end);
+        const float b = bias ? bias[j] : 0.0f;
+        for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
+        if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
+    }
+    if (best) { best[t] = mine; top[t] = highest; }
+}
+
+/* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias), shared among `threads`; with
+ * `want_argmax` (one row), returns torch.argmax of y's row, else -1. */
+int64_t astrai_typed_product(const float *x, int64_t rows, int64_t x_stride, const void *weight,
+                             const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
+                             int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int threads, int want_argmax)
+{
+    if (threads > MAX_TEAM) threads = MAX_TEAM;
+    if (rows < 1 || rows > ASTRAI_MAX_TYPED_ROWS) return -2;
+    int64_t best[MAX_TEAM];
+    float top[MAX_TEAM];
+    int team = 1;
+    #pragma omp parallel num_threads(threads)
+    {
+        astrai_team_typed_product(x, rows, x_stride, weight, scales, type, bias, y, y_stride, n_in, n_out, ld,
+                                  scale_ld, want_argmax ? best : 0, top);
+        if (omp_get_thread_num() == 0) team = omp_get_num_threads();
+    }
+    return want_argmax ? astrai_team_argmax(best, top, team) : -1;
+}
+
+/* Whether this build reads blocks with AVX2 intrinsics (1) or plain C loops (0). */
+int astrai_typed_product_vectorised(void) { return TYPED_AVX2; }

@@ -1,0 +1,119 @@
+"""Serving int8, int4 and bf16 weights on the CPU (serving.py's typed products, the fused C step
+over typed weights): greedy tokens equal those of the plain model under the same weights, one
+request and a batch, every architecture option takes a fast path and the engine's stats say
+which, and the forced portable build gives the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.backends.cpu import kernels
+from astrai.backends.cpu.kernels import kernels_available
+from astrai.backends.cpu.serving import ServingQuantizedLinear, route_counts
+from astrai.inference import InferenceEngine, SamplingParams
+from astrai.model.quantized import quantize_model
+from inference_helpers import greedy_reference, make_model, with_uneven_norms
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 200, 3], [17] * 11, [1, 2]]
+
+
+def served(weights: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny model with uneven norms and random biases (where it has them) in ``weights``."""
+    model = with_uneven_norms(make_model("tiny", seed=seed, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+    if weights == "bf16":
+        return model.to(torch.bfloat16)
+    return quantize_model(model, weights) if weights != "fp32" else model
+
+
+def run(model, prompts, max_batch_size=1):
+    """Each prompt's greedy tokens from an engine over ``model``, and the engine's decode paths."""
+    with InferenceEngine(model, None, max_batch_size=max_batch_size, page_size=4, num_pages=96) as engine:
+        handles = [engine.submit(p, GREEDY) for p in prompts]
+        tokens = [h.result(timeout=60).token_ids for h in handles]
+        return tokens, engine.get_stats()["decode_paths"]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(weights, tied):
+    """One request at a time (the fused step where it fits) and all three together (a few rows
+    in one typed product) give the tokens of the model's own forward, recomputed."""
+    model = served(weights, tie_weight=tied)
+    want = [greedy_reference(model, p, GREEDY.max_tokens) for p in PROMPTS]
+    alone, paths = run(model, PROMPTS)
+    steps = len(PROMPTS) * (GREEDY.max_tokens - 1)
+    # an all-bf16 model keeps bf16 activations and KV cache, which the fused step does not take
+    assert paths == ({"fused": steps, "row_kernels": 0, "torch": 0} if weights != "bf16"
+                     else {"fused": 0, "row_kernels": steps, "torch": 0})
+    together, paths = run(model, PROMPTS, max_batch_size=3)
+    assert alone == together == want
+    assert paths["torch"] == 0 and paths["row_kernels"] > 0
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(attn_bias=True), dict(use_qk_norm=True),
+                                       dict(attn_bias=True, use_qk_norm=True, tie_weight=False, vocab_size=1000)])
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_llama_qwen2_and_qwen3_shapes_decode_fused_and_the_stats_say_so(overrides, weights):
+    """A plain llama, q/k/v biases (qwen2), QK-norm (qwen3), both with an untied head over a
+    larger vocabulary: each single request's decode steps run fused, a batch's in the row
+    kernels, and the tokens are the model's own."""
+    model = served(weights, **overrides)
+    want = [greedy_reference(model, p, GREEDY.max_tokens) for p in PROMPTS[:2]]
+    alone, paths = run(model, PROMPTS[:2])
+    assert alone == want
+    assert paths == {"fused": 2 * (GREEDY.max_tokens - 1), "row_kernels": 0, "torch": 0}
+    if weights == "int8":  # fp32 batches take oneDNN's packed copy, a torch op
+        together, paths = run(model, PROMPTS[:2], max_batch_size=2)
+        assert together == want and paths["torch"] == 0 and paths["row_kernels"] > 0
+
+
+def test_a_model_the_fast_paths_do_not_fit_is_counted_as_torch(monkeypatch):
+    monkeypatch.setenv("ASTRAI_NATIVE_KERNELS", "0")
+    kernels._library.cache_clear()
+    try:
+        _, paths = run(served("int8"), PROMPTS[:1])
+    finally:
+        monkeypatch.delenv("ASTRAI_NATIVE_KERNELS")
+        kernels._library.cache_clear()
+    assert paths == {"fused": 0, "row_kernels": 0, "torch": GREEDY.max_tokens - 1}
+
+
+def test_a_prefill_multiplies_the_dequantized_weight_once_per_product():
+    """Many rows take torch's product over the dequantized weight ("dense"); its logits are the
+    model's own."""
+    model = served("int4")
+    engine_model = InferenceEngine(model, None, page_size=4, num_pages=32)
+    try:
+        served_model = engine_model.model
+        assert any(type(m) is ServingQuantizedLinear for m in served_model.modules())
+        ids = torch.tensor([list(range(3, 40))])
+        before = route_counts()["dense"]
+        with torch.no_grad():
+            got = served_model(ids)["logits"]
+            want = model(ids)["logits"]
+        assert route_counts()["dense"] > before
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        engine_model.shutdown()
+
+
+def test_the_portable_build_gives_the_same_tokens(monkeypatch):
+    model = served("int4")
+    native, _ = run(model, PROMPTS)
+    monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
+    kernels._library.cache_clear()
+    try:
+        assert not kernels.typed_products_vectorised()
+        portable, paths = run(model, PROMPTS)
+    finally:
+        monkeypatch.delenv("ASTRAI_PORTABLE_KERNELS")
+        kernels._library.cache_clear()
+    assert portable == native and paths["fused"] > 0

@@ -1,0 +1,97 @@
+"""The typed products (astrai/backends/cpu/native/typed_product.c through kernels.typed_product):
+one to eight rows against int8 and int4 blocks and bf16 weights equal the float64 product with
+the dequantized weight, on shapes that are not multiples of a block or of a thread's stretch,
+and the plain-C build forced by ASTRAI_PORTABLE_KERNELS gives the same numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.backends.cpu import kernels
+from astrai.backends.cpu.kernels import BF16, F32, Q4, Q8, TypedWeight, kernels_available, typed_product
+from astrai.model.quantized import dequantize_weight, quantize_weight
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
+
+BITS = {Q8: 8, Q4: 4}
+
+
+def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
+    """The weight in ``kind`` and the float64 weight it stands for."""
+    n_in = weight.shape[1]
+    if kind in BITS:
+        values, scales = quantize_weight(weight, BITS[kind])
+        return TypedWeight(values, scales, kind, n_in), dequantize_weight(values, scales, BITS[kind], n_in).double()
+    stored = weight.to(torch.bfloat16 if kind == BF16 else torch.float32)
+    return TypedWeight(stored, None, kind, n_in), stored.double()
+
+
+@pytest.mark.parametrize("kind", [Q8, Q4, BF16])
+@pytest.mark.parametrize("n_out,n_in", [(37, 45), (5, 31), (70, 96), (129, 200)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_typed_product_equals_the_float64_product_of_the_dequantized_weight(kind, n_out, n_in, rows, monkeypatch):
+    torch.manual_seed(n_out * n_in + rows)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # stretches of 13, 2, 24, 43 rows: uneven ends
+    weight, reference = typed(torch.randn(n_out, n_in), kind)
+    x, bias = torch.randn(rows, n_in), torch.randn(n_out)
+    for b in (None, bias):
+        want = torch.nn.functional.linear(x.double(), reference, None if b is None else b.double())
+        got = typed_product(x, weight, b)
+        assert got.shape == (rows, n_out) and got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [Q8, Q4])
+def test_rows_further_apart_and_subnormal_scales_are_read(kind):
+    """A block of a stacked weight reads with its own row stride, and scales too small for a
+    normal fp16 convert exactly (the portable conversion's hardest case)."""
+    torch.manual_seed(1)
+    weight, _ = typed(torch.randn(12, 64) * 1e-6, kind)  # scales around 1e-7: fp16 subnormals
+    assert (weight.scales.float().abs() < 6.1e-5).any()
+    wide_values = torch.cat([weight.data, torch.zeros_like(weight.data)], dim=1)[:, :weight.data.shape[1]]
+    wide_scales = torch.cat([weight.scales, weight.scales], dim=1)[:, :weight.scales.shape[1]]
+    strided = TypedWeight(wide_values, wide_scales, kind, 64)
+    x = torch.randn(2, 64)
+    dense = dequantize_weight(weight.data, weight.scales, BITS[kind], 64).double()
+    want = x.double() @ dense.T
+    assert torch.allclose(typed_product(x, strided).double(), want, atol=1e-12, rtol=1e-5)
+
+
+def test_typed_product_refuses_what_it_cannot_read():
+    values, scales = quantize_weight(torch.randn(8, 40), 8)
+    good = TypedWeight(values, scales, Q8, 40)
+    with pytest.raises(ValueError):
+        typed_product(torch.randn(9, 40), good)  # more rows than one pass takes
+    with pytest.raises(ValueError):
+        typed_product(torch.randn(1, 40).double(), good)
+    with pytest.raises(ValueError):
+        typed_product(torch.randn(1, 40), TypedWeight(values, scales[:, :1], Q8, 40))  # scales for one block
+    with pytest.raises(ValueError):
+        typed_product(torch.randn(1, 40), TypedWeight(values.to(torch.uint8), scales, Q8, 40))
+    with pytest.raises(ValueError):
+        typed_product(torch.randn(2, 40), TypedWeight(torch.randn(8, 40), None, F32, 40))  # fp32: one row only
+
+
+def test_the_portable_build_gives_the_same_products(monkeypatch):
+    """ASTRAI_PORTABLE_KERNELS=1 builds the plain-C form for the generic target: no intrinsics,
+    the same products (summed in another order)."""
+    torch.manual_seed(2)
+    cases = [(typed(torch.randn(33, 70), kind)[0], torch.randn(3, 70)) for kind in (Q8, Q4, BF16)]
+    native = [typed_product(x, w) for w, x in cases]
+    monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
+    kernels._library.cache_clear()
+    try:
+        assert kernels_available() and not kernels.typed_products_vectorised()
+        portable = [typed_product(x, w) for w, x in cases]
+    finally:
+        monkeypatch.delenv("ASTRAI_PORTABLE_KERNELS")
+        kernels._library.cache_clear()
+    for a, b in zip(native, portable):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_a_cpu_with_avx2_and_fma_gets_the_vectorised_build():
+    flags = kernels._cpu_flags().split()
+    if "avx2" in flags and "fma" in flags:
+        assert kernels.typed_products_vectorised()
