@@ -201,5 +201,5 @@ def install_quantized_layout(model: nn.Module, state: dict[str, torch.Tensor], q
             continue
         bits = 8 if tensor.dtype == torch.int8 else 4
         _replace(model, name, QuantizedLinear(linear.in_features, linear.out_features, bits,
-                                              bias=linear.bias is not None, device="cpu"))
+                                              bias=linear.bias is not None, device="meta"))  # filled by the load
     model.quantization = dict(quantization)
