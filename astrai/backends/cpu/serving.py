@@ -22,7 +22,8 @@ Smaller weights take the typed products of native/typed_product.c (``typed_servi
 a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
 ``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_TYPED_ROWS``
 rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
-fp32; more rows (a prefill) multiply the weight dequantized once for the call with torch. Their
+fp32 (up to ``TYPED_MAX_ROWS`` rows, ``MAX_TYPED_ROWS`` a pass); more rows (a prefill) multiply
+the weight dequantized once for the call with torch. Their
 groups stack too: stacking along the outputs concatenates rows, so the joint weight of
 quantized members is their values and scales, each concatenated.
 
@@ -50,7 +51,10 @@ from astrai.model.components.layers import Linear
 from astrai.model.quantized import QuantizedLinear, dequantize_weight
 
 SPLIT_MAX_ROWS = 64  # products of at most this many rows are split in two (see serving_product)
-SERVED_DTYPES = (torch.float32, torch.bfloat16)  # float weights the serving layout takes
+SERVED_DTYPES = (torch.float32, torch.bfloat16)
+# rows a typed product reads its weight for in passes of MAX_TYPED_ROWS: a decode batch's;
+# beyond, dequantizing the weight once for torch's product costs less than more passes
+TYPED_MAX_ROWS = 2 * MAX_TYPED_ROWS  # float weights the serving layout takes
 _tally = threading.local()
 
 
@@ -120,15 +124,22 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
                           dense: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, dense(), bias)`` for a bf16 or quantized weight that ``weight`` describes
     (None: not readable by the kernels), ``dense()`` giving it as a float tensor: up to
-    ``MAX_TYPED_ROWS`` rows of a product without autograd through ``typed_product`` (in fp32,
-    the result cast back to x's dtype), anything else through torch over ``dense()``."""
+    ``TYPED_MAX_ROWS`` rows of a product without autograd through ``typed_product``,
+    ``MAX_TYPED_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), anything else
+    through torch over ``dense()``, made once for the call."""
     if (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
             and x.shape[-1] == weight.in_features and kernels_available()):
         rows = x.numel() // max(x.shape[-1], 1)
-        if 1 <= rows <= MAX_TYPED_ROWS:
+        if 1 <= rows <= TYPED_MAX_ROWS:
             _note("kernel")
-            out = typed_product(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
-            return out.to(x.dtype)
+            flat = x.reshape(rows, -1).float().contiguous()
+            b = None if bias is None else bias.float().contiguous()
+            if rows <= MAX_TYPED_ROWS:
+                out = typed_product(flat, weight, b)
+            else:
+                out = torch.cat([typed_product(flat[i:i + MAX_TYPED_ROWS], weight, b)
+                                 for i in range(0, rows, MAX_TYPED_ROWS)])
+            return out.view(*x.shape[:-1], -1).to(x.dtype)
     _note("dense")
     return F.linear(x, dense().to(x.dtype), None if bias is None else bias.to(x.dtype))
 

@@ -75,6 +75,16 @@ def test_llama_qwen2_and_qwen3_shapes_decode_fused_and_the_stats_say_so(override
         assert together == want and paths["torch"] == 0 and paths["row_kernels"] > 0
 
 
+def test_a_batch_of_more_rows_than_one_pass_takes_stays_in_the_kernels():
+    """Twelve rows: two passes of the typed product over each weight, the tokens the model's own."""
+    model = served("int8", seed=1)
+    prompts = [[3 + i, 7, 11 * i % 256] for i in range(12)]
+    want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
+    got, paths = run(model, prompts, max_batch_size=12)
+    assert got == want
+    assert paths["torch"] == 0 and paths["row_kernels"] >= GREEDY.max_tokens - 1
+
+
 def test_a_model_the_fast_paths_do_not_fit_is_counted_as_torch(monkeypatch):
     monkeypatch.setenv("ASTRAI_NATIVE_KERNELS", "0")
     kernels._library.cache_clear()
