@@ -3,7 +3,8 @@
 # comparison in bench/vs_llamacpp.py runs against a release users can reproduce with pip.
 # Idempotent: does nothing when the binaries already exist.
 #
-# Usage: bash bench/build_llamacpp.sh            (prints the bin directory on its last line)
+# Usage: bash bench/build_llamacpp.sh            (prints the bin directory on its last line;
+#        about 10-30 minutes on 2 cores the first time)
 # Env:   LLAMACPP_VERSION (0.3.36), LLAMACPP_CACHE (~/.cache/astrai/llamacpp),
 #        LLAMACPP_JOBS (2), PIP (pip of the project venv when present)
 set -euo pipefail
@@ -15,7 +16,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PIP:-}" ]]; then
     if [[ -x "$here/.venv/bin/pip" ]]; then PIP="$here/.venv/bin/pip"; else PIP="pip"; fi
 fi
-targets=(llama-bench llama-server llama-quantize llama-simple)
+# built in this order: the one-stream tools first, so they are usable while the server builds
+targets=(llama-bench llama-quantize llama-server)
 # convert_hf_to_gguf.py imports sentencepiece, which astrai does not need: kept beside the build
 pydeps="$cache/pydeps"
 
@@ -23,9 +25,17 @@ src="$cache/llama_cpp_python-$version/vendor/llama.cpp"
 build="$src/build"
 bin="$build/bin"
 
+# GGML_NATIVE compiles for the CPU it builds on (-march=native): a build made on another CPU
+# model may use instructions this one lacks, or miss ones it has, so the CPU is recorded
+stamp="$build/astrai-cpu-stamp"
+cpu_signature() {
+    grep -m1 -E '^model name' /proc/cpuinfo 2>/dev/null || true
+    grep -m1 -E '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | sort | tr '\n' ' ' || true
+}
+
 all_built() {
     for t in "${targets[@]}"; do [[ -x "$bin/$t" ]] || return 1; done
-    [[ -d "$pydeps/sentencepiece" ]]
+    [[ -d "$pydeps/sentencepiece" ]] && [[ -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$(cpu_signature)" ]]
 }
 
 if all_built; then
@@ -53,12 +63,21 @@ if [[ ! -d "$pydeps/sentencepiece" ]]; then
     "$PIP" install --quiet --no-deps --target "$pydeps" sentencepiece >&2
 fi
 
+if [[ -f "$stamp" && "$(cat "$stamp")" != "$(cpu_signature)" ]]; then
+    echo "llama.cpp was built on another CPU model: rebuilding from scratch" >&2
+    rm -rf "$build"
+fi
+
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 cmake -S "$src" -B "$build" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >&2
-nice -n 10 cmake --build "$build" -j "$jobs" --target "${targets[@]}" >&2
+for t in "${targets[@]}"; do
+    nice -n 10 cmake --build "$build" -j "$jobs" --target "$t" >&2
+done
 
+mkdir -p "$build"
+cpu_signature > "$stamp"
 all_built || { echo "llama.cpp build finished without all of: ${targets[*]}" >&2; exit 1; }
 echo "$bin"

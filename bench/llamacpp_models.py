@@ -61,7 +61,13 @@ def build_llamacpp() -> LlamaCpp:
     """Run bench/build_llamacpp.sh (a no-op once built) and locate its output."""
     done = subprocess.run(["bash", str(ROOT / "bench" / "build_llamacpp.sh")], check=True,
                           stdout=subprocess.PIPE, text=True)
-    bin_dir = Path(done.stdout.strip().splitlines()[-1])
+    return locate_llamacpp(Path(done.stdout.strip().splitlines()[-1]))
+
+
+def locate_llamacpp(bin_dir: Path) -> LlamaCpp:
+    """A llama.cpp build from its bin directory (``<source>/build/bin``)."""
+    if not (bin_dir / "llama-bench").is_file():
+        raise SystemExit(f"{bin_dir}: no llama-bench there; build llama.cpp with bench/build_llamacpp.sh")
     return LlamaCpp(bin=bin_dir, source=bin_dir.parent.parent)
 
 

@@ -46,8 +46,8 @@ from astrai.backends.cpu import tune_process  # noqa: E402
 from astrai.errors import AstraiError  # noqa: E402
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from generate import FirstTokenClock, hf_generate  # noqa: E402  (bench/ is on sys.path when a script runs)
-from llamacpp_models import (GGUF_TYPES, MODELS, build_llamacpp, ensure_gguf, ensure_hf, tensor_types,  # noqa: E402
-                             weight_bytes_per_token)
+from llamacpp_models import (GGUF_TYPES, MODELS, build_llamacpp, ensure_gguf, ensure_hf, locate_llamacpp,  # noqa: E402
+                             tensor_types, weight_bytes_per_token)
 from llamacpp_tools import ServerProcess, free_port, llama_bench  # noqa: E402
 from results_file import write_result  # noqa: E402
 from serving_load import mixed_requests, run_load  # noqa: E402
@@ -56,6 +56,7 @@ PARTS = ("decode", "prefill", "server")
 PROMPT_TOKENS = 32
 PROMPT_VOCAB = 49152  # both models carry SmolLM2's tokenizer; prompts stay inside it
 QUANTIZED = ("int8", "int4")
+SERVED_NAME = "bench"
 ASTRAI_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -135,6 +136,11 @@ def summary(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "best": max(samples), "samples": samples} if samples else {}
 
 
+def without_depth(bench_args: list[str]) -> list[str]:
+    at = bench_args.index("-d")
+    return bench_args[:at] + bench_args[at + 2:]
+
+
 def bench_rate(row: dict) -> float | None:
     return None if "error" in row else float(row["avg_ts"])
 
@@ -155,6 +161,7 @@ def run_pair(model: str, precision: str, llamacpp, args, bandwidth: float) -> di
     prefill_args = ["-p", str(args.prefill_tokens), "-n", "0", "-r", "1"]
     samples: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
+    no_depth: dict[str, str] = {}  # decodes measured from an empty context, and why
 
     def add(key: str, value) -> None:
         samples.setdefault(key, []).append(value)
@@ -162,7 +169,15 @@ def run_pair(model: str, precision: str, llamacpp, args, bandwidth: float) -> di
     def llama(key: str, bench_args: list[str]) -> None:
         if key in errors:
             return
+        if key in no_depth:
+            bench_args = without_depth(bench_args)
         row = llama_bench(bench, gguf, args.threads, bench_args)
+        if "error" in row and "-d" in bench_args:
+            # the prompt before a decode runs llama.cpp's batched path, which can crash where
+            # its one-row path works (repacked buffers on some CPUs): decode from an empty context
+            print(f"  llama.cpp {key}: {row['error']}; again without the {PROMPT_TOKENS}-token context", flush=True)
+            no_depth[key] = row["error"]
+            row = llama_bench(bench, gguf, args.threads, without_depth(bench_args))
         rate = bench_rate(row)
         if rate is None:
             errors[key] = row["error"]
@@ -211,7 +226,7 @@ def run_pair(model: str, precision: str, llamacpp, args, bandwidth: float) -> di
         del engine, hf
         gc.collect()
     out |= {key: summary(values) for key, values in samples.items()}
-    out["errors"] = errors
+    out["errors"], out["decoded_without_context"] = errors, no_depth
     for kind in ("decode", "prefill"):
         ours = out.get(f"astrai_{kind}", {}).get("median")
         theirs = out.get(f"llamacpp_{kind}_default", {}).get("median")
@@ -276,11 +291,11 @@ def run_server(model: str, precision: str, llamacpp, args) -> dict:
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     ctx = slots * (256 + 128 + 64)
     llama_cmd = [str(llamacpp.tool("llama-server")), "-m", str(gguf), "-t", threads, "-tb", threads, "-np", str(slots),
-                 "-c", str(ctx), "--host", "127.0.0.1", "--no-webui"]
+                 "-c", str(ctx), "--host", "127.0.0.1", "--no-webui", "--alias", SERVED_NAME]
     if precision in QUANTIZED:
         llama_cmd.append("--no-repack")  # repacked buffers can crash when prefilling on some CPUs (see README)
     astrai_cmd = [sys.executable, "-m", "astrai", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-                  "--max-batch-size", str(slots), "--max-seq-len", "512"]
+                  "--max-batch-size", str(slots), "--max-seq-len", "512", "--served-model-name", SERVED_NAME]
     astrai_note = None
     if precision in ASTRAI_DTYPES:
         astrai_cmd += ["--dtype", str(ASTRAI_DTYPES[precision]).removeprefix("torch.")]
@@ -305,8 +320,8 @@ def run_server(model: str, precision: str, llamacpp, args) -> dict:
             ready = "/health" if side == "llamacpp" else "/health/ready"
             try:
                 with ServerProcess(cmd, port, ready, env=env, log=logs / f"{side}-{model}-{precision}.log") as server:
-                    run_load(server.base_url, "bench", warmup)
-                    result = run_load(server.base_url, "bench", requests)
+                    run_load(server.base_url, SERVED_NAME, warmup)
+                    result = run_load(server.base_url, SERVED_NAME, requests)
             except (RuntimeError, OSError) as exc:
                 result = {"error": str(exc)}
             runs[side].append(result)
@@ -360,6 +375,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one round, shorter runs (a smoke run, not a result)")
     parser.add_argument("--log-dir", default=str(Path.home() / ".cache" / "astrai" / "bench-logs"),
                         help="where the servers' logs go")
+    parser.add_argument("--llamacpp-bin", default=None, metavar="DIR",
+                        help="bin directory of a llama.cpp build (default: bench/build_llamacpp.sh's, built if needed)")
     parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
     for name, given, known in (("--models", args.models, MODELS), ("--precisions", args.precisions, GGUF_TYPES),
@@ -385,7 +402,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     tune_process()  # as the CLI verbs do
-    llamacpp = build_llamacpp()
+    llamacpp = locate_llamacpp(Path(args.llamacpp_bin)) if args.llamacpp_bin else build_llamacpp()
     for model in args.models:  # make everything first, so no conversion lands inside the sitting
         ensure_hf(model)
         for precision in set(args.precisions) | (set(args.server_precisions) if "server" in args.parts else set()):
