@@ -80,22 +80,23 @@ static inline float horizontal_sum(__m256 a)
 
 static inline __m256 widen8(const int8_t *q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))); }
 
-/* A block's 32 values (before its scale) in four registers. An int4 block's low nibbles go to
- * the lower half of a register and its high ones to the upper half, shifted in one go, then
- * are widened 8 at a time from a copy on the stack (a widening read from memory needs no
- * shuffle of its own). */
+/* A block's 32 values (before its scale) in four registers: int8 as they are; int4 as their
+ * nibbles without the 8 taken off (dot_blocks subtracts 8 times the block's sum of x instead):
+ * each 8 bytes widened from memory to 32-bit lanes give 8 low nibbles by a mask and the 8 high
+ * ones by a shift. */
 static inline __attribute__((always_inline)) void widen_block(int type, const uint8_t *block, __m256 w[4])
 {
     if (type == ASTRAI_Q8) {
         for (int k = 0; k < 4; ++k) w[k] = widen8((const int8_t *)block + 8 * k);
         return;
     }
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)block));
-    const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-    int8_t v[32] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)v, _mm256_sub_epi8(_mm256_and_si256(shifted, _mm256_set1_epi8(0x0f)),
-                                                    _mm256_set1_epi8(8)));
-    for (int k = 0; k < 4; ++k) w[k] = widen8(v + 8 * k);
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)block));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8)));
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
 }
 
 /* The 32 products of a widened block with x, summed into 8 lanes. */
@@ -123,25 +124,32 @@ static inline int block_value(int type, const uint8_t *block, int64_t k)
  * without AVX2, is summed element by element. */
 static inline __attribute__((always_inline)) void dot_blocks(int type, const uint8_t *w, const uint16_t *scales,
                                                              const float *x, int64_t x_stride, int rows,
-                                                             int64_t n_in, float *out, const uint8_t *end)
+                                                             int64_t n_in, float *out, const uint8_t *end,
+                                                             const float *eights)
 {
     const int64_t bytes = type == ASTRAI_Q8 ? BLOCK : BLOCK / 2, blocks = (n_in + BLOCK - 1) / BLOCK;
     float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
     int64_t b = 0;
 #if TYPED_AVX2
     __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS], values[4];
-    for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    float offset[ASTRAI_MAX_TYPED_ROWS];  /* int4: the 8s taken off, d * 8 * the block's sum of x */
+    for (int r = 0; r < rows; ++r) { even[r] = odd[r] = _mm256_setzero_ps(); offset[r] = 0.0f; }
     const int64_t full = n_in / BLOCK;
     for (; b + 2 <= full; b += 2) {
         prefetch_ahead(w + b * bytes, end);
-        const __m256 d0 = _mm256_set1_ps(half_to_float(scales[b])), d1 = _mm256_set1_ps(half_to_float(scales[b + 1]));
+        const float s0 = half_to_float(scales[b]), s1 = half_to_float(scales[b + 1]);
+        const __m256 d0 = _mm256_set1_ps(s0), d1 = _mm256_set1_ps(s1);
         widen_block(type, w + b * bytes, values);
         for (int r = 0; r < rows; ++r) even[r] = _mm256_fmadd_ps(d0, block_dot(values, x + r * x_stride + b * BLOCK), even[r]);
         widen_block(type, w + (b + 1) * bytes, values);
         for (int r = 0; r < rows; ++r)
             odd[r] = _mm256_fmadd_ps(d1, block_dot(values, x + r * x_stride + (b + 1) * BLOCK), odd[r]);
+        if (type == ASTRAI_Q4)
+            for (int r = 0; r < rows; ++r) offset[r] += s0 * eights[r * full + b] + s1 * eights[r * full + b + 1];
     }
-    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r])) - offset[r];
+#else
+    (void)eights;
 #endif
     for (; b < blocks; ++b) {
         const uint8_t *block = w + b * bytes;
@@ -207,14 +215,14 @@ int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
  * the compiler makes a copy of the loops for one row with its sums in registers. */
 static inline __attribute__((always_inline)) void typed_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
                              int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
-                             const uint8_t *end)
+                             const uint8_t *end, const float *eights)
 {
     switch (type) {
     case ASTRAI_Q8:
-        dot_blocks(ASTRAI_Q8, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end);
+        dot_blocks(ASTRAI_Q8, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end, eights);
         break;
     case ASTRAI_Q4:
-        dot_blocks(ASTRAI_Q4, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end);
+        dot_blocks(ASTRAI_Q4, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end, eights);
         break;
     default:
         dot_bf16((const uint16_t *)w + j * ld, x, x_stride, rows, n_in, out, end);
@@ -243,11 +251,19 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
     const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
     int64_t mine = -1;
     float highest = 0.0f, out[ASTRAI_MAX_TYPED_ROWS];
+    const int64_t full = TYPED_AVX2 && type == ASTRAI_Q4 && first < last ? n_in / BLOCK : 0;
+    float eights[rows * full + 1];  /* int4: 8 times each whole block's sum of x, per row */
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < full; ++b) {
+            float t = 0.0f;
+            for (int k = 0; k < BLOCK; ++k) t += x[r * x_stride + b * BLOCK + k];
+            eights[r * full + b] = 8.0f * t;
+        }
     for (int64_t j = first; j < last; ++j) {
         if (rows == 1)
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, eights);
         else
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, eights);
         const float b = bias ? bias[j] : 0.0f;
         for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
         if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
