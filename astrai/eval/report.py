@@ -141,25 +141,28 @@ def _corpus_words(corpus: Optional[dict]) -> str:
 
 
 def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple[Path, Path]:
-    """Write report.md and report.html into ``out_dir``; return their paths."""
+    """Write report.md and report.html into ``out_dir``; return their paths. A summary may
+    carry its own ``intro``, ``eval_note`` and ``samples_note`` (a run from a pretrained
+    model describes itself differently)."""
     out_dir = Path(out_dir)
     train_h, train_rows = training_table(summary)
     eval_h, eval_rows = eval_table(summary)
     samples = _samples(summary)
     commands = summary["commands"]
-    intro = (f"Model: `{summary['model']['preset']}` preset, {summary['model']['parameters']:,} parameters, "
+    intro = summary.get("intro") or (f"Model: `{summary['model']['preset']}` preset, {summary['model']['parameters']:,} parameters, "
              f"vocabulary {summary['model']['vocab_size']}. Budget {summary['budget_minutes']:g} min, "
              f"took {summary['total_seconds'] / 60:.1f} min on {summary['device']} "
              f"(measured training throughput before sizing the stages: "
              f"{summary['measured_tokens_per_s']:.0f} tokens/s). Seed {summary['seed']}; stage plan "
              f"{summary['plan']['source']}. Pre-training text: {_corpus_words(summary.get('corpus'))}.")
+    eval_note, samples_note = summary.get("eval_note", EVAL_NOTE), summary.get("samples_note", SAMPLES_NOTE)
     rerun = (f"The stage plan is in `plan.json`; the same seed and plan give the same numbers: "
              f"`{commands['rerun']}`")
 
     md = ["# astrai quick start report", "", intro, "", "## Training", "", _md_table(train_h, train_rows), "",
-          rerun, "", "## Evaluation", "", _md_table(eval_h, eval_rows), "", EVAL_NOTE, "", "## Loss curves", ""]
+          rerun, "", "## Evaluation", "", _md_table(eval_h, eval_rows), "", eval_note, "", "## Loss curves", ""]
     md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix() if p.is_relative_to(out_dir) else p})" for p in plots]
-    md += ["", "## Sample generations", "", SAMPLES_NOTE, "", _md_table(["stage", "prompt", "answer"],
+    md += ["", "## Sample generations", "", samples_note, "", _md_table(["stage", "prompt", "answer"],
                                                        [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
            "## Use the model", "", "```bash"] + [commands[k] for k in ("serve", "chat", "eval")] + ["```", ""]
     md_path = out_dir / "report.md"
@@ -182,9 +185,9 @@ figure {{ display: inline-block; margin: .5rem; }} td {{ white-space: pre-wrap; 
 <h2>Training</h2>{_html_table(train_h, train_rows)}
 <p>{html.escape(rerun.replace('`', ''))}</p>
 <h2>Evaluation</h2>{_html_table(eval_h, eval_rows)}
-<p>{html.escape(EVAL_NOTE.replace('`', ''))}</p>
+<p>{html.escape(eval_note.replace('`', ''))}</p>
 <h2>Loss curves</h2>{images}
-<h2>Sample generations</h2><p>{html.escape(SAMPLES_NOTE)}</p>{_html_table(["stage", "prompt", "answer"], sample_rows)}
+<h2>Sample generations</h2><p>{html.escape(samples_note)}</p>{_html_table(["stage", "prompt", "answer"], sample_rows)}
 <h2>Use the model</h2><pre>{html.escape(chr(10).join(commands[k] for k in ("serve", "chat", "eval")))}</pre>
 </body></html>
 """
