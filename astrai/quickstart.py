@@ -162,6 +162,13 @@ def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int,
 
 # --- the run ------------------------------------------------------------------------
 class Quickstart:
+    # The training stages in order, each one's share of the time left when it starts, and the
+    # number the first one has in the progress log; a run that starts from a pretrained model
+    # (astrai.quickstart_base) changes them.
+    stages: tuple[str, ...] = TRAIN_STAGES
+    shares: dict = STAGE_SHARES
+    first_stage_number = 4
+
     def __init__(self, settings: Settings):
         self.s = settings
         self.out = Path(settings.out)
@@ -189,17 +196,21 @@ class Quickstart:
         self.out.mkdir(parents=True, exist_ok=True)
         spent = read_json(self.out / "time.json")["seconds"] if (self.out / "time.json").is_file() else 0.0
         self.deadline = Deadline(self.s.minutes, spent)
-        self.stage_corpus()
-        self.stage_tokenizer()
-        self.stage_data()
-        self.tps = self.measure_throughput()
+        self.prepare()
         records = []
-        for index, name in enumerate(TRAIN_STAGES):
+        for index, name in enumerate(self.stages):
             records.append(self.train_stage(index, name))
             self.save_time()
         final = self.finish(records)
         self.save_time()
         return final
+
+    def prepare(self) -> None:
+        """Everything before the first training stage: the text, the tokenizer, the datasets, the throughput."""
+        self.stage_corpus()
+        self.stage_tokenizer()
+        self.stage_data()
+        self.tps = self.measure_throughput()
 
     def save_time(self) -> None:
         write_json(self.out / "time.json", {"seconds": self.deadline.elapsed})
@@ -286,15 +297,8 @@ class Quickstart:
         if marker.is_file():
             log("datasets: done already")
             return
-        log("[2/7] tokenising the bundled data (pre-training text, conversations, preference pairs, arithmetic)")
-        task_files = self.arithmetic_data()
-        jobs = {
-            "pretrain": dict(inputs=self.corpus["train"], train_type="seq"),
-            "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", task_files["sft"]], train_type="sft"),
-            "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl", task_files["dpo"]], train_type="dpo",
-                        seq_len=self.s.dpo_seq_len, packing="none"),
-            "grpo": dict(inputs=[task_files["grpo"]], train_type="grpo", seq_len=64, packing="none"),
-        }
+        jobs = self.data_jobs(self.arithmetic_data())
+        log(f"[2/7] tokenising the training data ({', '.join(jobs)}: bundled and generated arithmetic)")
         summaries = {}
         for kind, job in jobs.items():
             target = self.data_dir(kind)
@@ -305,28 +309,44 @@ class Quickstart:
             summaries[kind] = run_preprocess(opts)
         write_json(marker, summaries)
 
+    def data_jobs(self, task_files: dict[str, Path]) -> dict[str, dict]:
+        """What ``run_preprocess`` makes of the data, per dataset: inputs and options."""
+        return {
+            "pretrain": dict(inputs=self.corpus["train"], train_type="seq"),
+            "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", task_files["sft"]], train_type="sft"),
+            "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl", task_files["dpo"]], train_type="dpo",
+                        seq_len=self.s.dpo_seq_len, packing="none"),
+            "grpo": dict(inputs=[task_files["grpo"]], train_type="grpo", seq_len=64, packing="none"),
+        }
+
     def arithmetic_data(self) -> dict[str, Path]:
         """The arithmetic task's SFT conversations, DPO pairs and GRPO prompts, all drawn from
         its training pool (never from the held-out problems the evaluation asks), each set
         from its own seed derived from the run's: the bundled conversations alone teach the
         format but are too few for a tiny model to learn the sums in a few minutes."""
-        import random
+        from astrai.dataset.arithmetic import grpo_record, preference_pair, sft_conversation
 
-        from astrai.dataset.arithmetic import grpo_record, preference_pair, sft_conversation, training_problems
-
-        s = self.s
-        rng = random.Random(3000 + s.seed)
-        sets = {
-            "sft": [sft_conversation(p) for p in training_problems(s.sft_arithmetic, seed=1000 + s.seed)],
-            "dpo": [preference_pair(p, rng) for p in training_problems(s.dpo_arithmetic, seed=2000 + s.seed)],
-            "grpo": [grpo_record(p) for p in training_problems(s.grpo_problems, seed=4000 + s.seed)],
-        }
         paths = {}
-        for kind, records in sets.items():
+        for kind, records in self.arithmetic_sets(sft_conversation, preference_pair, grpo_record).items():
             paths[kind] = self.out / "data" / f"arithmetic_{kind}.jsonl"
             paths[kind].parent.mkdir(parents=True, exist_ok=True)
             paths[kind].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
         return paths
+
+    def arithmetic_sets(self, conversation, pair, grpo) -> dict[str, list[dict]]:
+        """The SFT, DPO and GRPO records made by ``conversation(problem)``, ``pair(problem, rng)``
+        and ``grpo(problem)`` from training-pool problems drawn with seeds derived from the run's."""
+        import random
+
+        from astrai.dataset.arithmetic import training_problems
+
+        s = self.s
+        rng = random.Random(3000 + s.seed)
+        return {
+            "sft": [conversation(p) for p in training_problems(s.sft_arithmetic, seed=1000 + s.seed)],
+            "dpo": [pair(p, rng) for p in training_problems(s.dpo_arithmetic, seed=2000 + s.seed)],
+            "grpo": [grpo(p) for p in training_problems(s.grpo_problems, seed=4000 + s.seed)],
+        }
 
     def records(self, kind: str) -> int:
         """How many examples the preprocessed ``kind`` dataset holds."""
@@ -364,15 +384,15 @@ class Quickstart:
     # --- training stages ------------------------------------------------------------------
     def training_seconds_left(self, name: str) -> float:
         """Time left for this and the later training stages, after reserving their evaluations."""
-        remaining = TRAIN_STAGES[TRAIN_STAGES.index(name):]
+        remaining = self.stages[self.stages.index(name):]
         per_eval = self.eval_seconds if self.eval_seconds is not None else self.estimate_eval_seconds()
         eval_reserve = min(len(remaining) * per_eval, 0.3 * self.deadline.left) + 5.0
         return self.deadline.left - eval_reserve
 
     def stage_seconds(self, name: str) -> float:
         """This stage's share of the time left, after reserving the remaining evaluations."""
-        remaining = TRAIN_STAGES[TRAIN_STAGES.index(name):]
-        share = STAGE_SHARES[name] / sum(STAGE_SHARES[n] for n in remaining)
+        remaining = self.stages[self.stages.index(name):]
+        share = self.shares[name] / sum(self.shares[n] for n in remaining)
         return max(5.0, self.training_seconds_left(name) * share)
 
     def stage_time_limit(self, name: str, seconds: float) -> float:
@@ -416,15 +436,7 @@ class Quickstart:
             kw = dict(train_type="sft", **data, param_path=str(self.model_dir("pretrain")), batch_per_device=s.batch_size,
                       window_size=s.window_size, max_lr=s.lr["sft"], warmup_ratio=0.05)
         elif name == "dpo":
-            # chosen + rejected through the policy (forward + backward) and the reference (forward)
-            # at most half a pass over the pairs: longer DPO on this small constructed set pulls the
-            # chosen answers down with the rejected ones (seen: arithmetic accuracy 0.24 → 0.04 after
-            # 1.3 passes at lr 5e-5)
-            steps = min(seconds * tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3),
-                        self.records("dpo") // (2 * s.batch_size))
-            kw = dict(train_type="dpo", data_root_path=str(self.data_dir("dpo")), param_path=str(self.model_dir("sft")),
-                      batch_per_device=s.batch_size, window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1,
-                      strategy_kwargs={"beta": 0.1})
+            steps, kw = self.dpo_plan(seconds)
         else:
             # an update over group·prompts sequences of ~32 tokens (policy, behaviour and reference passes)
             # plus one decoding step of all sequences per answer token (a forward costs ~1/3 of training)
@@ -442,10 +454,21 @@ class Quickstart:
         steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
 
+    def dpo_plan(self, seconds: float) -> tuple[float, dict]:
+        """DPO's step count for ``seconds`` and its TrainConfig fields. Chosen + rejected go
+        through the policy (forward + backward) and the reference (forward); at most half a pass
+        over the pairs: longer DPO on this small constructed set pulls the chosen answers down with
+        the rejected ones (seen: arithmetic accuracy 0.24 → 0.04 after 1.3 passes at lr 5e-5)."""
+        s = self.s
+        steps = min(seconds * self.tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3),
+                    self.records("dpo") // (2 * s.batch_size))
+        return steps, dict(train_type="dpo", data_root_path=str(self.data_dir("dpo")),
+                           param_path=str(self.model_dir("sft")), batch_per_device=s.batch_size,
+                           window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1, strategy_kwargs={"beta": 0.1})
+
     def train_stage(self, index: int, name: str, check_pace: bool = True) -> dict:
         from astrai.config import TrainConfig
         from astrai.serialization import latest_checkpoint
-        from astrai.trainer import Trainer
 
         marker = self.done_path(name)
         if marker.is_file():
@@ -463,14 +486,14 @@ class Quickstart:
             seconds = read_json(self.stage_dir(name) / "budget.json")["seconds"]
             config = self.train_config(index, name, seconds)
             config.max_steps, config.ckpt_interval = started.max_steps, started.ckpt_interval
-            log(f"[{index + 4}/7] {name}: resuming from {checkpoint}")
+            log(f"[{index + self.first_stage_number}/7] {name}: resuming from {checkpoint}")
         else:
             seconds = self.stage_seconds(name)
             config = self.train_config(index, name, seconds)
             config_path.parent.mkdir(parents=True, exist_ok=True)
             config.save(config_path)
             write_json(self.stage_dir(name) / "budget.json", {"seconds": seconds})
-            log(f"[{index + 4}/7] {name}: {config.max_steps} steps in about {seconds:.0f}s "
+            log(f"[{index + self.first_stage_number}/7] {name}: {config.max_steps} steps in about {seconds:.0f}s "
                 f"({self.deadline.left / 60:.1f} min left in the run)")
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
@@ -480,7 +503,7 @@ class Quickstart:
         if check_pace and name == "pretrain" and callbacks and checkpoint is None and config.ckpt_interval > PACE_CHECK_STEPS[1]:
             pace = make_pace_check_callback(self.tps, config.batch_per_device * config.window_size)
             callbacks.append(pace)
-        context = Trainer(config, callbacks=callbacks, strategy_extra=extra).train(checkpoint=checkpoint)
+        context = self.trainer(config, callbacks, extra).train(checkpoint=checkpoint)
         if context is None or context.stop_requested:
             log(f"{name} interrupted after step {context.step if context else '?'}; its checkpoint is saved: "
                 f"run the same command again to resume")
@@ -507,6 +530,12 @@ class Quickstart:
         write_json(marker, record)
         self.follow_throughput(record)
         return record
+
+    def trainer(self, config, callbacks: list, extra: Optional[dict]):
+        """The Trainer of one stage (a subclass may prepare the model itself, e.g. with LoRA adapters)."""
+        from astrai.trainer import Trainer
+
+        return Trainer(config, callbacks=callbacks, strategy_extra=extra)
 
     def follow_throughput(self, record: dict) -> None:
         """Size later stages with the throughput just measured (the machine's load may have
@@ -552,7 +581,7 @@ class Quickstart:
         final_dir = self.out / "model"
         if final_dir.exists():
             shutil.rmtree(final_dir)
-        shutil.copytree(self.model_dir(TRAIN_STAGES[-1]), final_dir)
+        shutil.copytree(self.model_dir(self.stages[-1]), final_dir)
         self.tokenizer.save_pretrained(final_dir)
         write_json(final_dir / "generation_config.json",
                    {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 128})
@@ -566,10 +595,19 @@ class Quickstart:
                                plots_dir / f"{record['name']}.png")
             if plot is not None:
                 plots.append(plot)
+        summary = self.summary(records, final_dir)
+        write_json(self.out / PLAN_FILE, summary["plan"])
+        write_json(self.summary_path, summary)
+        md, html = write_report(self.out, summary, plots)
+        log(f"done in {summary['total_seconds'] / 60:.1f} min: model in {final_dir}, report in {md} and {html}")
+        return summary
+
+    def summary(self, records: list[dict], final_dir: Path) -> dict:
+        """What the run measured, as the report and ``summary.json`` show it."""
         pretrain_ppl = records[0]["eval"].get("perplexity", {})
         model_path = shlex.quote(str(final_dir.resolve()))
         astrai = _astrai_command()
-        summary = {
+        return {
             "model": {"preset": self.s.preset, "vocab_size": self.tokenizer.vocab_size,
                       "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
             "budget_minutes": self.s.minutes, "total_seconds": self.deadline.elapsed, "device": _device_name(),
@@ -586,11 +624,6 @@ class Quickstart:
                 "rerun": f"{astrai} quickstart {self.rerun_arguments()} --out NEW_DIR",
             },
         }
-        write_json(self.out / PLAN_FILE, summary["plan"])
-        write_json(self.summary_path, summary)
-        md, html = write_report(self.out, summary, plots)
-        log(f"done in {summary['total_seconds'] / 60:.1f} min: model in {final_dir}, report in {md} and {html}")
-        return summary
 
 
 # --- module helpers -------------------------------------------------------------------
@@ -660,10 +693,16 @@ def run_quickstart(**settings: Any) -> dict:
         from astrai.errors import ConfigError
 
         raise ConfigError(f"sft_replay must be in [0, 1), got {s.sft_replay}")
+    return Quickstart(resumed_settings(s)).run()
+
+
+def resumed_settings(s: Settings) -> Settings:
+    """The settings a run directory was started with when it has them (a resumed run keeps
+    them), else ``s``, saved there."""
     path = Path(s.out) / "settings.json"
     if path.is_file():
         try:
-            saved = Settings(**read_json(path))
+            saved = type(s)(**read_json(path))
         except (TypeError, json.JSONDecodeError) as exc:
             from astrai.errors import ConfigError
 
@@ -672,15 +711,15 @@ def run_quickstart(**settings: Any) -> dict:
             log(f"{path}: resuming a run started with other settings; keeping those ({saved.minutes:g} min, "
                 f"preset {saved.preset}, vocabulary {saved.vocab_size}). Use a new --out to start afresh.")
         saved.out, saved.progress = s.out, s.progress  # where it lives now; display only
-        s = saved
-    else:
-        write_json(path, s.__dict__)
-    return Quickstart(s).run()
+        return saved
+    write_json(path, s.__dict__)
+    return s
 
 
-def load_plan(path: str | Path) -> dict:
+def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
     """The optimizer steps per stage from a plan file (``plan.json`` of an earlier run, or
-    ``{"steps": {"pretrain": 300, "sft": 100, "dpo": 10, "grpo": 20}}``)."""
+    ``{"steps": {"pretrain": 300, "sft": 100, "dpo": 10, "grpo": 20}}``); ``stages`` are the
+    run's training stages."""
     from astrai.errors import ConfigError
 
     try:
@@ -689,15 +728,16 @@ def load_plan(path: str | Path) -> dict:
         raise ConfigError(f"--plan {path}: file not found") from None
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
         raise ConfigError(f"--plan {path}: expected JSON with a 'steps' object ({exc})") from None
-    if not isinstance(steps, dict) or set(steps) != set(TRAIN_STAGES) or not all(
+    if not isinstance(steps, dict) or set(steps) != set(stages) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in steps.values()):
-        raise ConfigError(f"--plan {path}: 'steps' must give a positive integer for each of {', '.join(TRAIN_STAGES)}, "
+        raise ConfigError(f"--plan {path}: 'steps' must give a positive integer for each of {', '.join(stages)}, "
                           f"got {steps!r}")
     return dict(steps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default: runs/quickstart, with --base runs/quickstart-base)")
     parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run (default 15)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the data order, initial weights and generated task data (default 0)")
@@ -709,6 +749,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", default="auto",
                         help="pre-training text: auto (the large corpus when built, else the bundled sample), "
                              "bundled, or a corpus directory (default auto)")
+    parser.add_argument("--base", default=None, metavar="PATH",
+                        help="start from a pretrained model instead of from scratch: a Hugging Face model directory, "
+                             "a GGUF file (Llama/Qwen2/Qwen3/Mistral) or 'smollm2' (installed by scripts/setup.sh); "
+                             "skips the tokenizer and pre-training (docs/quickstart.md)")
+    parser.add_argument("--finetune", default=None, choices=("full", "lora"),
+                        help="with --base: fine-tune every weight or train LoRA adapters (default full)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
 
 
@@ -717,10 +763,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.minutes <= 0:
         raise ConfigError(f"--minutes must be positive, got {args.minutes}")
+    if args.base is not None:
+        from astrai.quickstart_base import run_from_args
+
+        return run_from_args(args)
+    if args.finetune is not None:
+        raise ConfigError("--finetune applies to a run from a pretrained model: add --base PATH")
     steps = load_plan(args.plan) if args.plan else None
-    summary = run_quickstart(out=args.out, minutes=args.minutes, seed=args.seed, preset=args.preset,
+    out = args.out or Settings.out
+    summary = run_quickstart(out=out, minutes=args.minutes, seed=args.seed, preset=args.preset,
                              vocab_size=args.vocab_size, steps=steps, corpus=args.corpus, progress=not args.no_progress)
-    print(json.dumps({"model_dir": summary["model_dir"], "report": str(Path(args.out) / "report.html"),
+    print_outcome(summary, out)
+    return 0
+
+
+def print_outcome(summary: dict, out: str) -> None:
+    """The run's last words on stdout: where the model and the report are, and each stage's headline."""
+    print(json.dumps({"model_dir": summary["model_dir"], "report": str(Path(out) / "report.html"),
                       **{f"{s['name']}": _headline(s.get("eval", {})) for s in summary["stages"]}},
                      indent=2, ensure_ascii=False))
-    return 0

