@@ -75,6 +75,25 @@ def test_llama_qwen2_and_qwen3_shapes_decode_fused_and_the_stats_say_so(override
         assert together == want and paths["torch"] == 0 and paths["row_kernels"] > 0
 
 
+def test_bf16_linear_weights_under_fp32_activations_decode_fused():
+    """Linear weights in bf16 with embedding, norms and KV cache in fp32 (llama.cpp's BF16): the
+    fused step reads the bf16 weights and gives the tokens of the fp32 model holding the same
+    values."""
+    reference = served("fp32", tie_weight=False)
+    model = served("fp32", tie_weight=False)
+    with torch.no_grad():
+        for module in list(model.modules()):
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = module.weight.data.to(torch.bfloat16)
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = module.weight.data.to(torch.bfloat16).float()
+    want = [greedy_reference(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+    got, paths = run(model, PROMPTS)
+    assert got == want
+    assert paths == {"fused": len(PROMPTS) * (GREEDY.max_tokens - 1), "row_kernels": 0, "torch": 0}
+
+
 def test_a_batch_of_more_rows_than_one_pass_takes_stays_in_the_kernels():
     """Twelve rows: two passes of the typed product over each weight, the tokens the model's own."""
     model = served("int8", seed=1)
