@@ -343,18 +343,25 @@ def run_server(model: str, precision: str, llamacpp, args) -> dict:
 
 
 def print_table(pairs: list[dict], servers: list[dict]) -> None:
-    """The ratios of the whole sitting, one line per pair."""
-    print("\nmodel     precision  decode astrai/llama.cpp (repack 0)  prefill astrai/llama.cpp  decode bound fractions astrai, llama.cpp")
+    """The ratios of the whole sitting (astrai / llama.cpp, medians), one line per pair."""
+    def ratio(row: dict, key: str) -> str:
+        return f"{row[key]:.2f}x" if key in row else "-"
+
+    def fraction(row: dict, key: str) -> str:
+        return f"{row[key]['fraction_of_bound']:.2f}" if row.get(key) else "-"
+
+    print(f"\n{'model':<8} {'precision':<9} {'decode':>7} {'repack 0':>8} {'prefill':>7} {'repack 0':>8} "
+          f"{'of bound: astrai':>16} {'llama.cpp':>9}")
     for p in pairs:
-        def r(key):
-            return f"{p[key]:.2f}x" if key in p else "-"
-        fractions = ", ".join(f"{p[k]['fraction_of_bound']:.2f}" if p.get(k) else "-"
-                              for k in ("astrai_decode", "llamacpp_decode_default"))
-        print(f"{p['model']:<9} {p['precision']:<10} {r('decode_ratio'):>7} ({r('decode_ratio_repack0')})"
-              f"{'':<20} {r('prefill_ratio'):>7}{'':<18} {fractions}"
-              + ("" if "astrai" not in p else f"   astrai {p['astrai']}"))
+        print(f"{p['model']:<8} {p['precision']:<9} {ratio(p, 'decode_ratio'):>7} {ratio(p, 'decode_ratio_repack0'):>8} "
+              f"{ratio(p, 'prefill_ratio'):>7} {ratio(p, 'prefill_ratio_repack0'):>8} "
+              f"{fraction(p, 'astrai_decode'):>16} {fraction(p, 'llamacpp_decode_default'):>9}"
+              + (f"  astrai {p['astrai']}" if "astrai" in p else ""))
+    for p in pairs:
+        if "vs_transformers_ratio" in p:
+            print(f"{p['model']} {p['precision']} decode, astrai / transformers: {p['vs_transformers_ratio']:.2f}x")
     for s in servers:
-        print(f"server {s['model']} {s['precision']}: astrai/llama-server " + (f"{s['ratio']:.2f}x" if "ratio" in s else "-"))
+        print(f"server {s['model']} {s['precision']}, astrai / llama-server output tok/s: {ratio(s, 'ratio')}")
 
 
 def parse_args() -> argparse.Namespace:
