@@ -219,7 +219,7 @@ class BaseQuickstart(Quickstart):
     def arithmetic_sets(self, conversation, pair, grpo) -> dict[str, list[dict]]:
         return super().arithmetic_sets(_conversation, _pair, _grpo)
 
-    # --- stage 3: no probe ---------------------------------------------------------------------
+    # --- throughput: measured by SFT itself ------------------------------------------------------
     def measure_throughput(self) -> float:
         """A 100M-parameter model's training steps take seconds each on a CPU, so a probe would
         cost a real share of the budget: SFT instead runs at a constant learning rate until its
@@ -231,7 +231,7 @@ class BaseQuickstart(Quickstart):
     def stage_time_limit(self, name: str, seconds: float) -> float:
         return seconds if name == "sft" else super().stage_time_limit(name, seconds)
 
-    # --- stage 4: the base model's own numbers ---------------------------------------------------
+    # --- stage 3: the base model's own numbers ---------------------------------------------------
     def evaluate_base(self) -> dict:
         marker = self.done_path("base")
         if marker.is_file():
