@@ -17,10 +17,11 @@ Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout), reading the weight 
 rows and summing in fp32 without quantizing the activations. ``TypedWeight`` describes such a
 weight (``typed_product`` takes it).
 
-A whole single-request decode step. ``native/decode_step.c`` runs every layer of a plain
-GQA + SwiGLU model for one row - norms, rotary embedding, K/V writes, attention, SiLU,
-residuals and the head - in one call, between the same one-row products and decode
-attention as above; fused_decode.py decides when a model and a step qualify and builds its
+A whole single-request decode step. ``native/decode_step.c`` runs every layer of a GQA +
+SwiGLU model for one row - norms (QK-norm too), biases, rotary embedding, K/V writes,
+attention, SiLU, residuals and the head - in one call, between the same products (over
+fp32, bf16, int8 or int4 weights, each weight's type in its table) and decode attention as
+above; fused_decode.py decides when a model and a step qualify and builds its
 table of pointers. ``decode_steps`` runs several such steps of a greedy request in one
 call, each taking the last one's argmax as its token.
 
@@ -29,7 +30,8 @@ the source, the flags and this CPU's feature flags (it is compiled for this CPU;
 build deletes all but the four most recent older ones), and loaded with ctypes; its OpenMP
 calls resolve to the libgomp that torch already loaded, so its threads are torch's. Without
 a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``, nothing is built: attention keeps the
-batched products and one-row products the split (a warning says so once).
+batched products, one-row products the split and typed weights are dequantized for torch's
+product (a warning says so once; the engine's ``decode_paths`` statistic shows it).
 
 The build targets this CPU (``-march=native``): with AVX2 and FMA the typed products widen
 their blocks with intrinsics, with F16C the scales convert in one instruction. Any other CPU

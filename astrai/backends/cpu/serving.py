@@ -168,17 +168,16 @@ def typed_weight(module: nn.Module) -> Optional[TypedWeight]:
 
 
 class CheckedWeight:
-    """A module's ``typed_weight``, checked once and made again only when the tensors it reads
+    """A module's ``typed_weight``, checked once and checked again only when the tensors it reads
     were replaced or moved (a cast, a reload into new memory); None while the kernels cannot
-    read them."""
+    read them. It holds no reference to the module, so a deep copy of the module reads its own."""
 
-    def __init__(self, make: Callable[[], Optional[TypedWeight]]):
-        self._make = make
+    def __init__(self):
         self._stamp: Optional[tuple] = None
         self._weight: Optional[TypedWeight] = None
 
-    def get(self) -> Optional[TypedWeight]:
-        weight = self._make()
+    def get(self, module: nn.Module) -> Optional[TypedWeight]:
+        weight = typed_weight(module)
         if weight is None:
             return None
         stamp = (weight.data.data_ptr(), weight.data.dtype, weight.data.shape,
@@ -202,8 +201,8 @@ class ServingLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.bfloat16:
             if self.checked is None:
-                self.checked = CheckedWeight(lambda: typed_weight(self))
-            return typed_serving_product(x, self.checked.get(), self.bias, lambda: self.weight)
+                self.checked = CheckedWeight()
+            return typed_serving_product(x, self.checked.get(self), self.bias, lambda: self.weight)
         return serving_product(x, self.weight, self.bias, self.packed)
 
 
@@ -215,8 +214,8 @@ class ServingQuantizedLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checked is None:
-            self.checked = CheckedWeight(lambda: typed_weight(self))
-        return typed_serving_product(x, self.checked.get(), self.bias, self.dequantize)
+            self.checked = CheckedWeight()
+        return typed_serving_product(x, self.checked.get(self), self.bias, self.dequantize)
 
 
 def stored_weight(module: nn.Module) -> torch.Tensor:

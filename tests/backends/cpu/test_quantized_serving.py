@@ -5,12 +5,14 @@ which, and the forced portable build gives the same tokens."""
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import pytest
 import torch
 
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.kernels import kernels_available
-from astrai.backends.cpu.serving import ServingQuantizedLinear, route_counts
+from astrai.backends.cpu.serving import ServingQuantizedLinear, prepare_for_serving, route_counts
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.quantized import quantize_model
 from inference_helpers import greedy_reference, make_model, with_uneven_norms
@@ -36,7 +38,8 @@ def served(weights: str, seed: int = 0, **overrides) -> torch.nn.Module:
 def run(model, prompts, max_batch_size=1):
     """Each prompt's greedy tokens from an engine over ``model``, and the engine's decode paths."""
     with InferenceEngine(model, None, max_batch_size=max_batch_size, page_size=4, num_pages=96) as engine:
-        handles = [engine.submit(p, GREEDY) for p in prompts]
+        with engine.scheduler._lock:  # all queued before the loop plans a step: they decode together
+            handles = [engine.submit(p, GREEDY) for p in prompts]
         tokens = [h.result(timeout=60).token_ids for h in handles]
         return tokens, engine.get_stats()["decode_paths"]
 
@@ -132,6 +135,19 @@ def test_a_prefill_multiplies_the_dequantized_weight_once_per_product():
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     finally:
         engine_model.shutdown()
+
+
+def test_a_deep_copy_of_a_served_model_reads_its_own_weights():
+    """A served module remembers its checked weight; a copy of it must not read the original's."""
+    model = served("int8")
+    prepare_for_serving(model)
+    x = torch.randn(1, 1, 64)
+    module = model.layers[0].attention.o_proj
+    with torch.no_grad():
+        module(x)  # checked once
+        copy = deepcopy(module)
+        copy.qweight.zero_()
+        assert torch.equal(copy(x), torch.zeros(1, 1, 64)) and not torch.equal(module(x), copy(x))
 
 
 def test_the_portable_build_gives_the_same_tokens(monkeypatch):
