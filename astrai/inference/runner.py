@@ -44,7 +44,7 @@ class GreedyRun:
     max_seconds: float
 
 
-DECODE_PATHS = ("fused", "row_kernels", "torch")
+DECODE_PATHS = ("fused", "row_kernels", "batched", "torch")
 
 
 class ModelRunner:
@@ -52,9 +52,11 @@ class ModelRunner:
 
     It counts its decode steps by the path that ran them (``decode_path_counts``): "fused"
     (the CPU backend's whole step in one C call, each step of a greedy run counted), "row_kernels"
-    (the model's forward with every product in the backend's C products) and "torch" (the
-    model's forward with at least one product through torch's own ops), so that a model the
-    fast paths do not fit is seen, not silently slow."""
+    (the model's forward with every product in the backend's C products), "batched" (the
+    model's forward with products of several rows through torch's fast routes for them:
+    oneDNN's packed weights, the two-half split) and "torch" (the model's forward with at least
+    one product as plain torch ops: this runner's every step, the CPU backend's fallbacks), so
+    that a model the fast paths do not fit is seen, not silently slow."""
 
     packs_prefill = False  # whether a prefill step's rows go unpadded (its token budget then counts real tokens)
     runs_greedy = False  # whether ``greedy_run`` can take several steps in one call

@@ -6,7 +6,8 @@ copies, huge pages), keeps the decode batch's contexts in dense buffers across s
 request's decode step, or a run of greedy steps, through the fused C step when the model
 fits it (fused_decode.py), counting the decode steps each path ran (``decode_path_counts``:
 a step of the model's forward is "row_kernels" when every product in it took the C kernels,
-per serving.py's tally of routes). Every step's result is the one the plain runner would give; only
+"batched" when the others took oneDNN's packed weights or the split, "torch" when any fell
+back to plain torch, per serving.py's tally of routes). Every step's result is the one the plain runner would give; only
 the route differs.
 """
 
@@ -51,10 +52,11 @@ class CpuModelRunner(ModelRunner):
         if any(len(r.tokens) != 1 for r in rows):
             return self.model_forward(rows), None
         counts = route_counts()
-        kernel, total = counts["kernel"], sum(counts.values())
+        before = (counts["kernel"], counts["torch"] + counts["dense"], sum(counts.values()))
         logits = self.model_forward(rows)
-        in_kernels = counts["kernel"] - kernel == sum(counts.values()) - total
-        self.decode_paths["row_kernels" if in_kernels else "torch"] += 1
+        kernel, fallback, total = (counts["kernel"] - before[0], counts["torch"] + counts["dense"] - before[1],
+                                   sum(counts.values()) - before[2])
+        self.decode_paths["torch" if fallback else "row_kernels" if kernel == total else "batched"] += 1
         return logits, None
 
     def bind(self, rows: Sequence[Row]):

@@ -12,7 +12,8 @@ import torch
 
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.kernels import kernels_available
-from astrai.backends.cpu.serving import ServingQuantizedLinear, prepare_for_serving, route_counts
+from astrai.backends.cpu.serving import (ServingQuantizedLinear, onednn_available, prepare_for_serving,
+                                         route_counts)
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.quantized import quantize_model
 from inference_helpers import greedy_reference, make_model, with_uneven_norms
@@ -54,8 +55,8 @@ def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(weights, tie
     alone, paths = run(model, PROMPTS)
     steps = len(PROMPTS) * (GREEDY.max_tokens - 1)
     # an all-bf16 model keeps bf16 activations and KV cache, which the fused step does not take
-    assert paths == ({"fused": steps, "row_kernels": 0, "torch": 0} if weights != "bf16"
-                     else {"fused": 0, "row_kernels": steps, "torch": 0})
+    assert paths == ({"fused": steps, "row_kernels": 0, "batched": 0, "torch": 0} if weights != "bf16"
+                     else {"fused": 0, "row_kernels": steps, "batched": 0, "torch": 0})
     together, paths = run(model, PROMPTS, max_batch_size=3)
     assert alone == together == want
     assert paths["torch"] == 0 and paths["row_kernels"] > 0
@@ -67,15 +68,16 @@ def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(weights, tie
 def test_llama_qwen2_and_qwen3_shapes_decode_fused_and_the_stats_say_so(overrides, weights):
     """A plain llama, q/k/v biases (qwen2), QK-norm (qwen3), both with an untied head over a
     larger vocabulary: each single request's decode steps run fused, a batch's in the row
-    kernels, and the tokens are the model's own."""
+    kernels or oneDNN's packed products, none in plain torch, and the tokens are the model's own."""
     model = served(weights, **overrides)
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in PROMPTS[:2]]
     alone, paths = run(model, PROMPTS[:2])
     assert alone == want
-    assert paths == {"fused": 2 * (GREEDY.max_tokens - 1), "row_kernels": 0, "torch": 0}
-    if weights == "int8":  # fp32 batches take oneDNN's packed copy, a torch op
-        together, paths = run(model, PROMPTS[:2], max_batch_size=2)
-        assert together == want and paths["torch"] == 0 and paths["row_kernels"] > 0
+    assert paths == {"fused": 2 * (GREEDY.max_tokens - 1), "row_kernels": 0, "batched": 0, "torch": 0}
+    together, paths = run(model, PROMPTS[:2], max_batch_size=2)
+    assert together == want and paths["torch"] == 0
+    # fp32 rows share oneDNN's packed weights where the build has them; typed ones the C products
+    assert paths["row_kernels" if weights == "int8" or not onednn_available() else "batched"] > 0
 
 
 def test_bf16_linear_weights_under_fp32_activations_decode_fused():
@@ -94,7 +96,7 @@ def test_bf16_linear_weights_under_fp32_activations_decode_fused():
     want = [greedy_reference(reference, p, GREEDY.max_tokens) for p in PROMPTS]
     got, paths = run(model, PROMPTS)
     assert got == want
-    assert paths == {"fused": len(PROMPTS) * (GREEDY.max_tokens - 1), "row_kernels": 0, "torch": 0}
+    assert paths == {"fused": len(PROMPTS) * (GREEDY.max_tokens - 1), "row_kernels": 0, "batched": 0, "torch": 0}
 
 
 def test_a_batch_of_more_rows_than_one_pass_takes_stays_in_the_kernels():
@@ -115,7 +117,7 @@ def test_a_model_the_fast_paths_do_not_fit_is_counted_as_torch(monkeypatch):
     finally:
         monkeypatch.delenv("ASTRAI_NATIVE_KERNELS")
         kernels._library.cache_clear()
-    assert paths == {"fused": 0, "row_kernels": 0, "torch": GREEDY.max_tokens - 1}
+    assert paths == {"fused": 0, "row_kernels": 0, "batched": 0, "torch": GREEDY.max_tokens - 1}
 
 
 def test_a_prefill_multiplies_the_dequantized_weight_once_per_product():
