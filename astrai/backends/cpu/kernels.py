@@ -85,7 +85,8 @@ def _cache_dir() -> Path:
     return Path(base) / "astrai" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags as /proc/cpuinfo lists them (the processor's name elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -98,7 +99,7 @@ def _cpu_flags() -> str:
 def _build(compiler: str) -> Path:
     source = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
     flags = _flags()
-    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"astrai-kernels-{key}.so"
     if target.exists():
         return target

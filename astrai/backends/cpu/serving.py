@@ -23,7 +23,8 @@ a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
 ``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_TYPED_ROWS``
 rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
 fp32 (up to ``TYPED_MAX_ROWS`` rows, ``MAX_TYPED_ROWS`` a pass); more rows (a prefill) multiply
-the weight dequantized once for the call with torch. Their
+the weight dequantized once for the call with torch (bf16 activations in fp32 on a CPU without
+native bf16 products, where torch emulates them). Their
 groups stack too: stacking along the outputs concatenates rows, so the joint weight of
 quantized members is their values and scales, each concatenated.
 
@@ -33,6 +34,7 @@ runner turns into its count of decode steps per path.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from typing import Callable, Optional, Sequence
@@ -42,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
-from astrai.backends.cpu.kernels import (BF16, F32, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, kernels_available,
-                                         row_major, row_product, typed_product)
+from astrai.backends.cpu.kernels import (BF16, F32, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, cpu_flags,
+                                         kernels_available, row_major, row_product, typed_product)
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
@@ -141,7 +143,20 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
                                  for i in range(0, rows, MAX_TYPED_ROWS)])
             return out.view(*x.shape[:-1], -1).to(x.dtype)
     _note("dense")
-    return F.linear(x, dense().to(x.dtype), None if bias is None else bias.to(x.dtype))
+    weight_values = dense().to(x.dtype)
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_products():
+        # the same bf16 values multiplied in fp32: torch's bf16 product is emulated (slower) here
+        out = F.linear(x.float(), weight_values.float(), None if bias is None else bias.to(x.dtype).float())
+        return out.to(x.dtype)
+    return F.linear(x, weight_values, None if bias is None else bias.to(x.dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16_products() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where torch's bf16 product
+    beats converting to fp32; elsewhere it is emulated, several times slower than fp32's."""
+    flags = set(cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -92,6 +92,6 @@ def test_the_portable_build_gives_the_same_products(monkeypatch):
 
 
 def test_a_cpu_with_avx2_and_fma_gets_the_vectorised_build():
-    flags = kernels._cpu_flags().split()
+    flags = kernels.cpu_flags().split()
     if "avx2" in flags and "fma" in flags:
         assert kernels.typed_products_vectorised()
