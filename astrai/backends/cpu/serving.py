@@ -256,12 +256,13 @@ class JointProduct:
         self.packed = PackedWeight(self.weight, [m.weight for m in modules]) if fp32 and onednn_available() else None
 
     def _member_addresses(self) -> list[int]:
-        biases = [m.bias.data_ptr() for m in self.modules] if self.bias is not None else []
-        return [stored_weight(m).data_ptr() for m in self.modules] + biases
+        biases = [0 if m.bias is None else m.bias.data_ptr() for m in self.modules] if self.bias is not None else []
+        scales = [m.scales.data_ptr() for m in self.modules if isinstance(m, QuantizedLinear)]
+        return [stored_weight(m).data_ptr() for m in self.modules] + scales + biases
 
     def current(self) -> Optional[torch.Tensor]:
-        """The joint weight while every member's weight (and bias, when they were stacked) is
-        still its block of it, else None."""
+        """The joint weight while every member's weight (its scales, its bias when they were
+        stacked) is still its block of it, else None."""
         return self.weight if self._member_addresses() == self._addresses else None
 
     def typed_weight(self) -> Optional[TypedWeight]:

@@ -152,6 +152,20 @@ def test_a_deep_copy_of_a_served_model_reads_its_own_weights():
         assert torch.equal(copy(x), torch.zeros(1, 1, 64)) and not torch.equal(module(x), copy(x))
 
 
+def test_scales_assigned_anew_after_preparation_are_followed():
+    """A stacked group whose member's scales were replaced runs module by module, with the new ones."""
+    model = served("int8")
+    prepare_for_serving(model)
+    attention = model.layers[0].attention
+    x = torch.randn(1, 1, 64)
+    assert attention.joint.current() is not None
+    attention.k_proj.scales = attention.k_proj.scales * 2
+    assert attention.joint.current() is None
+    with torch.no_grad():
+        _, k, _ = attention.project(x)
+        assert torch.allclose(k, torch.nn.functional.linear(x, attention.k_proj.dequantize()), atol=1e-5)
+
+
 def test_the_portable_build_gives_the_same_tokens(monkeypatch):
     model = served("int4")
     native, _ = run(model, PROMPTS)
