@@ -39,6 +39,7 @@ BASE_STAGES = ("sft", "dpo", "grpo")
 BASE_SHARES = {"sft": 0.55, "dpo": 0.15, "grpo": 0.30}
 # SFT's plan assumes this training rate (more than a CPU reaches) and the time guard ends it.
 SFT_TOKENS_PER_S_BOUND = 400.0
+EVAL_MAX_SEQ_LEN = 512  # prompt + answer in the evaluation's engine
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type values astrai opens
 DEFAULT_OUT = "runs/quickstart-base"
 # Appended to every arithmetic question, in the question's language.
@@ -317,7 +318,9 @@ class BaseQuickstart(Quickstart):
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
         results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=s.ppl_window,
                            ppl_stride=s.ppl_window - s.ppl_window // 4, ppl_max_tokens=s.ppl_max_tokens)
-        with InferenceEngine(model, self.tokenizer, max_batch_size=32) as engine:
+        # a cache sized for these short prompts and answers, around the model itself (it is not used again)
+        with InferenceEngine(model, self.tokenizer, max_batch_size=32, max_seq_len=EVAL_MAX_SEQ_LEN,
+                             in_place=True) as engine:
             task = heldout_task(s.eval_problems)
             results.update(evaluate(model, self.tokenizer, task=task,
                                     generator=engine_generator(engine, s.eval_max_new_tokens)))
