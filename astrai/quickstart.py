@@ -523,6 +523,7 @@ class Quickstart:
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
         }
+        del context  # the trained model, its optimizer state and gradients: the evaluation reloads the model
         start = time.perf_counter()
         record["eval"] = self.evaluate(name)
         record["seconds_eval"] = self.eval_seconds = time.perf_counter() - start
