@@ -54,7 +54,8 @@ class InferenceEngine:
         """Model, tokenizer and (optional) generation_config.json defaults from one directory.
 
         ``quantize`` ("int8" or "int4") quantizes the float weights as they load (see
-        ``astrai.model.quantized``); ``dtype`` then applies to what stays float. A directory
+        ``astrai.model.quantized``); ``dtype`` then applies to what stays float (bfloat16 on the
+        CPU to the linear weights only: ``cast_linear_weights``). A directory
         that is already quantized opens as it is, without the argument.
         """
         from astrai.tokenize import AutoTokenizer
@@ -204,9 +205,11 @@ def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str 
                quantize: Optional[str] = None):
     """The model of ``model_dir``, quantized to ``quantize`` from its float32 weights when asked."""
     from astrai.model import AutoModel
-    from astrai.model.quantized import format_bits, quantize_model
+    from astrai.model.quantized import cast_linear_weights, format_bits, quantize_model
 
     if quantize is None:
+        if _linear_weights_only(dtype, device):
+            return cast_linear_weights(AutoModel.from_pretrained(model_dir, device=device), dtype)
         return AutoModel.from_pretrained(model_dir, dtype=dtype, device=device)
     format_bits(quantize)  # an unknown format stops before the weights are read
     model = AutoModel.from_pretrained(model_dir)
@@ -216,4 +219,14 @@ def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str 
     elif saved["format"] != quantize:
         raise ConfigError(f"{model_dir} holds {saved['format']} weights; it cannot be served as {quantize} "
                           f"(quantize the float model instead, or leave out the quantize option)")
+    if _linear_weights_only(dtype, device):
+        return cast_linear_weights(model.to(device), dtype)
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+
+
+def _linear_weights_only(dtype: Optional[torch.dtype], device: str | torch.device) -> bool:
+    """bf16 on the CPU casts the linear weights only (as llama.cpp's BF16 files keep norms in
+    fp32): activations and the KV cache stay fp32, so the fused decode step takes the model
+    and half the bytes it streams; a CPU without native bf16 arithmetic gains nothing from
+    bf16 activations."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu"

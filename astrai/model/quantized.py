@@ -182,6 +182,30 @@ def _untie(model: nn.Module) -> None:
         config.tie_weight = False
 
 
+def cast_linear_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast only the float linears' weights to ``dtype`` (e.g. bf16), in place, and return ``model``.
+
+    A decode step's time is the time to read the linear weights, so that is where a
+    smaller dtype pays; the embedding, norms and biases stay as they are, and with them
+    the activations and the KV cache, which lets the CPU's fused decode step (fp32
+    activations) read bf16 weights. A head tied to the embedding gets its own cast copy.
+    The result is meant for the inference engine's CPU runner, whose linears take a
+    weight of another dtype than their input; the plain forward needs one dtype throughout.
+    """
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for module in model.modules():
+        if type(module) is QuantizedLinear or not isinstance(module, nn.Linear) or module.weight.dtype == dtype:
+            continue
+        if id(module.weight) in embedding_weights:
+            module.weight = nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+            config = getattr(model, "config", None)
+            if config is not None and getattr(config, "tie_weight", False):
+                config.tie_weight = False
+        else:
+            module.weight.data = module.weight.data.to(dtype)
+    return model
+
+
 def install_quantized_layout(model: nn.Module, state: dict[str, torch.Tensor], quantization: dict, source) -> None:
     """Give ``model`` an empty QuantizedLinear wherever ``state`` holds a ``<name>.qweight``
     (int8: 8 bits, uint8: 4 bits), so the state loads into it by name."""

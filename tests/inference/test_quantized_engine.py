@@ -12,7 +12,7 @@ import torch
 from astrai.cli import main
 from astrai.errors import AstraiError
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.model.quantized import QuantizedLinear, quantize_model
+from astrai.model.quantized import QuantizedLinear, cast_linear_weights, quantize_model
 from inference_helpers import greedy_reference, make_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -60,8 +60,10 @@ def reference_text(model_dir, tokenizer, prompt, fmt=None, dtype=None, n=6) -> s
     model = AutoModel.from_pretrained(model_dir).eval()
     if fmt:
         quantize_model(model, fmt)
-    if dtype is not None:
-        model = model.to(dtype)
+    if dtype == torch.bfloat16:  # the engine casts only the linear weights on the CPU; the same values in fp32
+        for module in cast_linear_weights(model, dtype).modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.dtype == dtype:
+                module.weight.data = module.weight.data.float()
     return tokenizer.decode(greedy_reference(model, tokenizer.encode(prompt), n))
 
 
@@ -101,3 +103,16 @@ def test_serve_passes_quantize_and_dtype_to_the_engine(model_dir, monkeypatch):
     monkeypatch.setattr(runner, "run_server", lambda model, **kwargs: seen.update(kwargs, model=model))
     assert main(["serve", "--model", str(model_dir), "--quantize", "int4", "--dtype", "bfloat16", "--device", "cpu"]) == 0
     assert (seen["quantize"], seen["dtype"]) == ("int4", torch.bfloat16)
+
+
+@pytest.mark.timeout(120)
+def test_bf16_on_the_cpu_casts_linear_weights_only_and_decodes_fused(model_dir):
+    with InferenceEngine.from_pretrained(model_dir, dtype=torch.bfloat16, device="cpu") as engine:
+        model = engine.model
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+        assert model.embed_tokens.weight.dtype == torch.float32
+        norms = [p for name, p in model.named_parameters() if "norm" in name]
+        assert norms and all(p.dtype == torch.float32 for p in norms)
+        engine.submit(list(range(3, 12)), SamplingParams(max_tokens=6, **GREEDY)).result(timeout=60)
+        assert engine.get_stats()["decode_paths"]["fused"] > 0
