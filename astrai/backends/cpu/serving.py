@@ -22,9 +22,11 @@ Smaller weights take the typed products of native/typed_product.c (``typed_servi
 a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
 ``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_TYPED_ROWS``
 rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
-fp32 (up to ``TYPED_MAX_ROWS`` rows, ``MAX_TYPED_ROWS`` a pass); more rows (a prefill) multiply
-the weight dequantized once for the call with torch (bf16 activations in fp32 on a CPU without
-native bf16 products, where torch emulates them). Their
+fp32 (up to ``TYPED_MAX_ROWS`` rows, ``MAX_TYPED_ROWS`` a pass); more rows (a prefill) take
+dense_product.py, which widens the weight to fp32 in C, a slab at a time into a buffer each
+thread keeps, for oneDNN's product (in fp32, bf16 activations too, on a CPU without native bf16
+products, where torch would emulate them; without the native library torch multiplies the
+weight dequantized once for the call). Their
 groups stack too: stacking along the outputs concatenates rows, so the joint weight of
 quantized members is their values and scales, each concatenated.
 
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from astrai.backends.cpu.dense_product import dense_product, dense_products_available
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.backends.cpu.kernels import (BF16, F32, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, cpu_flags,
                                          kernels_available, row_major, row_product, typed_product)
@@ -127,8 +130,9 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
     """``F.linear(x, dense(), bias)`` for a bf16 or quantized weight that ``weight`` describes
     (None: not readable by the kernels), ``dense()`` giving it as a float tensor: up to
     ``TYPED_MAX_ROWS`` rows of a product without autograd through ``typed_product``,
-    ``MAX_TYPED_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), anything else
-    through torch over ``dense()``, made once for the call."""
+    ``MAX_TYPED_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
+    through ``dense_product`` (slabs of the weight widened in C), anything else through torch
+    over ``dense()``, made once for the call."""
     if (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
             and x.shape[-1] == weight.in_features and kernels_available()):
         rows = x.numel() // max(x.shape[-1], 1)
@@ -143,6 +147,11 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
                                  for i in range(0, rows, MAX_TYPED_ROWS)])
             return out.view(*x.shape[:-1], -1).to(x.dtype)
     _note("dense")
+    if (weight is not None and weight.kind != F32 and x.device.type == "cpu" and x.dtype in SERVED_DTYPES
+            and not torch.is_grad_enabled() and x.shape[-1] == weight.in_features
+            and not (x.dtype == torch.bfloat16 and native_bf16_products()) and dense_products_available()):
+        out = dense_product(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
+        return out.to(x.dtype)
     weight_values = dense().to(x.dtype)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_products():
         # the same bf16 values multiplied in fp32: torch's bf16 product is emulated (slower) here

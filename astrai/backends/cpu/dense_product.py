@@ -1,0 +1,95 @@
+"""Many rows (a prefill) by a bf16 or block-quantized weight, a slab of the weight at a time.
+
+A prompt's product is compute bound: it wants oneDNN's (or the BLAS's) fp32 product. Dequantizing
+in torch for each call makes several passes and a fresh allocation the size of the fp32 weight
+(page faults included); instead native/dense_rows.c widens the weight in one threaded pass,
+``SLAB_BYTES`` of fp32 rows at a time, into a buffer that this thread keeps, and every row of the
+prompt is multiplied by each slab in turn. The numbers are those of ``F.linear`` over the
+dequantized weight, summed in another order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from astrai.backends.cpu.kernels import BF16, Q4, Q8, TypedWeight, _library
+
+# fp32 weight rows widened per product: a whole projection of a small model, or a few slabs of a
+# large one's, bounding the buffer each thread keeps
+SLAB_BYTES = 32 << 20
+_scratch = threading.local()  # each thread's slab buffer: the engine may run in a worker thread
+
+
+def _dense_rows() -> Optional[ctypes._CFuncPtr]:
+    """The C widening of the library loaded now (none without it), its argument types set once."""
+    library = _library()
+    if library is None:
+        return None
+    function = library.astrai_dense_rows  # ctypes keeps one function object per library
+    if function.argtypes is None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        function.argtypes = [ptr, i64, ptr, i64, ctypes.c_int, i64, i64, i64, ptr, i64, ctypes.c_int]
+        function.restype = i64
+    return function
+
+
+def dense_products_available() -> bool:
+    """Whether the native widening is built (else the caller dequantizes the whole weight)."""
+    return _dense_rows() is not None
+
+
+def _slab_buffer(elements: int) -> torch.Tensor:
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < elements:
+        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
+    return buffer
+
+
+def slab_rows(n_in: int) -> int:
+    """Weight rows widened at a time for ``n_in`` inputs: ``SLAB_BYTES`` of fp32 (a multiple of 16)."""
+    return max(16, (SLAB_BYTES // (4 * max(n_in, 1))) // 16 * 16)
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _product(rows: torch.Tensor, slab: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(rows, slab, bias)``: through oneDNN where the build has it (its product of a
+    plain fp32 weight beats the BLAS's on many rows), else the BLAS."""
+    if _onednn_linear():
+        return torch.ops.mkldnn._linear_pointwise(rows, slab, bias, "none", [], "")
+    return F.linear(rows, slab, bias)
+
+
+def dense_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` in fp32 for ``x`` [..., in] fp32 and the bf16, int8 or int4 weight
+    ``w`` that ``weight`` describes, dequantized; ``bias`` fp32 [out] or None. Call only when
+    ``dense_products_available()``."""
+    n_in, n_out = weight.in_features, weight.out_features
+    if weight.kind not in (BF16, Q8, Q4) or x.dtype != torch.float32 or x.shape[-1] != n_in:
+        raise ValueError("dense_product: unsupported weight kind, dtype or width")
+    weight.check()
+    rows = x.reshape(-1, n_in)
+    out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
+    data, data_ld, scales, scale_ld, kind = weight.pointers()
+    step = slab_rows(n_in)
+    buffer = _slab_buffer(step * n_in)
+    widen = _dense_rows()
+    threads = max(torch.get_num_threads(), 1)
+    for first in range(0, n_out, step):
+        count = min(step, n_out - first)
+        slab = buffer[:count * n_in].view(count, n_in)
+        widen(data, data_ld, scales, scale_ld, kind, n_in, first, count, slab.data_ptr(), n_in, threads)
+        part_bias = None if bias is None else bias[first:first + count]
+        if count == n_out:
+            return _product(rows, slab, part_bias).view(*x.shape[:-1], n_out)
+        out[:, first:first + count] = _product(rows, slab, part_bias)
+    return out.view(*x.shape[:-1], n_out)

@@ -1,0 +1,113 @@
+/* Rows of a bf16 or block-quantized weight widened to fp32, for a prefill's blocked product.
+ *
+ * A prompt of many rows is multiplied by a BLAS (or oneDNN) product over fp32 weights; a
+ * weight stored smaller is widened for it a slab of output rows at a time into a buffer the
+ * caller reuses, so the fp32 copy stays in cache and never costs a page fault. One pass, the
+ * rows shared among `threads` OpenMP threads; the loops are plain C that the compiler
+ * vectorises for the target (the same values on every target: widening is exact).
+ *
+ * Kinds, as native/typed_product.c numbers them (astrai/model/quantized.py's layout):
+ *   1  bf16 [out, >= in]
+ *   2  int8 [out, padded in] with one fp16 scale per 32 inputs (GGUF's Q8_0)
+ *   3  int4 [out, padded in / 2], byte j of block b holding input 32b + j in its low nibble
+ *      and 32b + 16 + j in its high one, value (nibble - 8) * scale (GGUF's Q4_0)
+ * `data_ld` and `scale_ld` are the distance between two rows (elements of data, fp16 values).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define DENSE_BF16 1
+#define DENSE_Q8 2
+#define DENSE_Q4 3
+#define DENSE_BLOCK 32
+
+static float fp16_value(uint16_t h)
+{
+    /* fp16 bits to float by rebiasing the exponent; subnormals scaled exactly */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    float value;
+    if (exponent == 0) {
+        value = (float)mantissa * (1.0f / 16777216.0f); /* mantissa * 2^-24 */
+        memcpy(&bits, &value, sizeof bits);
+        bits |= sign;
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    }
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static void widen_bf16(const uint16_t *row, int64_t n_in, float *out)
+{
+    for (int64_t i = 0; i < n_in; i++) {
+        const uint32_t bits = (uint32_t)row[i] << 16;
+        float value;
+        memcpy(&value, &bits, sizeof value);
+        out[i] = value;
+    }
+}
+
+static void widen_q8(const int8_t *row, const uint16_t *scales, int64_t n_in, float *out)
+{
+    const int64_t full = n_in / DENSE_BLOCK;
+    for (int64_t b = 0; b < full; b++) {
+        const float d = fp16_value(scales[b]);
+        const int8_t *q = row + b * DENSE_BLOCK;
+        float *o = out + b * DENSE_BLOCK;
+        for (int j = 0; j < DENSE_BLOCK; j++)
+            o[j] = (float)q[j] * d;
+    }
+    if (full * DENSE_BLOCK < n_in) {
+        const float d = fp16_value(scales[full]);
+        for (int64_t i = full * DENSE_BLOCK; i < n_in; i++)
+            out[i] = (float)row[i] * d;
+    }
+}
+
+static void widen_q4(const uint8_t *row, const uint16_t *scales, int64_t n_in, float *out)
+{
+    const int64_t full = n_in / DENSE_BLOCK;
+    for (int64_t b = 0; b < full; b++) {
+        const float d = fp16_value(scales[b]);
+        const uint8_t *q = row + b * (DENSE_BLOCK / 2);
+        float *o = out + b * DENSE_BLOCK;
+        for (int j = 0; j < DENSE_BLOCK / 2; j++) {
+            o[j] = (float)((int)(q[j] & 0x0f) - 8) * d;
+            o[j + DENSE_BLOCK / 2] = (float)((int)(q[j] >> 4) - 8) * d;
+        }
+    }
+    if (full * DENSE_BLOCK < n_in) { /* the last block, cut short: only its first inputs exist */
+        const float d = fp16_value(scales[full]);
+        const uint8_t *q = row + full * (DENSE_BLOCK / 2);
+        for (int64_t i = full * DENSE_BLOCK; i < n_in; i++) {
+            const int j = (int)(i - full * DENSE_BLOCK);
+            const int nibble = j < DENSE_BLOCK / 2 ? (q[j] & 0x0f) : (q[j - DENSE_BLOCK / 2] >> 4);
+            out[i] = (float)(nibble - 8) * d;
+        }
+    }
+}
+
+/* Rows first .. first + rows - 1 of the weight, widened to fp32 into `out` (rows `out_ld`
+ * floats apart). Returns 0, or -1 for an unknown kind. */
+int64_t astrai_dense_rows(const void *data, int64_t data_ld, const uint16_t *scales, int64_t scale_ld, int kind,
+                          int64_t n_in, int64_t first, int64_t rows, float *out, int64_t out_ld, int threads)
+{
+    if (kind != DENSE_BF16 && kind != DENSE_Q8 && kind != DENSE_Q4)
+        return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t o = first + r;
+        float *dst = out + r * out_ld;
+        if (kind == DENSE_BF16)
+            widen_bf16((const uint16_t *)data + o * data_ld, n_in, dst);
+        else if (kind == DENSE_Q8)
+            widen_q8((const int8_t *)data + o * data_ld, scales + o * scale_ld, n_in, dst);
+        else
+            widen_q4((const uint8_t *)data + o * data_ld, scales + o * scale_ld, n_in, dst);
+    }
+    return 0;
+}
