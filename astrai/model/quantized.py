@@ -4,9 +4,11 @@ Weights are cut into blocks of 32 along the input dimension, each with one fp16
 scale; int8 keeps a signed byte per weight, int4 a nibble (two per byte). The
 numbers are GGUF's exactly, so a Q8_0/Q4_0 tensor of a GGUF file is split into
 ``qweight``/``scales`` without requantizing, and a model quantized here holds what
-llama.cpp would hold. Only weights are quantized: activations stay float, and
-``QuantizedLinear.forward`` is the plain PyTorch reference that fast kernels are
-checked against.
+llama.cpp would hold. int8 linears keep their activations float. int4 linears
+multiply activations rounded to Q8_0 blocks (``quantize_activations``), as llama.cpp
+does for Q4_0: the CPU kernels then sum int4 x int8 products in integers, far cheaper
+than widening every nibble to a float. ``QuantizedLinear.forward`` is the plain
+PyTorch reference that fast kernels are checked against, that rounding included.
 
 What ``quantize_model`` quantizes: every linear of the transformer blocks (attention
 and MLP projections, experts included) in the requested format, except MoE routers,
@@ -77,6 +79,23 @@ def quantize_weight(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
     return qweight.contiguous(), d.squeeze(-1).to(torch.float16).contiguous()
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded along its last dimension to Q8_0 blocks, as the int4 products multiply it.
+
+    Per block of 32 (the last one zero-padded): d = max|x| * (1/127) in float32, q = x / d
+    rounded to the nearest integer (ties to even), and q times d rounded to fp16. Returned
+    as float values in ``x``'s dtype; applying it again changes nothing.
+    """
+    n = x.shape[-1]
+    padded = -(-n // GROUP_SIZE) * GROUP_SIZE
+    blocks = F.pad(x.detach().to(torch.float32), (0, padded - n)).reshape(*x.shape[:-1], padded // GROUP_SIZE,
+                                                                         GROUP_SIZE)
+    d = blocks.abs().amax(dim=-1, keepdim=True) * (1.0 / 127.0)
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    rounded = torch.round(blocks * inverse) * d.to(torch.float16).to(torch.float32)
+    return rounded.reshape(*x.shape[:-1], padded)[..., :n].to(x.dtype)
+
+
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """The float32 [out, in_features] weight that (qweight, scales) stand for."""
     _check_bits(bits)
@@ -93,8 +112,8 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, bits: int, in
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight is held as int8 or int4 blocks with fp16 scales.
 
-    ``forward`` dequantizes and multiplies in the input's dtype: slow, but the exact
-    reference. Casting the module (``model.to(torch.bfloat16)``) leaves the packed
+    ``forward`` dequantizes and multiplies in the input's dtype (int4: the input rounded by
+    ``quantize_activations`` first): slow, but the exact reference. Casting the module (``model.to(torch.bfloat16)``) leaves the packed
     weight, the fp16 scales and the fp32 bias as they are, since they are the format.
     """
 
@@ -122,6 +141,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.bits == 4:
+            x = quantize_activations(x)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def _apply(self, fn, recurse=True):

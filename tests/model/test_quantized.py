@@ -11,7 +11,8 @@ from gguf.quants import quantize as gguf_quantize
 from astrai.config import preset
 from astrai.errors import ConfigError
 from astrai.model import AutoModel
-from astrai.model.quantized import (QuantizedLinear, dequantize_weight, quantize_model, quantize_weight)
+from astrai.model.quantized import (QuantizedLinear, dequantize_weight, quantize_activations, quantize_model,
+                                    quantize_weight)
 
 GGUF_TYPES = {8: Q.Q8_0, 4: Q.Q4_0}
 
@@ -71,10 +72,25 @@ def test_products_equal_float_reference(bits, out_features, in_features, rows):
     linear = torch.nn.Linear(in_features, out_features, bias=True)
     module = QuantizedLinear.from_linear(linear, bits)
     x = torch.randn(2, rows, in_features)
-    reference = x @ module.dequantize().T + linear.bias.detach()
+    multiplied = quantize_activations(x) if bits == 4 else x  # int4 multiplies Q8_0-rounded activations
+    reference = multiplied @ module.dequantize().T + linear.bias.detach()
     torch.testing.assert_close(module(x), reference, rtol=1e-5, atol=1e-5)
     float_error = (module(x) - linear(x)).abs().max() / linear(x).abs().max()
     assert float_error < (0.02 if bits == 8 else 0.3)
+
+
+@pytest.mark.parametrize("shape", [(45,), (3, 32), (2, 5, 100)])
+def test_quantize_activations_rounds_each_block_to_127_steps_once(shape):
+    torch.manual_seed(sum(shape))
+    x = torch.randn(shape) * torch.logspace(-4, 3, shape[-1])
+    x[..., :3] = 0.0
+    rounded = quantize_activations(x)
+    assert rounded.shape == x.shape and rounded.dtype == x.dtype
+    assert torch.equal(quantize_activations(rounded), rounded)  # idempotent: the kernels may round again
+    padded = torch.nn.functional.pad(x, (0, -shape[-1] % 32)).reshape(*shape[:-1], -1, 32)
+    step = (padded.abs().amax(-1, keepdim=True) / 127).expand_as(padded).reshape(*shape[:-1], -1)[..., :shape[-1]]
+    assert ((rounded - x).abs() <= step * (0.5 + 127 / 2048)).all()  # half a step, and 127 times the fp16 scale's error
+    assert (rounded[..., :3] == 0).all() and torch.equal(quantize_activations(torch.zeros(4, 40)), torch.zeros(4, 40))
 
 
 def test_cast_keeps_the_format():

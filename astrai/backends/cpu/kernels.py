@@ -14,7 +14,9 @@ at a time, each thread a contiguous stretch of rows: one stream per thread.
 Products over smaller weights. ``native/typed_product.c`` is the same product for one to
 ``MAX_TYPED_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
 Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout), reading the weight once for all
-rows and summing in fp32 without quantizing the activations. ``TypedWeight`` describes such a
+rows. bf16 and int8 sum in fp32 over float activations; int4 rounds the activations to Q8_0
+blocks as ``quantize_activations`` does and sums each block's int4 x int8 products in
+integers (the plain-C build the same integer sums). ``TypedWeight`` describes such a
 weight (``typed_product`` takes it).
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a GQA +

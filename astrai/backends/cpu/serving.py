@@ -53,7 +53,7 @@ from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.layers import Linear
-from astrai.model.quantized import QuantizedLinear, dequantize_weight
+from astrai.model.quantized import QuantizedLinear, dequantize_weight, quantize_activations
 
 SPLIT_MAX_ROWS = 64  # products of at most this many rows are split in two (see serving_product)
 SERVED_DTYPES = (torch.float32, torch.bfloat16)
@@ -132,7 +132,11 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
     ``TYPED_MAX_ROWS`` rows of a product without autograd through ``typed_product``,
     ``MAX_TYPED_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
     through ``dense_product`` (slabs of the weight widened in C), anything else through torch
-    over ``dense()``, made once for the call."""
+    over ``dense()``, made once for the call. An int4 weight multiplies ``x``
+    rounded by ``quantize_activations`` on every route, as QuantizedLinear's forward does (the
+    kernel rounds it again, which changes nothing)."""
+    if weight is not None and weight.kind == Q4:
+        x = quantize_activations(x)
     if (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
             and x.shape[-1] == weight.in_features and kernels_available()):
         rows = x.numel() // max(x.shape[-1], 1)

@@ -1,7 +1,8 @@
 """The typed products (astrai/backends/cpu/native/typed_product.c through kernels.typed_product):
 one to eight rows against int8 and int4 blocks and bf16 weights equal the float64 product with
-the dequantized weight, on shapes that are not multiples of a block or of a thread's stretch,
-and the plain-C build forced by ASTRAI_PORTABLE_KERNELS gives the same numbers."""
+the dequantized weight (int4: of the activations rounded to Q8_0 blocks, the integer sums of
+the kernel), on shapes that are not multiples of a block or of a thread's stretch, and the
+plain-C build forced by ASTRAI_PORTABLE_KERNELS gives the same numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.kernels import BF16, F32, Q4, Q8, TypedWeight, kernels_available, typed_product
-from astrai.model.quantized import dequantize_weight, quantize_weight
+from astrai.model.quantized import dequantize_weight, quantize_activations, quantize_weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
@@ -27,6 +28,11 @@ def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
     return TypedWeight(stored, None, kind, n_in), stored.double()
 
 
+def multiplied(x: torch.Tensor, kind: int) -> torch.Tensor:
+    """The activations a product of ``kind`` multiplies, in float64: int4 rounds them to Q8_0 blocks."""
+    return (quantize_activations(x) if kind == Q4 else x).double()
+
+
 @pytest.mark.parametrize("kind", [Q8, Q4, BF16])
 @pytest.mark.parametrize("n_out,n_in", [(37, 45), (5, 31), (70, 96), (129, 200)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -36,7 +42,7 @@ def test_typed_product_equals_the_float64_product_of_the_dequantized_weight(kind
     weight, reference = typed(torch.randn(n_out, n_in), kind)
     x, bias = torch.randn(rows, n_in), torch.randn(n_out)
     for b in (None, bias):
-        want = torch.nn.functional.linear(x.double(), reference, None if b is None else b.double())
+        want = torch.nn.functional.linear(multiplied(x, kind), reference, None if b is None else b.double())
         got = typed_product(x, weight, b)
         assert got.shape == (rows, n_out) and got.dtype == torch.float32
         assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
@@ -54,8 +60,24 @@ def test_rows_further_apart_and_subnormal_scales_are_read(kind):
     strided = TypedWeight(wide_values, wide_scales, kind, 64)
     x = torch.randn(2, 64)
     dense = dequantize_weight(weight.data, weight.scales, BITS[kind], 64).double()
-    want = x.double() @ dense.T
+    want = multiplied(x, kind) @ dense.T
     assert torch.allclose(typed_product(x, strided).double(), want, atol=1e-12, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_in", [7, 45, 96, 1000])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_rounds_the_activations_as_the_reference_does(n_in, rows, monkeypatch):
+    """The kernel's int4 x int8 block sums must round the activations exactly as
+    quantize_activations does: with blocks of similar magnitude the float error stays far below
+    what one value rounded one step the other way would change (about 1e-3 here), a partial
+    last block and a block of zeros (d = 0) included."""
+    torch.manual_seed(n_in + rows)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    weight, dense = typed(torch.randn(23, n_in), Q4)
+    x = torch.randn(rows, n_in) * torch.rand(n_in).add(0.5)
+    x[:, :min(n_in, 32)] = 0.0
+    want = multiplied(x, Q4) @ dense.T
+    assert torch.allclose(typed_product(x, weight).double(), want, rtol=0, atol=2e-5)
 
 
 def test_typed_product_refuses_what_it_cannot_read():

@@ -9,10 +9,18 @@
  *                w[o][i] = (nibble - 8) * scale[o][i / 32], `ld` bytes between rows;
  *
  * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
- * The weight is the decode step's whole cost, so it is read once for all rows and summed in
- * fp32 without touching the activations: the result is F.linear over the dequantized weight
+ * The weight is the decode step's whole cost, so it is read once for all rows. bf16 and int8
+ * are summed in fp32 without touching the activations: F.linear over the dequantized weight
  * but for the order of the additions. Blocks past `n_in` are padding and never read; a last
  * partial block reads only its first n_in % 32 elements.
+ *
+ * int4 multiplies in integers, as llama.cpp does: widening nibbles to floats costs more than
+ * reading them, so a float sum would be bound by arithmetic, not memory. Each row of x is
+ * first quantized in blocks of 32 as quantized.py's `quantize_activations` does (Q8_0: d =
+ * max|x| * (1/127) in fp32, q = x / d rounded to even, the fp16-rounded d kept), each block's
+ * dot product is then a sum of int4 x int8 products in integers, and each block adds d_w d_x
+ * times it. The result is F.linear over the quantized activations and the dequantized weight
+ * (what QuantizedLinear's forward computes for int4) but for the order of the float additions.
  *
  * As row_product.c, each thread takes a contiguous stretch of the outputs, so each reads one
  * stream (two: values and scales) front to back, prefetched non-temporally ahead. With AVX2
@@ -20,6 +28,7 @@
  * intrinsics; otherwise, or built with ASTRAI_PORTABLE, the same sums run as plain C loops.
  * fp16 scales are converted by F16C where the CPU has it, else by their bits.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
@@ -57,6 +66,25 @@ static inline float half_to_float(uint16_t h)
 #endif
 }
 
+/* fp16 nearest to f, ties to even (F16C's rounding), infinities and NaN kept. */
+static inline uint16_t float_to_half(float f)
+{
+#if defined(__F16C__) && !defined(ASTRAI_PORTABLE)
+    return _cvtss_sh(f, 0);
+#else
+    union { float f; uint32_t i; } in = { .f = f };
+    const uint16_t sign = (uint16_t)((in.i >> 16) & 0x8000u);
+    const uint32_t a = in.i & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;          /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;         /* 65520 and above round to infinity */
+    if (a < 0x38800000u) {                               /* below 2^-14: a subnormal, in units of 2^-24 */
+        union { uint32_t i; float f; } magnitude = { .i = a };
+        return sign | (uint16_t)rintf(magnitude.f * 16777216.0f);
+    }
+    return sign | (uint16_t)((a - (112u << 23) + 0xfffu + ((a >> 13) & 1u)) >> 13);
+#endif
+}
+
 static inline float bf16_to_float(uint16_t b)
 {
     union { uint32_t i; float f; } out = { .i = (uint32_t)b << 16 };
@@ -80,23 +108,30 @@ static inline float horizontal_sum(__m256 a)
 
 static inline __m256 widen8(const int8_t *q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))); }
 
-/* A block's 32 values (before its scale) in four registers: int8 as they are; int4 as their
- * nibbles without the 8 taken off (dot_blocks subtracts 8 times the block's sum of x instead):
- * each 8 bytes widened from memory to 32-bit lanes give 8 low nibbles by a mask and the 8 high
- * ones by a shift. */
-static inline __attribute__((always_inline)) void widen_block(int type, const uint8_t *block, __m256 w[4])
+/* An int8 block's 32 values (before its scale) in four registers. */
+static inline __attribute__((always_inline)) void widen_block(const uint8_t *block, __m256 w[4])
 {
-    if (type == ASTRAI_Q8) {
-        for (int k = 0; k < 4; ++k) w[k] = widen8((const int8_t *)block + 8 * k);
-        return;
-    }
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)block));
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8)));
-    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low));
-    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low));
-    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
-    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+    for (int k = 0; k < 4; ++k) w[k] = widen8((const int8_t *)block + 8 * k);
+}
+
+/* An int4 block's 32 values, nibble - 8, as signed bytes in element order: the 16 low
+ * nibbles, then the 16 high ones. */
+static inline __m256i signed_nibbles(const uint8_t *block)
+{
+    const __m128i raw = _mm_loadu_si128((const __m128i *)block);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+    return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0f)), _mm256_set1_epi8(8));
+}
+
+/* The 32 integer products of an int4 block (`w`, its magnitudes `magnitude`) with 32 int8
+ * values, summed in pairs and fours into 8 int32 lanes, as floats. maddubs multiplies an
+ * unsigned byte by a signed one, so w's signs move onto x first; |w| <= 8 and |x| <= 127 keep
+ * every 16-bit pair sum far from saturating. */
+static inline __m256 q4_block_products(__m256i w, __m256i magnitude, const int8_t *xq)
+{
+    const __m256i signed_x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), w);
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
 /* The 32 products of a widened block with x, summed into 8 lanes. */
@@ -110,57 +145,110 @@ static inline __m256 block_dot(const __m256 w[4], const float *x)
 }
 #endif
 
-/* Element k of a block as the format stores it: a signed byte, or a nibble minus 8. */
-static inline int block_value(int type, const uint8_t *block, int64_t k)
+/* out[r] = the row's int8 blocks against x[r] for r < rows (`rows` a literal at each call:
+ * the compiler makes a copy for a single row with its sums in registers). Whole blocks are
+ * read two at a time into two sets of sums, so that the additions into them do not wait on
+ * each other; a last partial block, and every block without AVX2, is summed element by
+ * element. */
+static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const uint16_t *scales, const float *x,
+                                                         int64_t x_stride, int rows, int64_t n_in, float *out,
+                                                         const uint8_t *end)
 {
-    if (type == ASTRAI_Q8) return ((const int8_t *)block)[k];
-    return (k < BLOCK / 2 ? (block[k] & 0x0f) : (block[k - BLOCK / 2] >> 4)) - 8;
-}
-
-/* out[r] = the row's blocks against x[r] for r < rows, for int8 or int4 blocks (`type`, a
- * literal at each call: the compiler makes a copy per type, and one for a single row with its
- * sums in registers). Whole blocks are read two at a time into two sets of sums, so that the
- * additions into them do not wait on each other; a last partial block, and every block
- * without AVX2, is summed element by element. */
-static inline __attribute__((always_inline)) void dot_blocks(int type, const uint8_t *w, const uint16_t *scales,
-                                                             const float *x, int64_t x_stride, int rows,
-                                                             int64_t n_in, float *out, const uint8_t *end,
-                                                             const float *eights)
-{
-    const int64_t bytes = type == ASTRAI_Q8 ? BLOCK : BLOCK / 2, blocks = (n_in + BLOCK - 1) / BLOCK;
+    const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
     float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
     int64_t b = 0;
 #if TYPED_AVX2
     __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS], values[4];
-    float offset[ASTRAI_MAX_TYPED_ROWS];  /* int4: the 8s taken off, d * 8 * the block's sum of x */
-    for (int r = 0; r < rows; ++r) { even[r] = odd[r] = _mm256_setzero_ps(); offset[r] = 0.0f; }
+    for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     const int64_t full = n_in / BLOCK;
     for (; b + 2 <= full; b += 2) {
-        prefetch_ahead(w + b * bytes, end);
-        const float s0 = half_to_float(scales[b]), s1 = half_to_float(scales[b + 1]);
-        const __m256 d0 = _mm256_set1_ps(s0), d1 = _mm256_set1_ps(s1);
-        widen_block(type, w + b * bytes, values);
+        prefetch_ahead(w + b * BLOCK, end);
+        const __m256 d0 = _mm256_set1_ps(half_to_float(scales[b])), d1 = _mm256_set1_ps(half_to_float(scales[b + 1]));
+        widen_block(w + b * BLOCK, values);
         for (int r = 0; r < rows; ++r) even[r] = _mm256_fmadd_ps(d0, block_dot(values, x + r * x_stride + b * BLOCK), even[r]);
-        widen_block(type, w + (b + 1) * bytes, values);
+        widen_block(w + (b + 1) * BLOCK, values);
         for (int r = 0; r < rows; ++r)
             odd[r] = _mm256_fmadd_ps(d1, block_dot(values, x + r * x_stride + (b + 1) * BLOCK), odd[r]);
-        if (type == ASTRAI_Q4)
-            for (int r = 0; r < rows; ++r) offset[r] += s0 * eights[r * full + b] + s1 * eights[r * full + b + 1];
     }
-    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r])) - offset[r];
-#else
-    (void)eights;
+    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
 #endif
     for (; b < blocks; ++b) {
-        const uint8_t *block = w + b * bytes;
-        if ((b & 1) == 0) prefetch_ahead(block, end);
+        const int8_t *block = (const int8_t *)w + b * BLOCK;
+        if ((b & 1) == 0) prefetch_ahead((const uint8_t *)block, end);
         const float d = half_to_float(scales[b]);
         const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
         for (int r = 0; r < rows; ++r) {
             const float *xb = x + r * x_stride + b * BLOCK;
             float t = 0.0f;
-            for (int64_t k = 0; k < n; ++k) t += (float)block_value(type, block, k) * xb[k];
+            for (int64_t k = 0; k < n; ++k) t += (float)block[k] * xb[k];
             sum[r] += d * t;
+        }
+    }
+    for (int r = 0; r < rows; ++r) out[r] = sum[r];
+}
+
+/* Rows of x quantized for the int4 products: `values` [rows][blocks * 32] int8 (zero past
+ * n_in), `scales` [rows][blocks] the fp16-rounded d of each block as a float. A block whose
+ * largest magnitude is not finite gets NaN for its d, so that its products are NaN as the
+ * reference's are. */
+static void quantize_activations(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
+                                 float *scales)
+{
+    const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float *xb = x + r * x_stride + b * BLOCK;
+            int8_t *q = values + (r * blocks + b) * BLOCK;
+            const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
+            float largest = 0.0f;
+            for (int64_t k = 0; k < n; ++k) largest = fabsf(xb[k]) > largest ? fabsf(xb[k]) : largest;
+            memset(q, 0, BLOCK);
+            if (!(largest <= 3.4028235e38f)) {  /* inf or NaN */
+                scales[r * blocks + b] = NAN;
+                continue;
+            }
+            const float d = largest * (1.0f / 127.0f), inverse = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int64_t k = 0; k < n; ++k) q[k] = (int8_t)rintf(xb[k] * inverse);
+            scales[r * blocks + b] = half_to_float(float_to_half(d));
+        }
+}
+
+/* out[r] = the row's int4 blocks against the quantized rows (values, scales) for r < rows:
+ * per block an integer sum of products, times d_w d_x. Every block is whole here (the
+ * weight's padding nibbles are 8, the activations' padding 0). */
+static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const uint16_t *scales,
+                                                         const int8_t *xq, const float *xd, int rows,
+                                                         int64_t blocks, float *out, const uint8_t *end)
+{
+    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    int64_t b = 0;
+#if TYPED_AVX2
+    __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS];
+    for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (; b + 2 <= blocks; b += 2) {
+        if ((b & 3) == 0) prefetch_ahead(w + b * (BLOCK / 2), end);
+        const float d0 = half_to_float(scales[b]), d1 = half_to_float(scales[b + 1]);
+        const __m256i w0 = signed_nibbles(w + b * (BLOCK / 2)), w1 = signed_nibbles(w + (b + 1) * (BLOCK / 2));
+        const __m256i m0 = _mm256_sign_epi8(w0, w0), m1 = _mm256_sign_epi8(w1, w1);
+        for (int r = 0; r < rows; ++r) {
+            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
+            const float *xs = xd + r * blocks + b;
+            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xs[0]), q4_block_products(w0, m0, xb), even[r]);
+            odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xs[1]), q4_block_products(w1, m1, xb + BLOCK), odd[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+#endif
+    for (; b < blocks; ++b) {
+        const uint8_t *block = w + b * (BLOCK / 2);
+        if ((b & 3) == 0) prefetch_ahead(block, end);
+        const float d = half_to_float(scales[b]);
+        for (int r = 0; r < rows; ++r) {
+            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
+            int32_t t = 0;
+            for (int k = 0; k < BLOCK / 2; ++k)
+                t += ((block[k] & 0x0f) - 8) * xb[k] + ((block[k] >> 4) - 8) * xb[k + BLOCK / 2];
+            sum[r] += d * xd[r * blocks + b] * (float)t;
         }
     }
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
@@ -211,18 +299,19 @@ void astrai_team_row_product(const float *x, const float *w, const float *bias, 
                              int64_t n_out, int64_t ld, int64_t *best, float *top);
 int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
 
-/* One weight row's products with every row of x. `rows` is a literal at each call below, so
- * the compiler makes a copy of the loops for one row with its sums in registers. */
+/* One weight row's products with every row of x (int4: of its quantized form xq, xd). `rows`
+ * is a literal at each call below, so the compiler makes a copy of the loops for one row with
+ * its sums in registers. */
 static inline __attribute__((always_inline)) void typed_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
                              int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
-                             const uint8_t *end, const float *eights)
+                             const uint8_t *end, const int8_t *xq, const float *xd)
 {
     switch (type) {
     case ASTRAI_Q8:
-        dot_blocks(ASTRAI_Q8, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end, eights);
+        dot_q8(w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end);
         break;
     case ASTRAI_Q4:
-        dot_blocks(ASTRAI_Q4, w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end, eights);
+        dot_q4(w + j * ld, scales + j * scale_ld, xq, xd, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     default:
         dot_bf16((const uint16_t *)w + j * ld, x, x_stride, rows, n_in, out, end);
@@ -251,19 +340,16 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
     const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
     int64_t mine = -1;
     float highest = 0.0f, out[ASTRAI_MAX_TYPED_ROWS];
-    const int64_t full = TYPED_AVX2 && type == ASTRAI_Q4 && first < last ? n_in / BLOCK : 0;
-    float eights[rows * full + 1];  /* int4: 8 times each whole block's sum of x, per row */
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < full; ++b) {
-            float t = 0.0f;
-            for (int k = 0; k < BLOCK; ++k) t += x[r * x_stride + b * BLOCK + k];
-            eights[r * full + b] = 8.0f * t;
-        }
+    /* int4: each thread quantizes x for itself (a few microseconds), so no barrier is needed */
+    const int64_t blocks = type == ASTRAI_Q4 && first < last ? (n_in + BLOCK - 1) / BLOCK : 0;
+    int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
+    float xd[rows * blocks + 1];
+    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd);
     for (int64_t j = first; j < last; ++j) {
         if (rows == 1)
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, eights);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, xq, xd);
         else
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, eights);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, xq, xd);
         const float b = bias ? bias[j] : 0.0f;
         for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
         if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
