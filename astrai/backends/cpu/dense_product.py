@@ -77,11 +77,11 @@ def dense_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Ten
     if weight.kind not in (BF16, Q8, Q4) or x.dtype != torch.float32 or x.shape[-1] != n_in:
         raise ValueError("dense_product: unsupported weight kind, dtype or width")
     weight.check()
-    rows = x.reshape(-1, n_in)
-    out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
+    rows = x.reshape(-1, n_in).contiguous()
     data, data_ld, scales, scale_ld, kind = weight.pointers()
-    step = slab_rows(n_in)
+    step = min(slab_rows(n_in), n_out)
     buffer = _slab_buffer(step * n_in)
+    out = torch.empty(rows.shape[0], n_out, dtype=torch.float32) if step < n_out else None
     widen = _dense_rows()
     threads = max(torch.get_num_threads(), 1)
     for first in range(0, n_out, step):
