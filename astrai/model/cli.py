@@ -12,6 +12,8 @@ from astrai.model.quantized import FORMATS
 # Files beside the weights that belong to the model directory and travel with a conversion.
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 EXPORT_FORMATS = ("hf", "llama", "qwen2", "qwen3")
+# text whose activations calibrate int4 scales by default: the repository's bilingual pre-training sample
+BUNDLED_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "pretrain" / "train.jsonl"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     quantize.add_argument("path", help="astrai or Hugging Face model directory, or a .gguf file")
     quantize.add_argument("--to", required=True, choices=tuple(FORMATS), help="block-wise format (GGUF Q8_0 / Q4_0)")
     quantize.add_argument("--out", required=True, help="output model directory")
+    quantize.add_argument("--calibration", default=None, metavar="FILE|none",
+                          help="int4: text (.jsonl with 'text', or .txt) whose activations choose each block's "
+                               "scale (default: the bundled sample data/pretrain/train.jsonl); "
+                               "'none' keeps Q4_0's plain rule")
 
 
 def _copy_companions(source: str, destination: str) -> list[str]:
@@ -62,6 +68,30 @@ def _save_with_tokenizer(model, source: str, out: str) -> str:
     return f" (+ {', '.join(copied)})" if copied else ""
 
 
+def _calibration(model, args: argparse.Namespace):
+    """(importance or None, a note for the summary line) for ``astrai model quantize``."""
+    from astrai.errors import ConfigError
+    from astrai.model.calibration import calibrate
+    from astrai.tokenize import AutoTokenizer
+
+    choice = args.calibration
+    if getattr(model, "quantization", None):
+        return None, ""  # quantize_model refuses it next, before any text is read
+    if args.to != "int4":
+        if choice not in (None, "none"):
+            raise ConfigError(f"--calibration applies to int4; --to {args.to} has no scale to choose")
+        return None, ""
+    if choice == "none":
+        return None, " (Q4_0's plain scales)"
+    path = Path(choice) if choice else BUNDLED_CALIBRATION
+    if not path.is_file():
+        if choice:
+            raise ConfigError(f"--calibration {choice}: no such file")
+        return None, " (Q4_0's plain scales: no bundled calibration text here; pass --calibration FILE)"
+    tokenizer = AutoTokenizer.from_pretrained(args.path)
+    return calibrate(model, tokenizer, path), f" (scales calibrated on {path.name})"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -82,9 +112,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.action == "quantize":
         from astrai.model.quantized import quantize_model
 
-        model = quantize_model(AutoModel.from_pretrained(args.path), args.to)
+        model = AutoModel.from_pretrained(args.path)
+        importance, how = _calibration(model, args)
+        model = quantize_model(model, args.to, importance=importance)
         extra = _save_with_tokenizer(model, args.path, args.out)
-        print(f"wrote {args.out}: {model.num_parameters():,} parameters, {args.to} weights{extra}")
+        print(f"wrote {args.out}: {model.num_parameters():,} parameters, {args.to} weights{how}{extra}")
     elif args.action in ("import", "export"):
         model = AutoModel.from_pretrained(args.path)
         model.save_pretrained(args.out, format="astrai" if args.action == "import" else args.format)

@@ -129,9 +129,17 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int, importance: Optional[torch.Tensor] = None) -> "QuantizedLinear":
+        """``linear`` quantized; for int4, ``importance`` (its inputs' mean square per channel,
+        astrai/model/calibration.py) picks each block's scale instead of Q4_0's rule."""
         module = cls(linear.in_features, linear.out_features, bits, bias=False, device=linear.weight.device)
-        module.qweight, module.scales = quantize_weight(linear.weight, bits)
+        if bits == 4 and importance is not None:
+            from astrai.model.calibration import quantize_int4_weighted
+
+            module.qweight, module.scales = (t.to(linear.weight.device) for t in
+                                             quantize_int4_weighted(linear.weight.cpu(), importance.cpu()))
+        else:
+            module.qweight, module.scales = quantize_weight(linear.weight, bits)
         if linear.bias is not None:
             module.bias = linear.bias.detach().to(torch.float32).clone()
         return module
@@ -176,10 +184,14 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def quantize_model(model: nn.Module, format: str) -> nn.Module:
+def quantize_model(model: nn.Module, format: str,
+                   importance: Optional[dict[str, torch.Tensor]] = None) -> nn.Module:
     """Replace ``model``'s linears by QuantizedLinear ("int8" or "int4", see the module
     docstring for which ones) in place, and return it.
 
+    ``importance`` ({linear name: its inputs' mean square per channel}, from
+    astrai/model/calibration.py's ``calibrate``) makes the int4 linears calibrated: each
+    block's scale minimises the output-weighted error instead of following Q4_0's rule.
     The model remembers its format (``model.quantization``), which ``save_pretrained``
     writes to config.json. An already quantized model is refused.
     """
@@ -189,9 +201,12 @@ def quantize_model(model: nn.Module, format: str) -> nn.Module:
                           "quantize the float model instead")
     targets = list(quantization_targets(model, bits))
     for name, target_bits in targets:
-        _replace(model, name, QuantizedLinear.from_linear(model.get_submodule(name), target_bits))
+        weights = None if importance is None else importance.get(name)
+        _replace(model, name, QuantizedLinear.from_linear(model.get_submodule(name), target_bits, weights))
     _untie(model)
     model.quantization = {"format": format, "group_size": GROUP_SIZE}
+    if importance is not None and bits == 4:
+        model.quantization["calibrated"] = True
     return model
 
 

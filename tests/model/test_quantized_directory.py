@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from astrai.cli import main
+from astrai.config import preset
 from astrai.errors import AstraiError
 from astrai.model import AutoModel
 from astrai.model.quantized import QuantizedLinear, quantize_model
@@ -23,7 +24,8 @@ def float_dir(tmp_path):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantize_verb_writes_a_directory_the_loader_opens_as_it_is(fmt, float_dir, tmp_path, capsys):
     out = tmp_path / fmt
-    assert main(["model", "quantize", str(float_dir), "--to", fmt, "--out", str(out)]) == 0
+    plain = ["--calibration", "none"] if fmt == "int4" else []  # Q4_0's own rule: comparable below
+    assert main(["model", "quantize", str(float_dir), "--to", fmt, "--out", str(out), *plain]) == 0
     assert f"{fmt} weights" in capsys.readouterr().out
     assert (out / "tokenizer_config.json").is_file()
     assert json.loads((out / "config.json").read_text())["quantization"] == {"format": fmt, "group_size": 32}
@@ -75,3 +77,41 @@ def test_a_damaged_quantization_entry_or_tensor_is_named(float_dir, tmp_path):
     save_file(state, str(out / "model.safetensors"))
     with pytest.raises(AstraiError, match="float16 'layers.0.mlp.up.scales'"):
         AutoModel.from_pretrained(out)
+
+
+def test_int4_scales_are_calibrated_on_text_by_default(tokenizer, tokenizer_dir, tmp_path, bundled_data, capsys):
+    """The default int4 quantization reads the bundled sample through the model and chooses each
+    block's scale by its channels' importance: its output on other text is closer to the float
+    model's than Q4_0's plain rule gives. The model's norms make a few channels loud, as a
+    trained model's are (a random one's channels are all alike, leaving nothing to weigh)."""
+    import shutil
+
+    src = tmp_path / "float"
+    torch.manual_seed(0)
+    model = AutoModel.from_config(preset("tiny", vocab_size=tokenizer.vocab_size))
+    loud = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.layers:
+            for norm in (layer.input_norm, layer.post_attention_norm):
+                norm.weight.copy_(torch.exp(1.5 * torch.randn(norm.weight.shape, generator=loud)))
+    model.save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, src / name)
+    calibrated, plain = tmp_path / "calibrated", tmp_path / "plain"
+    assert main(["model", "quantize", str(src), "--to", "int4", "--out", str(calibrated)]) == 0
+    assert "scales calibrated on train.jsonl" in capsys.readouterr().out
+    assert json.loads((calibrated / "config.json").read_text())["quantization"]["calibrated"] is True
+    assert main(["model", "quantize", str(src), "--to", "int4", "--out", str(plain), "--calibration", "none"]) == 0
+    text = (bundled_data / "pretrain" / "valid_en.jsonl").read_text().splitlines()[0]
+    ids = torch.tensor([tokenizer.encode(json.loads(text)["text"], add_special_tokens=False)[:64]])
+    with torch.no_grad():
+        reference = AutoModel.from_pretrained(src).eval()(ids)["logits"]
+        errors = {name: (AutoModel.from_pretrained(d).eval()(ids)["logits"] - reference).pow(2).mean().item()
+                  for name, d in (("calibrated", calibrated), ("plain", plain))}
+    assert errors["calibrated"] < 0.9 * errors["plain"]
+    assert main(["model", "quantize", str(src), "--to", "int8", "--out", str(tmp_path / "x"),
+                 "--calibration", str(bundled_data / "pretrain" / "train.jsonl")]) == 2
+    assert "--calibration applies to int4" in capsys.readouterr().err
+    assert main(["model", "quantize", str(src), "--to", "int4", "--out", str(tmp_path / "y"),
+                 "--calibration", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
