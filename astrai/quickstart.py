@@ -43,6 +43,9 @@ SFT_MAX_PASSES = 1.5
 SFT_REPLAY = 0.25
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
+# Pre-training's schedule: 5% linear warm-up, then a linear decay to zero over the rest (WSD whose
+# decay spans the whole run). At equal steps it ends lower than a cosine decay to a tenth of the peak.
+PRETRAIN_SCHEDULE = dict(schedule="wsd", warmup_ratio=0.05, decay_ratio=0.95, min_rate=0.0)
 # Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
 # by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured: a probe
 # taken while another program holds a core can read half the real rate and halve pre-training.
@@ -424,7 +427,7 @@ class Quickstart:
             steps = PRETRAIN_STEP_SHARE * seconds * tps / (s.batch_size * s.window_size)
             kw = dict(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
-                      window_size=s.window_size, max_lr=s.lr["pretrain"], warmup_ratio=0.05)
+                      window_size=s.window_size, max_lr=s.lr["pretrain"], **PRETRAIN_SCHEDULE)
         elif name == "sft":
             # at most SFT_MAX_PASSES over the conversations, the replayed text coming on top
             sft_tokens = read_json(self.done_path("data"))["sft"]["tokens"] / (1 - s.sft_replay)

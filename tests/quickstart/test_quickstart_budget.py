@@ -73,6 +73,26 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
     assert qs.train_config(3, "grpo", 60.0).strategy_kwargs["reward"] == "arithmetic"
 
 
+def test_pretraining_warms_up_then_decays_linearly_to_zero(tmp_path):
+    import torch
+
+    from astrai.trainer.schedulers import SchedulerFactory, scheduler_kwargs
+
+    config = planner(tmp_path).train_config(0, "pretrain", seconds=100.0)
+    config.data_root_path = config.tokenizer_path = None  # none made here: the schedule's fields are what is checked
+    config.validate(require_data=False)
+    steps = config.max_steps
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.max_lr)
+    schedule = SchedulerFactory.create(optimizer, config.schedule, **scheduler_kwargs(config, steps))
+    factors = [schedule.factor(step) for step in range(steps + 1)]
+    warmup = round(0.05 * steps)
+    assert factors[warmup] == pytest.approx(1.0) and factors[0] < factors[warmup // 2] < 1.0
+    assert all(a > b for a, b in zip(factors[warmup:steps], factors[warmup + 1:steps + 1]))  # falls every step
+    middle = (warmup + steps) // 2
+    assert factors[middle] == pytest.approx(1 - (middle - warmup) / (steps - warmup), abs=0.01)  # a straight line
+    assert factors[steps] == pytest.approx(0.0)  # to zero, not to a share of the peak
+
+
 def test_deadline_guard_ends_the_stage_like_a_reached_budget():
     guard = make_stage_deadline_callback(0.05)
     context = SimpleNamespace(step=3, total_steps=100, done=False)
