@@ -1,6 +1,8 @@
-"""Small C kernels for the CPU decode step, compiled on first use with the system's C compiler.
+"""Small C kernels for the CPU decode step and prefill, compiled on first use with the system's C compiler.
 
-Four kernels live in ``native/``, built into one library.
+Five kernels live in ``native/``, built into one library: the four below, and
+``native/dense_rows.c``, which widens rows of a bf16 or quantized weight to fp32 for the
+prefill's products (bound in dense_product.py).
 
 Decode attention. PyTorch has no CPU kernel for attention of one query over rows of
 different lengths: batched products over every row padded to the longest context read the
@@ -9,7 +11,8 @@ vectorised loops.
 
 One-row products. A single request's decode step is bound by streaming the weights.
 ``native/row_product.c`` reads a row-major weight (nn.Linear's layout) one output row
-at a time, each thread a contiguous stretch of rows: one stream per thread.
+at a time, each thread a contiguous stretch of rows: one stream per thread, which the
+hardware prefetcher follows on its own.
 
 Products over smaller weights. ``native/typed_product.c`` is the same product for one to
 ``MAX_TYPED_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
