@@ -85,6 +85,7 @@ class Settings:
     sft_replay: float = SFT_REPLAY        # share of SFT batches that are pre-training text
     eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
+    stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
     lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
@@ -138,6 +139,19 @@ def make_stage_deadline_callback(seconds: float):
                 context.total_steps = context.step
 
     return StageDeadline()
+
+
+def make_stop_at_step_callback(step: int):
+    """A TrainCallback ending the stage at ``step`` exactly as the deadline guard did when it
+    ended the planning run's stage there: the schedule still spans the planned steps."""
+    from astrai.trainer import TrainCallback
+
+    class StopAtStep(TrainCallback):
+        def on_step_end(self, context) -> None:
+            if context.step >= step and not context.done:
+                context.total_steps = context.step
+
+    return StopAtStep()
 
 
 def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int, clock=time.perf_counter):
@@ -500,7 +514,11 @@ class Quickstart:
                 f"({self.deadline.left / 60:.1f} min left in the run)")
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
-        callbacks = [] if self.s.steps else [make_stage_deadline_callback(self.stage_time_limit(name, seconds))]
+        if self.s.steps:
+            stop = (self.s.stop_at or {}).get(name)
+            callbacks = [make_stop_at_step_callback(stop)] if stop else []
+        else:
+            callbacks = [make_stage_deadline_callback(self.stage_time_limit(name, seconds))]
         pace = None
         # only a fresh, time-sized pre-training whose checkpoints all come after the timed steps
         if check_pace and name == "pretrain" and callbacks and checkpoint is None and config.ckpt_interval > PACE_CHECK_STEPS[1]:
@@ -616,8 +634,7 @@ class Quickstart:
                       "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
             "budget_minutes": self.s.minutes, "total_seconds": self.deadline.elapsed, "device": _device_name(),
             "seed": self.s.seed,
-            "plan": {"steps": {r["name"]: r["planned_steps"] for r in records},
-                     "source": "pinned (--plan)" if self.s.steps else "measured from throughput"},
+            "plan": plan_of(records, pinned=bool(self.s.steps)),
             "measured_tokens_per_s": read_json(self.out / "throughput.json")["tokens_per_s"], "stages": records,
             "unigram_perplexity": {k: v["unigram_perplexity"] for k, v in pretrain_ppl.items()},
             "model_dir": str(final_dir), "corpus": self.corpus,
@@ -720,14 +737,27 @@ def resumed_settings(s: Settings) -> Settings:
     return s
 
 
-def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
+def plan_of(records: list[dict], pinned: bool) -> dict:
+    """The stage plan a run followed, as ``plan.json`` keeps it: each stage's planned steps
+    (the length of its learning-rate schedule) and, for stages the deadline guard ended
+    early, the step where they stopped, so that ``--plan`` repeats the run exactly."""
+    plan = {"steps": {r["name"]: r["planned_steps"] for r in records}}
+    stopped = {r["name"]: r["steps"] for r in records if r["steps"] < r["planned_steps"]}
+    if stopped:
+        plan["stop_at"] = stopped
+    plan["source"] = "pinned (--plan)" if pinned else "measured from throughput"
+    return plan
+
+
+def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> tuple[dict, dict]:
     """The optimizer steps per stage from a plan file (``plan.json`` of an earlier run, or
-    ``{"steps": {"pretrain": 300, "sft": 100, "dpo": 10, "grpo": 20}}``); ``stages`` are the
-    run's training stages."""
+    ``{"steps": {"pretrain": 300, "sft": 100, "dpo": 10, "grpo": 20}}``), and the steps where
+    stages ended early (``"stop_at"``, optional); ``stages`` are the run's training stages."""
     from astrai.errors import ConfigError
 
     try:
-        steps = read_json(Path(path))["steps"]
+        plan = read_json(Path(path))
+        steps, stop_at = plan["steps"], plan.get("stop_at", {})
     except FileNotFoundError:
         raise ConfigError(f"--plan {path}: file not found") from None
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
@@ -736,7 +766,12 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
             isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in steps.values()):
         raise ConfigError(f"--plan {path}: 'steps' must give a positive integer for each of {', '.join(stages)}, "
                           f"got {steps!r}")
-    return dict(steps)
+    if not isinstance(stop_at, dict) or not all(
+            name in steps and isinstance(n, int) and not isinstance(n, bool) and 0 < n <= steps[name]
+            for name, n in stop_at.items()):
+        raise ConfigError(f"--plan {path}: 'stop_at' must give, for stages of the plan, a positive step no later "
+                          f"than the stage's planned steps, got {stop_at!r}")
+    return dict(steps), dict(stop_at)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -773,10 +808,11 @@ def run(args: argparse.Namespace) -> int:
         return run_from_args(args)
     if args.finetune is not None:
         raise ConfigError("--finetune applies to a run from a pretrained model: add --base PATH")
-    steps = load_plan(args.plan) if args.plan else None
+    steps, stop_at = load_plan(args.plan) if args.plan else (None, None)
     out = args.out or Settings.out
     summary = run_quickstart(out=out, minutes=args.minutes, seed=args.seed, preset=args.preset,
-                             vocab_size=args.vocab_size, steps=steps, corpus=args.corpus, progress=not args.no_progress)
+                             vocab_size=args.vocab_size, steps=steps, stop_at=stop_at, corpus=args.corpus,
+                             progress=not args.no_progress)
     print_outcome(summary, out)
     return 0
 

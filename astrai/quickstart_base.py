@@ -341,8 +341,6 @@ class BaseQuickstart(Quickstart):
         base = read_json(self.done_path("base"))
         imported = read_json(self.done_path("import"))
         summary["stages"] = [base, *summary["stages"]]
-        # the steps each stage ran: SFT's plan is its time share, so what it reached is what repeats it
-        summary["plan"]["steps"] = {r["name"]: r["steps"] for r in records}
         summary["measured_tokens_per_s"] = records[0].get("tokens_per_s") or 0.0
         summary["corpus"] = None
         summary["model"] = {"base": self.s.base, "source": str(self.source), "family": self.family,
@@ -389,9 +387,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         if value != default:
             raise ConfigError(f"{flag} does not apply with --base: the base model brings its own shape, "
                               "vocabulary and pre-training")
-    steps = load_plan(args.plan, BASE_STAGES) if args.plan else None
+    steps, stop_at = load_plan(args.plan, BASE_STAGES) if args.plan else (None, None)
     out = args.out or DEFAULT_OUT
     summary = run_base_quickstart(out=out, minutes=args.minutes, seed=args.seed, base=args.base,
-                                  finetune=args.finetune or "full", steps=steps, progress=not args.no_progress)
+                                  finetune=args.finetune or "full", steps=steps, stop_at=stop_at, progress=not args.no_progress)
     print_outcome(summary, out)
     return 0

@@ -18,6 +18,7 @@ SMALL = dict(
     progress=False, corpus="bundled", pretrain_arithmetic=500,
 )
 PLAN = {"pretrain": 6, "sft": 4, "dpo": 2, "grpo": 2}
+STOP_AT = {"pretrain": 4}
 
 
 def numbers(summary: dict) -> list:
@@ -27,13 +28,17 @@ def numbers(summary: dict) -> list:
 
 
 def test_same_seed_and_plan_give_identical_numbers(tmp_path):
-    first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, **SMALL)
+    """Pre-training stops at step 4 of its 6 (as when the deadline guard ends a stage): the
+    plan keeps both, and the rerun stops there too with the 6-step schedule."""
+    first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, stop_at=STOP_AT, **SMALL)
     written = json.loads((tmp_path / "a" / PLAN_FILE).read_text())
-    assert written["steps"] == PLAN and written["source"] == "pinned (--plan)"
+    assert written["steps"] == PLAN and written["stop_at"] == STOP_AT and written["source"] == "pinned (--plan)"
     assert first["plan"] == written
+    assert (first["stages"][0]["steps"], first["stages"][0]["planned_steps"]) == (4, 6)
     assert f"--seed 3 --plan {(tmp_path / 'a' / PLAN_FILE).resolve()} --minutes 5 --corpus bundled" in \
         first["commands"]["rerun"]
-    again = run_quickstart(out=str(tmp_path / "b"), seed=3, steps=load_plan(tmp_path / "a" / PLAN_FILE), **SMALL)
+    steps, stop_at = load_plan(tmp_path / "a" / PLAN_FILE)
+    again = run_quickstart(out=str(tmp_path / "b"), seed=3, steps=steps, stop_at=stop_at, **SMALL)
     assert numbers(again) == numbers(first)
     task = first["stages"][-1]["eval"]["task"]
     assert task["n"] == SMALL["eval_problems"] and len(task["interval"]) == 2
@@ -67,6 +72,9 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
     ("not json", "expected JSON with a 'steps' object"),
     (json.dumps({"steps": {"pretrain": 5}}), "positive integer for each of pretrain, sft, dpo, grpo"),
     (json.dumps({"steps": {"pretrain": 5, "sft": 0, "dpo": 1, "grpo": 1}}), "positive integer"),
+    (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"pretrain": 6}}),
+     "'stop_at' must give"),
+    (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"rm": 1}}), "'stop_at' must give"),
 ])
 def test_bad_plan_files_are_refused(tmp_path, capsys, content, message):
     path = tmp_path / "plan.json"
