@@ -86,6 +86,7 @@ class Settings:
     eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
+    cpu_products: Optional[dict] = None   # pinned: the planning run's fp32 CPU products decision (else measured)
     lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
@@ -541,6 +542,7 @@ class Quickstart:
         metrics = _metrics(self.stage_dir(name) / "ckpt")
         record = {
             "name": name, "steps": context.step, "planned_steps": config.max_steps, "tokens": context.tokens_seen,
+            "cpu_products": context.cpu_products,
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
         }
@@ -557,7 +559,7 @@ class Quickstart:
         """The Trainer of one stage (a subclass may prepare the model itself, e.g. with LoRA adapters)."""
         from astrai.trainer import Trainer
 
-        return Trainer(config, callbacks=callbacks, strategy_extra=extra)
+        return Trainer(config, callbacks=callbacks, strategy_extra=extra, cpu_products=self.s.cpu_products)
 
     def follow_throughput(self, record: dict) -> None:
         """Size later stages with the throughput just measured (the machine's load may have
@@ -739,25 +741,31 @@ def resumed_settings(s: Settings) -> Settings:
 
 def plan_of(records: list[dict], pinned: bool) -> dict:
     """The stage plan a run followed, as ``plan.json`` keeps it: each stage's planned steps
-    (the length of its learning-rate schedule) and, for stages the deadline guard ended
-    early, the step where they stopped, so that ``--plan`` repeats the run exactly."""
+    (the length of its learning-rate schedule), for stages the deadline guard ended early
+    the step where they stopped, and the fp32 CPU products the run measured to be faster
+    (oneDNN's or the BLAS's, which round differently), so that ``--plan`` repeats the run
+    exactly."""
     plan = {"steps": {r["name"]: r["planned_steps"] for r in records}}
     stopped = {r["name"]: r["steps"] for r in records if r["steps"] < r["planned_steps"]}
     if stopped:
         plan["stop_at"] = stopped
+    products = next((r["cpu_products"] for r in records if r.get("cpu_products")), None)
+    if products:
+        plan["cpu_products"] = products
     plan["source"] = "pinned (--plan)" if pinned else "measured from throughput"
     return plan
 
 
-def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> tuple[dict, dict]:
-    """The optimizer steps per stage from a plan file (``plan.json`` of an earlier run, or
-    ``{"steps": {"pretrain": 300, "sft": 100, "dpo": 10, "grpo": 20}}``), and the steps where
-    stages ended early (``"stop_at"``, optional); ``stages`` are the run's training stages."""
+def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
+    """A plan file (``plan.json`` of an earlier run, or ``{"steps": {"pretrain": 300, "sft":
+    100, "dpo": 10, "grpo": 20}}``) as Settings fields: ``steps`` (optimizer steps per stage),
+    ``stop_at`` (where stages ended early, optional) and ``cpu_products`` (the fp32 products
+    decision, optional); ``stages`` are the run's training stages."""
     from astrai.errors import ConfigError
 
     try:
         plan = read_json(Path(path))
-        steps, stop_at = plan["steps"], plan.get("stop_at", {})
+        steps, stop_at, products = plan["steps"], plan.get("stop_at", {}), plan.get("cpu_products")
     except FileNotFoundError:
         raise ConfigError(f"--plan {path}: file not found") from None
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
@@ -771,7 +779,11 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> tuple
             for name, n in stop_at.items()):
         raise ConfigError(f"--plan {path}: 'stop_at' must give, for stages of the plan, a positive step no later "
                           f"than the stage's planned steps, got {stop_at!r}")
-    return dict(steps), dict(stop_at)
+    if products is not None and not (isinstance(products, dict) and set(products) == {"forward", "weight_grad"}
+                                     and all(isinstance(v, bool) for v in products.values())):
+        raise ConfigError(f"--plan {path}: 'cpu_products' must be {{\"forward\": true|false, \"weight_grad\": "
+                          f"true|false}}, got {products!r}")
+    return {"steps": dict(steps), "stop_at": dict(stop_at), "cpu_products": products}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -808,11 +820,10 @@ def run(args: argparse.Namespace) -> int:
         return run_from_args(args)
     if args.finetune is not None:
         raise ConfigError("--finetune applies to a run from a pretrained model: add --base PATH")
-    steps, stop_at = load_plan(args.plan) if args.plan else (None, None)
+    plan = load_plan(args.plan) if args.plan else {}
     out = args.out or Settings.out
     summary = run_quickstart(out=out, minutes=args.minutes, seed=args.seed, preset=args.preset,
-                             vocab_size=args.vocab_size, steps=steps, stop_at=stop_at, corpus=args.corpus,
-                             progress=not args.no_progress)
+                             vocab_size=args.vocab_size, corpus=args.corpus, progress=not args.no_progress, **plan)
     print_outcome(summary, out)
     return 0
 

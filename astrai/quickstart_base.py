@@ -288,7 +288,7 @@ class BaseQuickstart(Quickstart):
         from astrai.trainer import Trainer
 
         if not config.strategy_kwargs.get("lora"):
-            return Trainer(config, callbacks=callbacks, strategy_extra=extra)
+            return Trainer(config, callbacks=callbacks, strategy_extra=extra, cpu_products=self.s.cpu_products)
         import torch
 
         from astrai.trainer.alignment_cli import prepare_model
@@ -298,7 +298,7 @@ class BaseQuickstart(Quickstart):
         model = prepare_model(config)
         config.save_final_model = False
         return Trainer(config, callbacks=[*callbacks, LoraSaveCallback(Path(config.ckpt_dir))], model=model,
-                       strategy_extra=extra)
+                       strategy_extra=extra, cpu_products=self.s.cpu_products)
 
     # --- evaluation --------------------------------------------------------------------------------
     def estimate_eval_seconds(self) -> float:
@@ -387,9 +387,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         if value != default:
             raise ConfigError(f"{flag} does not apply with --base: the base model brings its own shape, "
                               "vocabulary and pre-training")
-    steps, stop_at = load_plan(args.plan, BASE_STAGES) if args.plan else (None, None)
+    plan = load_plan(args.plan, BASE_STAGES) if args.plan else {}
     out = args.out or DEFAULT_OUT
     summary = run_base_quickstart(out=out, minutes=args.minutes, seed=args.seed, base=args.base,
-                                  finetune=args.finetune or "full", steps=steps, stop_at=stop_at, progress=not args.no_progress)
+                                  finetune=args.finetune or "full", progress=not args.no_progress, **plan)
     print_outcome(summary, out)
     return 0

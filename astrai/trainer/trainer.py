@@ -44,8 +44,14 @@ class Trainer:
 
     def __init__(self, train_config: TrainConfig, callbacks: Optional[list[TrainCallback]] = None,
                  model: Optional[nn.Module] = None, train_dataset: Optional[Dataset] = None,
-                 val_dataset: Optional[Dataset] = None, tokenizer: Any = None, strategy_extra: Optional[dict] = None):
+                 val_dataset: Optional[Dataset] = None, tokenizer: Any = None, strategy_extra: Optional[dict] = None,
+                 cpu_products: Optional[dict] = None):
+        """``cpu_products`` pins the fp32 CPU products decision (``{"forward": bool, "weight_grad":
+        bool}``, what an earlier run's ``TrainContext.cpu_products`` recorded) instead of
+        measuring it, so that a repeated run rounds as that one did; a resumed checkpoint's
+        own decision comes first."""
         self.train_config = train_config
+        self.cpu_products = cpu_products
         self.callbacks = list(callbacks or [])
         self.model, self.train_dataset, self.val_dataset, self.tokenizer = model, train_dataset, val_dataset, tokenizer
         self.strategy_extra = strategy_extra
@@ -104,6 +110,7 @@ class Trainer:
             # once for all ranks and kept across a resume: products that round differently diverge
             model = unwrap_model(context.model)
             recorded = context.checkpoint.meta.get(PRODUCTS_KEY) if context.checkpoint is not None else None
+            recorded = recorded if recorded is not None else self.cpu_products
             context.cpu_products = agree_on_products(model, recorded)
             with fast_training_products(model, context.cpu_products):
                 while not context.done and not context.stop_requested:

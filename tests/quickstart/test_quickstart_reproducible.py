@@ -27,18 +27,25 @@ def numbers(summary: dict) -> list:
             for stage in summary["stages"]]
 
 
-def test_same_seed_and_plan_give_identical_numbers(tmp_path):
+def test_same_seed_and_plan_give_identical_numbers(tmp_path, monkeypatch):
     """Pre-training stops at step 4 of its 6 (as when the deadline guard ends a stage): the
-    plan keeps both, and the rerun stops there too with the 6-step schedule."""
+    plan keeps both, and the rerun stops there too with the 6-step schedule. The first run
+    measures oneDNN's fp32 products to be faster, the second would measure the BLAS's (a
+    busier machine): the plan pins the first's, whose rounding the numbers depend on."""
+    from astrai.backends.cpu import training
+
+    measured = {"forward": True, "weight_grad": False}
+    monkeypatch.setattr(training, "measured_choice", lambda: dict(measured))
     first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, stop_at=STOP_AT, **SMALL)
     written = json.loads((tmp_path / "a" / PLAN_FILE).read_text())
     assert written["steps"] == PLAN and written["stop_at"] == STOP_AT and written["source"] == "pinned (--plan)"
-    assert first["plan"] == written
+    assert written["cpu_products"] == measured and first["plan"] == written
     assert (first["stages"][0]["steps"], first["stages"][0]["planned_steps"]) == (4, 6)
     assert f"--seed 3 --plan {(tmp_path / 'a' / PLAN_FILE).resolve()} --minutes 5 --corpus bundled" in \
         first["commands"]["rerun"]
-    steps, stop_at = load_plan(tmp_path / "a" / PLAN_FILE)
-    again = run_quickstart(out=str(tmp_path / "b"), seed=3, steps=steps, stop_at=stop_at, **SMALL)
+    measured["forward"] = False
+    again = run_quickstart(out=str(tmp_path / "b"), seed=3, **load_plan(tmp_path / "a" / PLAN_FILE), **SMALL)
+    assert all(stage["cpu_products"] == written["cpu_products"] for stage in again["stages"])
     assert numbers(again) == numbers(first)
     task = first["stages"][-1]["eval"]["task"]
     assert task["n"] == SMALL["eval_problems"] and len(task["interval"]) == 2
@@ -75,6 +82,8 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
     (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"pretrain": 6}}),
      "'stop_at' must give"),
     (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"rm": 1}}), "'stop_at' must give"),
+    (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "cpu_products": {"forward": 1}}),
+     "'cpu_products' must be"),
 ])
 def test_bad_plan_files_are_refused(tmp_path, capsys, content, message):
     path = tmp_path / "plan.json"
