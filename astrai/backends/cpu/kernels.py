@@ -20,7 +20,8 @@ Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout), reading the weight 
 rows. bf16 and int8 sum in fp32 over float activations; int4 rounds the activations to Q8_0
 blocks as ``quantize_activations`` does and sums each block's int4 x int8 products in
 integers (the plain-C build the same integer sums). ``TypedWeight`` describes such a
-weight (``typed_product`` takes it).
+weight (``typed_product`` takes it). ``rounded_activations`` is that rounding on its own,
+in one pass, for a prompt's int4 products (which widen the weight for oneDNN instead).
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a GQA +
 SwiGLU model for one row - norms (QK-norm too), biases, rotary embedding, K/V writes,
@@ -61,6 +62,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+
+from astrai.model.quantized import quantize_activations
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +172,8 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_typed_product.argtypes = ([ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr] + [i64] * 5
                                              + [ctypes.c_int] * 2)
     library.astrai_typed_product.restype = i64
+    library.astrai_round_activations.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    library.astrai_round_activations.restype = None
     library.astrai_typed_product_vectorised.argtypes = []
     library.astrai_typed_product_vectorised.restype = ctypes.c_int
     for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32):
@@ -314,6 +319,18 @@ def typed_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Ten
                                     0 if bias is None else bias.data_ptr(), out.data_ptr(), n_out, n_in, n_out,
                                     stride, scale_ld, max(torch.get_num_threads(), 1), 0)
     return out.view(*x.shape[:-1], n_out)
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """``quantize_activations(x)`` (Q8_0 blocks along the last dimension) in one native pass for
+    a contiguous fp32 CPU tensor without autograd, else through torch."""
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and x.numel()
+            and not (torch.is_grad_enabled() and x.requires_grad) and kernels_available()):
+        return quantize_activations(x)
+    out = torch.empty_like(x)
+    _library().astrai_round_activations(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], out.data_ptr(),
+                                        max(torch.get_num_threads(), 1))
+    return out
 
 
 def typed_products_vectorised() -> bool:

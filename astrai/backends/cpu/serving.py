@@ -48,12 +48,13 @@ from torch import nn
 from astrai.backends.cpu.dense_product import dense_product, dense_products_available
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.backends.cpu.kernels import (BF16, F32, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, cpu_flags,
-                                         kernels_available, row_major, row_product, typed_product)
+                                         kernels_available, rounded_activations, row_major, row_product,
+                                         typed_product)
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.layers import Linear
-from astrai.model.quantized import QuantizedLinear, dequantize_weight, quantize_activations
+from astrai.model.quantized import QuantizedLinear, dequantize_weight
 
 SPLIT_MAX_ROWS = 64  # products of at most this many rows are split in two (see serving_product)
 SERVED_DTYPES = (torch.float32, torch.bfloat16)
@@ -133,10 +134,10 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
     ``MAX_TYPED_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
     through ``dense_product`` (slabs of the weight widened in C), anything else through torch
     over ``dense()``, made once for the call. An int4 weight multiplies ``x``
-    rounded by ``quantize_activations`` on every route, as QuantizedLinear's forward does (the
-    kernel rounds it again, which changes nothing)."""
+    rounded as ``quantize_activations`` does on every route (``rounded_activations``, one native
+    pass), as QuantizedLinear's forward does (the kernel rounds it again, which changes nothing)."""
     if weight is not None and weight.kind == Q4:
-        x = quantize_activations(x)
+        x = rounded_activations(x)
     if (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
             and x.shape[-1] == weight.in_features and kernels_available()):
         rows = x.numel() // max(x.shape[-1], 1)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from astrai.backends.cpu import kernels
-from astrai.backends.cpu.kernels import BF16, F32, Q4, Q8, TypedWeight, kernels_available, typed_product
+from astrai.backends.cpu.kernels import (BF16, F32, Q4, Q8, TypedWeight, kernels_available, rounded_activations,
+                                        typed_product)
 from astrai.model.quantized import dequantize_weight, quantize_activations, quantize_weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
@@ -78,6 +79,23 @@ def test_int4_rounds_the_activations_as_the_reference_does(n_in, rows, monkeypat
     x[:, :min(n_in, 32)] = 0.0
     want = multiplied(x, Q4) @ dense.T
     assert torch.allclose(typed_product(x, weight).double(), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 45), (3, 96), (512, 200)])
+def test_native_rounding_of_activations_equals_quantize_activations(shape, monkeypatch):
+    """A prompt's int4 products round their activations in C: bit for bit torch's rounding,
+    with a zero block (d = 0), a partial last block, an infinity and a NaN (their blocks NaN)."""
+    torch.manual_seed(shape[0] * shape[1])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    x = torch.randn(shape) * torch.rand(shape[1]).add(0.01) * 30
+    if shape[1] > 32:
+        x[:, :32] = 0.0
+    if shape[0] > 2:
+        x[1, -1], x[2, 0] = float("inf"), float("nan")
+    got, want = rounded_activations(x), quantize_activations(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert not torch.equal(got, x.nan_to_num())  # it rounds
+    assert torch.equal(rounded_activations(x[:, :0].contiguous()), x[:, :0])
 
 
 def test_typed_product_refuses_what_it_cannot_read():

@@ -21,6 +21,10 @@
  * dot product is then a sum of int4 x int8 products in integers, and each block adds d_w d_x
  * times it. The result is F.linear over the quantized activations and the dequantized weight
  * (what QuantizedLinear's forward computes for int4) but for the order of the float additions.
+ * The vector loop multiplies the stored nibbles u = w + 8 as they are, unsigned, and takes
+ * 8 q off the integer sums (sum (u - 8) q = sum u q - 8 sum q, the second sum made once per
+ * call with the activations, in the same eight lanes): no per-block sign juggling, and the
+ * weight scales are widened and multiplied eight blocks at a time.
  *
  * As row_product.c, each thread takes a contiguous stretch of the outputs, so each reads one
  * stream (two: values and scales) front to back, prefetched non-temporally ahead. With AVX2
@@ -114,24 +118,36 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blo
     for (int k = 0; k < 4; ++k) w[k] = widen8((const int8_t *)block + 8 * k);
 }
 
-/* An int4 block's 32 values, nibble - 8, as signed bytes in element order: the 16 low
- * nibbles, then the 16 high ones. */
-static inline __m256i signed_nibbles(const uint8_t *block)
+/* An int4 block's 32 nibbles (0..15) as bytes in element order: the 16 low ones, then the
+ * 16 high ones. */
+static inline __m256i nibbles(const uint8_t *block)
 {
     const __m128i raw = _mm_loadu_si128((const __m128i *)block);
     const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
-    return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0f)), _mm256_set1_epi8(8));
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-/* The 32 integer products of an int4 block (`w`, its magnitudes `magnitude`) with 32 int8
- * values, summed in pairs and fours into 8 int32 lanes, as floats. maddubs multiplies an
- * unsigned byte by a signed one, so w's signs move onto x first; |w| <= 8 and |x| <= 127 keep
- * every 16-bit pair sum far from saturating. */
-static inline __m256 q4_block_products(__m256i w, __m256i magnitude, const int8_t *xq)
+/* An int4 block's 32 integer products (`u`: the stored nibbles, w + 8) with 32 int8 values,
+ * summed in fours into 8 int32 lanes, less the block's `offsets` (8 times the same fours of
+ * x), as floats: sum (u - 8) x = sum u x - 8 sum x, lane by lane, exactly. maddubs takes the
+ * unsigned nibbles as they are; 15 * 127 * 2 is far from saturating its 16-bit pair sums. */
+static inline __m256 q4_block_products(__m256i u, const int8_t *xq, const int32_t *offsets)
 {
-    const __m256i signed_x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), w);
-    const __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)xq));
+    const __m256i fours = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(fours, _mm256_loadu_si256((const __m256i *)offsets)));
+}
+
+/* Eight consecutive fp16 scales as floats. */
+static inline __m256 scales8(const uint16_t *h)
+{
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    float f[8];
+    for (int k = 0; k < 8; ++k) f[k] = half_to_float(h[k]);
+    return _mm256_loadu_ps(f);
+#endif
 }
 
 /* The 32 products of a widened block with x, summed into 8 lanes. */
@@ -188,11 +204,12 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
 }
 
 /* Rows of x quantized for the int4 products: `values` [rows][blocks * 32] int8 (zero past
- * n_in), `scales` [rows][blocks] the fp16-rounded d of each block as a float. A block whose
- * largest magnitude is not finite gets NaN for its d, so that its products are NaN as the
- * reference's are. */
+ * n_in), `scales` [rows][blocks] the fp16-rounded d of each block as a float. A block holding
+ * an infinity or a NaN gets NaN for its d, so that its products are NaN as the
+ * reference's are. `offsets` [rows][blocks][8]: 8 times the sum of each block's values
+ * 4k..4k+3 in lane k, which q4_block_products takes off. */
 static void quantize_activations(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
-                                 float *scales)
+                                 float *scales, int32_t *offsets)
 {
     const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
     for (int64_t r = 0; r < rows; ++r)
@@ -201,15 +218,22 @@ static void quantize_activations(const float *x, int64_t x_stride, int64_t rows,
             int8_t *q = values + (r * blocks + b) * BLOCK;
             const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
             float largest = 0.0f;
-            for (int64_t k = 0; k < n; ++k) largest = fabsf(xb[k]) > largest ? fabsf(xb[k]) : largest;
+            int finite = 1;
+            for (int64_t k = 0; k < n; ++k) {
+                finite &= fabsf(xb[k]) <= 3.4028235e38f;  /* false for inf and NaN */
+                largest = fabsf(xb[k]) > largest ? fabsf(xb[k]) : largest;
+            }
             memset(q, 0, BLOCK);
-            if (!(largest <= 3.4028235e38f)) {  /* inf or NaN */
+            if (!finite) {
                 scales[r * blocks + b] = NAN;
+                memset(offsets + (r * blocks + b) * 8, 0, 8 * sizeof(int32_t));
                 continue;
             }
             const float d = largest * (1.0f / 127.0f), inverse = d != 0.0f ? 1.0f / d : 0.0f;
             for (int64_t k = 0; k < n; ++k) q[k] = (int8_t)rintf(xb[k] * inverse);
             scales[r * blocks + b] = half_to_float(float_to_half(d));
+            for (int lane = 0; lane < 8; ++lane)
+                offsets[(r * blocks + b) * 8 + lane] = 8 * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
         }
 }
 
@@ -217,31 +241,45 @@ static void quantize_activations(const float *x, int64_t x_stride, int64_t rows,
  * per block an integer sum of products, times d_w d_x. Every block is whole here (the
  * weight's padding nibbles are 8, the activations' padding 0). */
 static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const uint16_t *scales,
-                                                         const int8_t *xq, const float *xd, int rows,
-                                                         int64_t blocks, float *out, const uint8_t *end)
+                                                         const int8_t *xq, const float *xd, const int32_t *xo,
+                                                         int rows, int64_t blocks, float *out, const uint8_t *end)
 {
     float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
     int64_t b = 0;
 #if TYPED_AVX2
     __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS];
+    float factor[ASTRAI_MAX_TYPED_ROWS][8] __attribute__((aligned(32)));
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    for (; b + 2 <= blocks; b += 2) {
-        if ((b & 3) == 0) prefetch_ahead(w + b * (BLOCK / 2), end);
-        const float d0 = half_to_float(scales[b]), d1 = half_to_float(scales[b + 1]);
-        const __m256i w0 = signed_nibbles(w + b * (BLOCK / 2)), w1 = signed_nibbles(w + (b + 1) * (BLOCK / 2));
-        const __m256i m0 = _mm256_sign_epi8(w0, w0), m1 = _mm256_sign_epi8(w1, w1);
+    for (; b + 8 <= blocks; b += 8) {
+        prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
+        prefetch_ahead(w + b * (BLOCK / 2) + 64, end);
+        const __m256 d = scales8(scales + b);
+        for (int r = 0; r < rows; ++r) _mm256_store_ps(factor[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b)));
+        for (int k = 0; k < 8; k += 2) {
+            const __m256i u0 = nibbles(w + (b + k) * (BLOCK / 2)), u1 = nibbles(w + (b + k + 1) * (BLOCK / 2));
+            for (int r = 0; r < rows; ++r) {
+                const int64_t at = r * blocks + b + k;
+                even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k]),
+                                          q4_block_products(u0, xq + at * BLOCK, xo + at * 8), even[r]);
+                odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k + 1]),
+                                         q4_block_products(u1, xq + (at + 1) * BLOCK, xo + (at + 1) * 8), odd[r]);
+            }
+        }
+    }
+    for (; b < blocks; ++b) {
+        const float d = half_to_float(scales[b]);
+        const __m256i u = nibbles(w + b * (BLOCK / 2));
         for (int r = 0; r < rows; ++r) {
-            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
-            const float *xs = xd + r * blocks + b;
-            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xs[0]), q4_block_products(w0, m0, xb), even[r]);
-            odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xs[1]), q4_block_products(w1, m1, xb + BLOCK), odd[r]);
+            const int64_t at = r * blocks + b;
+            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q4_block_products(u, xq + at * BLOCK, xo + at * 8),
+                                      even[r]);
         }
     }
     for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
-#endif
+#else
+    (void)xo, (void)end;
     for (; b < blocks; ++b) {
         const uint8_t *block = w + b * (BLOCK / 2);
-        if ((b & 3) == 0) prefetch_ahead(block, end);
         const float d = half_to_float(scales[b]);
         for (int r = 0; r < rows; ++r) {
             const int8_t *xb = xq + (r * blocks + b) * BLOCK;
@@ -251,6 +289,7 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
             sum[r] += d * xd[r * blocks + b] * (float)t;
         }
     }
+#endif
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
@@ -304,14 +343,14 @@ int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
  * its sums in registers. */
 static inline __attribute__((always_inline)) void typed_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
                              int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
-                             const uint8_t *end, const int8_t *xq, const float *xd)
+                             const uint8_t *end, const int8_t *xq, const float *xd, const int32_t *xo)
 {
     switch (type) {
     case ASTRAI_Q8:
         dot_q8(w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end);
         break;
     case ASTRAI_Q4:
-        dot_q4(w + j * ld, scales + j * scale_ld, xq, xd, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
+        dot_q4(w + j * ld, scales + j * scale_ld, xq, xd, xo, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     default:
         dot_bf16((const uint16_t *)w + j * ld, x, x_stride, rows, n_in, out, end);
@@ -344,12 +383,13 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
     const int64_t blocks = type == ASTRAI_Q4 && first < last ? (n_in + BLOCK - 1) / BLOCK : 0;
     int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
     float xd[rows * blocks + 1];
-    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd);
+    int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
+    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, xo);
     for (int64_t j = first; j < last; ++j) {
         if (rows == 1)
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, xq, xd);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, xq, xd, xo);
         else
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, xq, xd);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, xq, xd, xo);
         const float b = bias ? bias[j] : 0.0f;
         for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
         if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
@@ -375,6 +415,32 @@ int64_t astrai_typed_product(const float *x, int64_t rows, int64_t x_stride, con
         if (omp_get_thread_num() == 0) team = omp_get_num_threads();
     }
     return want_argmax ? astrai_team_argmax(best, top, team) : -1;
+}
+
+/* out = x rounded to Q8_0 blocks along its rows of n_in, as floats: quantized.py's
+ * `quantize_activations` in one pass (d = max|x| * (1/127), q = x / d rounded to even, q
+ * times the fp16-rounded d; a block holding a NaN or an infinity becomes NaN, as there). For
+ * a prompt's int4 products, whose activations torch would round in several passes. */
+void astrai_round_activations(const float *x, int64_t rows, int64_t n_in, float *out, int threads)
+{
+    const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < rows * blocks; ++i) {
+        const int64_t r = i / blocks, first = (i % blocks) * BLOCK;
+        const int64_t n = n_in - first < BLOCK ? n_in - first : BLOCK;
+        const float *xb = x + r * n_in + first;
+        float *ob = out + r * n_in + first;
+        float largest = 0.0f;
+        int finite = 1;
+        for (int64_t k = 0; k < n; ++k) {
+            const float magnitude = fabsf(xb[k]);
+            finite &= magnitude <= 3.4028235e38f;  /* false for inf and NaN */
+            largest = magnitude > largest ? magnitude : largest;
+        }
+        const float d = largest * (1.0f / 127.0f), inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const float kept = finite ? half_to_float(float_to_half(d)) : NAN;
+        for (int64_t k = 0; k < n; ++k) ob[k] = rintf(xb[k] * inverse) * kept;
+    }
 }
 
 /* Whether this build reads blocks with AVX2 intrinsics (1) or plain C loops (0). */
