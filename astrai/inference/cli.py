@@ -46,7 +46,7 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.json)")
+    parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.json) or a GGUF file")
     add_placement_arguments(parser)
     parser.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=16)
     parser.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)

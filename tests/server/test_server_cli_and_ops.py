@@ -88,6 +88,31 @@ def test_api_key_from_the_environment_guards_the_server(tmp_path, monkeypatch):
     assert settings["api_key"] == "sk-env" and settings["allowed_hosts"] == ["*"]
 
 
+def test_the_server_takes_a_gguf_file_and_refuses_other_files(tmp_path, monkeypatch):
+    """A .gguf file is served as it is (named after it); a file that is neither a model
+    directory nor GGUF gets the message saying what --model takes."""
+    from astrai.errors import ConfigError
+    from astrai.inference.server import runner
+
+    class Built(Exception):
+        """Stops run_server once the app's settings are known."""
+
+    def record(**settings):
+        raise Built(settings)
+
+    monkeypatch.setattr(runner, "create_app", record)
+    model = tmp_path / "tiny-chat.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(Built) as built:
+        runner.run_server(str(model))
+    assert built.value.args[0]["model_name"] == "tiny-chat"
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"not a model")
+    for path in (other, tmp_path / "absent"):
+        with pytest.raises(ConfigError, match="not a GGUF file"):
+            runner.run_server(str(path))
+
+
 def broken_copies(model_dir, root):
     """Model directories that cannot be loaded, each with the words its error must say."""
     import shutil

@@ -1,4 +1,4 @@
-"""``run_server``: load a model directory behind the app and serve it with uvicorn.
+"""``run_server``: load a model directory (or a GGUF file) behind the app and serve it with uvicorn.
 
 The port opens at once and the model loads in the background (``/health`` reports
 ``ready: false`` until it is in), so process managers see a live server quickly and
@@ -25,7 +25,8 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_ke
                allowed_hosts: Optional[list[str]] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
                log_level: str = "info", **engine_limits) -> None:
-    """Serve ``model_dir`` until interrupted; ``engine_limits`` go to ``InferenceEngine.from_pretrained``.
+    """Serve ``model_dir`` (a model directory or a GGUF file) until interrupted; ``engine_limits`` go to
+    ``InferenceEngine.from_pretrained``.
 
     A model that fails to load stops the server and raises that error (an ``AstraiError``
     naming the file), so the command exits with one clear line instead of serving 503s."""
@@ -33,10 +34,13 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_ke
 
     from astrai.inference import InferenceEngine
 
+    from astrai.model.gguf import is_gguf
+
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"--model {model_dir}: no config.json there; pass a model directory written by "
-                          "save_pretrained (config.json, model.safetensors, tokenizer.json)")
+    gguf_file = path.is_file() and is_gguf(path)
+    if not ((path / "config.json").is_file() or gguf_file):
+        raise ConfigError(f"--model {model_dir}: no config.json there and not a GGUF file; pass a model directory "
+                          "written by save_pretrained (config.json, model.safetensors, tokenizer.json) or a .gguf file")
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     limits = {k: v for k, v in engine_limits.items() if v is not None}
     failures: list[Exception] = []
@@ -46,7 +50,7 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_ke
         server.should_exit = True
 
     app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(str(path), **limits),
-                     model_name=model_name or path.resolve().name, api_key=api_key, cors_origins=cors_origins,
+                     model_name=model_name or (path.stem if gguf_file else path.resolve().name), api_key=api_key, cors_origins=cors_origins,
                      max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
                      allowed_hosts=default_allowed_hosts(host, api_key, allowed_hosts), on_load_error=stop_serving)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
