@@ -135,22 +135,22 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
     through ``dense_product`` (slabs of the weight widened in C), anything else through torch
     over ``dense()``, made once for the call. An int4 weight multiplies ``x``
     rounded as ``quantize_activations`` does on every route (``rounded_activations``, one native
-    pass), as QuantizedLinear's forward does (the kernel rounds it again, which changes nothing)."""
-    if weight is not None and weight.kind == Q4:
+    pass), as QuantizedLinear's forward does; the kernel rounds fp32 rows itself, exactly so."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    kernel = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
+              and x.shape[-1] == weight.in_features and 1 <= rows <= TYPED_MAX_ROWS and kernels_available())
+    if weight is not None and weight.kind == Q4 and not (kernel and x.dtype == torch.float32):
         x = rounded_activations(x)
-    if (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
-            and x.shape[-1] == weight.in_features and kernels_available()):
-        rows = x.numel() // max(x.shape[-1], 1)
-        if 1 <= rows <= TYPED_MAX_ROWS:
-            _note("kernel")
-            flat = x.reshape(rows, -1).float().contiguous()
-            b = None if bias is None else bias.float().contiguous()
-            if rows <= MAX_TYPED_ROWS:
-                out = typed_product(flat, weight, b)
-            else:
-                out = torch.cat([typed_product(flat[i:i + MAX_TYPED_ROWS], weight, b)
-                                 for i in range(0, rows, MAX_TYPED_ROWS)])
-            return out.view(*x.shape[:-1], -1).to(x.dtype)
+    if kernel:
+        _note("kernel")
+        flat = x.reshape(rows, -1).float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        if rows <= MAX_TYPED_ROWS:
+            out = typed_product(flat, weight, b)
+        else:
+            out = torch.cat([typed_product(flat[i:i + MAX_TYPED_ROWS], weight, b)
+                             for i in range(0, rows, MAX_TYPED_ROWS)])
+        return out.view(*x.shape[:-1], -1).to(x.dtype)
     _note("dense")
     if (weight is not None and weight.kind != F32 and x.device.type == "cpu" and x.dtype in SERVED_DTYPES
             and not torch.is_grad_enabled() and x.shape[-1] == weight.in_features

@@ -203,6 +203,23 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
+/* One Q8_0 block of n values: returns its fp16-rounded d (NaN when the block holds an
+ * infinity or a NaN) and sets *inverse to 1 / d in fp32 (0 for d = 0), as quantized.py's
+ * `quantize_activations` computes them. */
+static inline float block_step(const float *xb, int64_t n, float *inverse)
+{
+    float largest = 0.0f;
+    int finite = 1;
+    for (int64_t k = 0; k < n; ++k) {
+        const float magnitude = fabsf(xb[k]);
+        finite &= magnitude <= 3.4028235e38f;  /* false for inf and NaN */
+        largest = magnitude > largest ? magnitude : largest;
+    }
+    const float d = largest * (1.0f / 127.0f);
+    *inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    return finite ? half_to_float(float_to_half(d)) : NAN;
+}
+
 /* Rows of x quantized for the int4 products: `values` [rows][blocks * 32] int8 (zero past
  * n_in), `scales` [rows][blocks] the fp16-rounded d of each block as a float. A block holding
  * an infinity or a NaN gets NaN for its d, so that its products are NaN as the
@@ -217,21 +234,15 @@ static void quantize_activations(const float *x, int64_t x_stride, int64_t rows,
             const float *xb = x + r * x_stride + b * BLOCK;
             int8_t *q = values + (r * blocks + b) * BLOCK;
             const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
-            float largest = 0.0f;
-            int finite = 1;
-            for (int64_t k = 0; k < n; ++k) {
-                finite &= fabsf(xb[k]) <= 3.4028235e38f;  /* false for inf and NaN */
-                largest = fabsf(xb[k]) > largest ? fabsf(xb[k]) : largest;
-            }
+            float inverse;
+            const float kept = block_step(xb, n, &inverse);
             memset(q, 0, BLOCK);
-            if (!finite) {
-                scales[r * blocks + b] = NAN;
+            scales[r * blocks + b] = kept;
+            if (kept != kept) {  /* NaN: the block's products are NaN; its values stay 0 */
                 memset(offsets + (r * blocks + b) * 8, 0, 8 * sizeof(int32_t));
                 continue;
             }
-            const float d = largest * (1.0f / 127.0f), inverse = d != 0.0f ? 1.0f / d : 0.0f;
             for (int64_t k = 0; k < n; ++k) q[k] = (int8_t)rintf(xb[k] * inverse);
-            scales[r * blocks + b] = half_to_float(float_to_half(d));
             for (int lane = 0; lane < 8; ++lane)
                 offsets[(r * blocks + b) * 8 + lane] = 8 * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
         }
@@ -430,15 +441,8 @@ void astrai_round_activations(const float *x, int64_t rows, int64_t n_in, float 
         const int64_t n = n_in - first < BLOCK ? n_in - first : BLOCK;
         const float *xb = x + r * n_in + first;
         float *ob = out + r * n_in + first;
-        float largest = 0.0f;
-        int finite = 1;
-        for (int64_t k = 0; k < n; ++k) {
-            const float magnitude = fabsf(xb[k]);
-            finite &= magnitude <= 3.4028235e38f;  /* false for inf and NaN */
-            largest = magnitude > largest ? magnitude : largest;
-        }
-        const float d = largest * (1.0f / 127.0f), inverse = d != 0.0f ? 1.0f / d : 0.0f;
-        const float kept = finite ? half_to_float(float_to_half(d)) : NAN;
+        float inverse;
+        const float kept = block_step(xb, n, &inverse);
         for (int64_t k = 0; k < n; ++k) ob[k] = rintf(xb[k] * inverse) * kept;
     }
 }
