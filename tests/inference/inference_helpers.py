@@ -1,4 +1,4 @@
-"""Shared helpers of the inference tests: tiny models and greedy decoding by full recomputation."""
+"""Shared helpers of the inference and CPU-backend tests: tiny models, greedy decoding by full recomputation, weights and thread counts for the kernels."""
 
 from __future__ import annotations
 
@@ -39,3 +39,23 @@ def with_uneven_norms(model: torch.nn.Module) -> torch.nn.Module:
             if "norm" in name:
                 weight.uniform_(0.5, 1.5)
     return model
+
+
+def padded_weight(n_out: int, n_in: int, spare: int = 0) -> torch.Tensor:
+    """[out, in] weight whose rows lie ``in + spare`` floats apart; the spare floats (and one
+    more row after the last) hold NaN, so a product that reads past a row's inputs or past
+    the outputs shows it."""
+    storage = torch.randn(n_out + 1, n_in + spare)
+    storage[:, n_in:] = float("nan")
+    storage[n_out:] = float("nan")
+    return storage[:n_out, :n_in]
+
+
+def with_threads(threads: int, fn):
+    """``fn()`` run with torch's thread count set to ``threads``, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)

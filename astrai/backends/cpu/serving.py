@@ -4,8 +4,9 @@ Without autograd, the products of a decode step are few rows by large weights, w
 CPU runs faster by other routes than ``F.linear`` takes (``serving_product``):
 
 - one row through the C one-row product (kernels.py), which gives each thread one
-  contiguous stretch of the weight's rows to stream;
-- several rows from the weight's oneDNN-packed copy (made once, packed again only when the
+  contiguous stretch of the weight's rows to stream, and 2 to ``MAX_F32_ROWS`` rows (a
+  decode batch) through its few-rows form, which streams the weight once for all of them;
+- more rows from the weight's oneDNN-packed copy (made once, packed again only when the
   weight changed: an ``update_weights`` copies new values in place);
 - otherwise, up to 64 rows, as one batched product over the weight's two halves of
   outputs, which keeps both threads of a small machine busy where the BLAS would not.
@@ -47,9 +48,9 @@ from torch import nn
 
 from astrai.backends.cpu.dense_product import dense_product, dense_products_available
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
-from astrai.backends.cpu.kernels import (BF16, F32, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, cpu_flags,
+from astrai.backends.cpu.kernels import (BF16, F32, MAX_F32_ROWS, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, cpu_flags,
                                          kernels_available, rounded_activations, row_major, row_product,
-                                         typed_product)
+                                         rows_product, typed_product)
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
@@ -109,7 +110,12 @@ def serving_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     """``F.linear(x, weight, bias)``, by the fastest route for an fp32 CPU product without
     autograd (see the module's docstring)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
-        if x.numel() != x.shape[-1]:  # one row streams the plain weight faster than the packed copy
+        rows = x.numel() // max(x.shape[-1], 1)
+        if (1 < rows <= MAX_F32_ROWS and weight.dtype == torch.float32 and x.is_contiguous() and row_major(weight)
+                and (bias is None or bias.dtype == torch.float32) and kernels_available()):
+            _note("kernel")  # a few rows stream the plain weight faster than oneDNN reads its packed copy
+            return rows_product(x, weight, None if bias is None else bias.contiguous())
+        if rows != 1:
             copy = None if packed is None else packed.get()
             if copy is not None:
                 _note("packed")

@@ -12,7 +12,7 @@ import torch
 
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.kernels import kernels_available
-from astrai.backends.cpu.serving import (ServingQuantizedLinear, onednn_available, prepare_for_serving,
+from astrai.backends.cpu.serving import (ServingQuantizedLinear, prepare_for_serving,
                                          route_counts)
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.quantized import quantize_model
@@ -68,7 +68,7 @@ def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(weights, tie
 def test_llama_qwen2_and_qwen3_shapes_decode_fused_and_the_stats_say_so(overrides, weights):
     """A plain llama, q/k/v biases (qwen2), QK-norm (qwen3), both with an untied head over a
     larger vocabulary: each single request's decode steps run fused, a batch's in the row
-    kernels or oneDNN's packed products, none in plain torch, and the tokens are the model's own."""
+    kernels, none in plain torch, and the tokens are the model's own."""
     model = served(weights, **overrides)
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in PROMPTS[:2]]
     alone, paths = run(model, PROMPTS[:2])
@@ -76,8 +76,8 @@ def test_llama_qwen2_and_qwen3_shapes_decode_fused_and_the_stats_say_so(override
     assert paths == {"fused": 2 * (GREEDY.max_tokens - 1), "row_kernels": 0, "batched": 0, "torch": 0}
     together, paths = run(model, PROMPTS[:2], max_batch_size=2)
     assert together == want and paths["torch"] == 0
-    # fp32 rows share oneDNN's packed weights where the build has them; typed ones the C products
-    assert paths["row_kernels" if weights == "int8" or not onednn_available() else "batched"] > 0
+    # a batch's few rows take the C products, fp32 (rows_product) and typed alike
+    assert paths["row_kernels"] > 0 and paths["batched"] == 0
 
 
 def test_bf16_linear_weights_under_fp32_activations_decode_fused():

@@ -10,17 +10,7 @@ import torch
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.backends.cpu import serving
 from astrai.backends.cpu.kernels import kernels_available, row_product, row_product_argmax
-from inference_helpers import greedy_reference, make_model
-
-
-def _row_major(n_out: int, n_in: int, spare: int = 0) -> torch.Tensor:
-    """[out, in] weight whose rows lie ``in + spare`` floats apart; the spare floats (and
-    one more row after the last) hold NaN, so a product that reads past a row's inputs or
-    past the outputs shows it."""
-    storage = torch.randn(n_out + 1, n_in + spare)
-    storage[:, n_in:] = float("nan")
-    storage[n_out:] = float("nan")
-    return storage[:n_out, :n_in]
+from inference_helpers import greedy_reference, make_model, padded_weight, with_threads
 
 
 def test_the_kernels_build_on_this_machine():
@@ -32,27 +22,13 @@ def test_the_kernels_build_on_this_machine():
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_row_product_equals_the_float64_product(n_out, n_in, threads, with_bias):
     torch.manual_seed(n_out * 7 + n_in)
-    weight = _row_major(n_out, n_in, spare=5)
+    weight = padded_weight(n_out, n_in, spare=5)
     bias = torch.randn(n_out) if with_bias else None
     x = torch.randn(1, 1, n_in)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = row_product(x, weight, bias)
-    finally:
-        torch.set_num_threads(before)
+    got = with_threads(threads, lambda: row_product(x, weight, bias))
     want = x.double() @ weight.t().double() + (0 if bias is None else bias.double())
     assert got.shape == (1, 1, n_out)
     assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
-
-
-def _with_threads(threads, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -62,21 +38,21 @@ def test_argmax_of_the_product_is_torchs_first_maximum_and_first_nan(threads):
     rows, and the first NaN when there is one."""
     torch.manual_seed(threads)
     n_out, n_in = 101, 24
-    weight = _row_major(n_out, n_in, spare=3)
+    weight = padded_weight(n_out, n_in, spare=3)
     x = torch.randn(n_in)
-    y, best = _with_threads(threads, lambda: row_product_argmax(x, weight))
+    y, best = with_threads(threads, lambda: row_product_argmax(x, weight))
     assert torch.allclose(y.double(), weight.double() @ x.double(), atol=1e-4)
     assert best == int(y.argmax())
     for tied in ([7, 40, 99], [60, 80], [3, 4]):  # the same largest row at several places
         w = weight.clone()
         w[tied] = 5 * x.sign()  # each of these rows scores 5 * sum(|x|), well above the others
-        y, best = _with_threads(threads, lambda: row_product_argmax(x, w))
+        y, best = with_threads(threads, lambda: row_product_argmax(x, w))
         assert torch.equal(y[tied], y[tied[0]].expand(len(tied)))  # truly tied
         assert best == int(y.argmax()) == tied[0]
     for nans in ([70], [90, 20], [0, 100]):
         w = weight.clone()
         w[nans, 0] = float("nan")
-        y, best = _with_threads(threads, lambda: row_product_argmax(x, w))
+        y, best = with_threads(threads, lambda: row_product_argmax(x, w))
         assert best == int(y.argmax()) == min(nans)
     with pytest.raises(ValueError, match="layout or dtype"):
         row_product_argmax(x, torch.randn(8, n_in).t())

@@ -11,6 +11,14 @@
 #include <stdint.h>
 #include <omp.h>
 
+#if (defined(__AVX2__) && defined(__FMA__)) && !defined(ASTRAI_PORTABLE)
+#define ROWS_AVX2 1
+#define ROWS_AHEAD 256
+#include <immintrin.h>
+#else
+#define ROWS_AVX2 0
+#endif
+
 enum {
     LANES = 32,   /* independent partial sums per row: one chain of adds would wait on each add's latency */
     MAX_TEAM = 256, /* threads at most (the argmax keeps one answer per thread on the stack) */
@@ -100,4 +108,82 @@ int64_t astrai_row_product_argmax_f32(
     const float *x, const float *w, float *y, int64_t n_in, int64_t n_out, int64_t ld, int threads)
 {
     return products(x, w, 0, y, n_in, n_out, ld, threads, 1);
+}
+
+/* A few rows: y[r] = x[r] W^T (+ bias) for r < rows, x [rows][n_in] and y [rows][n_out]
+ * contiguous: a decode step of continuous batching, where oneDNN's product over its packed
+ * copy reads the weight more slowly than one stream does. Here each thread again walks its
+ * stretch of W front to back, one output row at a time; the row is read from memory once,
+ * by the first group of (up to) four rows of x, and stays in L1 for the groups after it. */
+#if ROWS_AVX2
+static inline float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* sums[r] = W_row . x[r] for r < n_r (1 to 4; a literal at each call, so each count gets its
+ * own copy with its sums in registers): two sets of sums, each taking every other eight
+ * inputs, so that no sum waits on the multiply-add before it. */
+static inline __attribute__((always_inline)) void tile_dot(const float *w, const float *x, int64_t n_in, int n_r,
+                                                         float *sums)
+{
+    int64_t i = 0;
+#if ROWS_AVX2
+    __m256 even[4], odd[4];
+    for (int r = 0; r < n_r; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (; i + 16 <= n_in; i += 16) {
+#ifdef ROWS_AHEAD
+        __builtin_prefetch(w + i + ROWS_AHEAD, 0, 0);
+#endif
+        const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+        for (int r = 0; r < n_r; ++r) {
+            even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * n_in + i), even[r]);
+            odd[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * n_in + i + 8), odd[r]);
+        }
+    }
+    for (int r = 0; r < n_r; ++r) sums[r] = hsum8(_mm256_add_ps(even[r], odd[r]));
+#else
+    for (int r = 0; r < n_r; ++r) sums[r] = row_dot(w, x + r * n_in, n_in);
+    i = n_in;
+#endif
+    for (; i < n_in; ++i)
+        for (int r = 0; r < n_r; ++r) sums[r] += w[i] * x[r * n_in + i];
+}
+
+static inline __attribute__((always_inline)) void tile(const float *w, const float *x, int64_t n_in, int n_r,
+                                                     float *sums)
+{
+    switch (n_r) {  /* literal counts: the compiler keeps each one's sums in registers */
+    case 1: tile_dot(w, x, n_in, 1, sums); break;
+    case 2: tile_dot(w, x, n_in, 2, sums); break;
+    case 3: tile_dot(w, x, n_in, 3, sums); break;
+    default: tile_dot(w, x, n_in, 4, sums); break;
+    }
+}
+
+static inline void put(float *y, int64_t n_out, int64_t r, int64_t j, float sum, const float *bias)
+{
+    y[r * n_out + j] = bias ? sum + bias[j] : sum;
+}
+
+void astrai_rows_product_f32(const float *x, int64_t rows, const float *w, const float *bias, float *y,
+                             int64_t n_in, int64_t n_out, int64_t ld, int threads)
+{
+    #pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num();
+        const int64_t size = omp_get_num_threads(), per = (n_out + size - 1) / size;
+        const int64_t first = t * per, last = first + per < n_out ? first + per : n_out;
+        for (int64_t j = first; j < last; ++j)
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                float sums[4];
+                const int n_r = rows - r0 < 4 ? (int)(rows - r0) : 4;
+                tile(w + j * ld, x + r0 * n_in, n_in, n_r, sums);
+                for (int r = 0; r < n_r; ++r) put(y, n_out, r0 + r, j, sums[r], bias);
+            }
+    }
 }
