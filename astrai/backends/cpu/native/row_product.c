@@ -13,7 +13,6 @@
 
 #if (defined(__AVX2__) && defined(__FMA__)) && !defined(ASTRAI_PORTABLE)
 #define ROWS_AVX2 1
-#define ROWS_AHEAD 256
 #include <immintrin.h>
 #else
 #define ROWS_AVX2 0
@@ -21,6 +20,8 @@
 
 enum {
     LANES = 32,   /* independent partial sums per row: one chain of adds would wait on each add's latency */
+    ROWS_AHEAD = 256, /* floats of W the few-rows product prefetches ahead: with several rows of x per
+                         weight row the loop reads W more slowly, and there a prefetch measured faster */
     MAX_TEAM = 256, /* threads at most (the argmax keeps one answer per thread on the stack) */
 };
 
@@ -136,9 +137,7 @@ static inline __attribute__((always_inline)) void tile_dot(const float *w, const
     __m256 even[4], odd[4];
     for (int r = 0; r < n_r; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (; i + 16 <= n_in; i += 16) {
-#ifdef ROWS_AHEAD
         __builtin_prefetch(w + i + ROWS_AHEAD, 0, 0);
-#endif
         const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
         for (int r = 0; r < n_r; ++r) {
             even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * n_in + i), even[r]);
