@@ -112,6 +112,9 @@ class InferenceScheduler:
         self._stats = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "cached_tokens": 0,
                        "preemptions": 0, "ttft_sum": 0.0, "ttft_count": 0, "output_tokens": 0}
         self._rate: deque[tuple[float, int]] = deque()
+        # preparing the model ran parallel ops on this thread; its idle pool would throttle the
+        # loop's (a server's loader thread lives on, and never submits, which releases it too)
+        self._runner.release_threads()
 
     @property
     def page_cache(self) -> KVCache:

@@ -17,7 +17,8 @@ workers spin before sleeping unless the process holds more OpenMP threads than C
 which case every small op pays a futex sleep and wake-up per worker. The engine computes on
 its scheduler thread while the thread that built the model still holds a pool of its own,
 so the runner pauses the calling thread's pool (``omp_pause_resource_all``, OpenMP 5.0)
-from the threads that hand it work and from its own before it goes idle; libgomp builds a
+from the thread that built it (a server's loader thread lives on and never submits), from
+the threads that hand it work, and from its own before it goes idle; libgomp builds a
 fresh pool the next time that thread runs a parallel op. This touches only threads' idle
 workers, never a setting.
 """
