@@ -24,10 +24,14 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def routes(monkeypatch):
-    """Row counts of the products that took the packed copy and the two-half split, with a second
-    thread pretended (the suite runs single-threaded, where the split is skipped)."""
-    seen = {"packed": [], "split": []}
+    """Row counts of the products that took the few-rows kernel, the packed copy and the
+    two-half split, with a second thread pretended (the suite runs single-threaded, where the
+    split is skipped)."""
+    seen = {"rows": [], "packed": [], "split": []}
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    real_rows = serving.rows_product
+    monkeypatch.setattr(serving, "rows_product",
+                        lambda x, *a: seen["rows"].append(x.numel() // x.shape[-1]) or real_rows(x, *a))
     real_split = serving._split_product
     monkeypatch.setattr(serving, "_split_product",
                         lambda x, *a: seen["split"].append(x.numel() // x.shape[-1]) or real_split(x, *a))
@@ -82,9 +86,10 @@ def test_every_route_of_the_serving_product_equals_f_linear(routes, monkeypatch)
                 with torch.no_grad():
                     got = serving_product(x, weight, b, copy)
                 assert torch.allclose(got, nn.functional.linear(x, weight, b), atol=1e-5), (shape, copy)
+    assert routes["rows"] == [2, 2, 4, 4] * 2  # 2 to MAX_F32_ROWS rows stream the plain weight, copy or not
     if serving.onednn_available():
-        assert routes["packed"] == [2, 4, 40, 300] * 2  # one row streams the plain weight instead
-    assert routes["split"] == [2, 4, 40] * 2  # no packed copy: up to 64 rows take the split
+        assert routes["packed"] == [40, 300] * 2  # more rows read the packed copy
+    assert routes["split"] == [40] * 2  # no packed copy: up to 64 rows take the split
     routes["split"].clear()
     monkeypatch.setattr(serving, "kernels_available", lambda: False)
     with torch.no_grad():
