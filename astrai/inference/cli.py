@@ -41,7 +41,7 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="weights' dtype; auto: bfloat16 on GPUs with native bf16, else as saved")
     parser.add_argument("--quantize", choices=tuple(FORMATS), default=None,
-                        help="quantize the linears' weights as they load (block-wise, as GGUF Q8_0/Q4_0); "
+                        help="quantize the linears' weights as they load (block-wise, as GGUF Q8_0/Q4_0/Q4_1); "
                              "a quantized model directory needs no flag")
 
 

@@ -4,7 +4,7 @@ A model directory is Hugging Face-shaped: ``config.json`` plus ``model.safetenso
 (or shards ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``
 above ``max_shard_bytes``). A quantized model (``astrai.model.quantized``) stores each
 quantized linear as ``<name>.qweight`` and ``<name>.scales`` and says so in config.json's
-``"quantization": {"format": "int8" | "int4", "group_size": 32}``; it opens as it is. A directory whose config.json names a Hugging Face family
+``"quantization": {"format": "int8" | "int4" | "int4-asym", "group_size": 32}``; it opens as it is. A directory whose config.json names a Hugging Face family
 (llama, qwen2, qwen3, mistral) is converted on load by ``astrai.model.hf``.
 """
 

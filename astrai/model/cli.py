@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="hf picks llama, qwen2 (q/k/v bias) or qwen3 (QK-norm) to fit the model")
     quantize = sub.add_parser("quantize", help="write an int8 or int4 weight-only quantized copy of a model")
     quantize.add_argument("path", help="astrai or Hugging Face model directory, or a .gguf file")
-    quantize.add_argument("--to", required=True, choices=tuple(FORMATS), help="block-wise format (GGUF Q8_0 / Q4_0)")
+    quantize.add_argument("--to", required=True, choices=tuple(FORMATS), help="block-wise format (GGUF Q8_0 / Q4_0 / Q4_1)")
     quantize.add_argument("--out", required=True, help="output model directory")
     quantize.add_argument("--calibration", default=None, metavar="FILE|none",
                           help="int4: text (.jsonl with 'text', or .txt) whose activations choose each block's "
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         model.save_pretrained(args.out)
         print(f"wrote {args.out}: preset {args.preset}, {model.num_parameters():,} parameters")
     elif args.action == "import" and is_gguf(args.path):
-        model = load_gguf_model(args.path, keep_quantized=True)  # Q8_0/Q4_0 linears stay int8/int4
+        model = load_gguf_model(args.path, keep_quantized=True)  # Q8_0/Q4_0/Q4_1 linears stay int8/int4/int4-asym
         extra = _save_with_tokenizer(model, args.path, args.out)
         kept = f", {model.quantization['format']} weights kept" if getattr(model, "quantization", None) else ""
         print(f"wrote {args.out}: {model.num_parameters():,} parameters{kept}{extra}")

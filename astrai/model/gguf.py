@@ -7,11 +7,11 @@ QK-norm for Qwen3, rope scaling, what is refused) apply unchanged. Files are rea
 with the ``gguf`` package (llama.cpp's own reader). Every supported tensor type is
 dequantized with ``gguf.quants`` to float32, then cast to the requested dtype, unless
 the caller keeps quantized weights (``keep_quantized``, as ``astrai model import``
-does): then the Q8_0 and Q4_0 matrices of the linears and the output head, whose
-blocks are astrai's int8 and int4 formats byte for byte (``astrai.model.quantized``),
-are split into ``qweight``/``scales`` without being dequantized. A head tied to a
-Q8_0/Q4_0 token embedding becomes its own quantized head then, while the embedding
-table itself is dequantized for lookups.
+does): then the Q8_0, Q4_0 and Q4_1 matrices of the linears and the output head, whose
+blocks are astrai's int8, int4 and int4-asym formats byte for byte (``astrai.model.quantized``),
+are split into ``qweight``/``scales`` without being dequantized. A head tied to such a
+token embedding becomes its own quantized head then, while the embedding table itself is
+dequantized for lookups.
 
 One layout difference needs undoing: for the ``llama`` architecture (Mistral files
 use it too) llama.cpp's converter interleaves the two rotary halves of every Q and K
@@ -256,21 +256,24 @@ def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def kept_blocks(tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(qweight, scales) of a Q8_0 or Q4_0 matrix in astrai's layout, or None for other types.
+    """(qweight, scales) of a Q8_0, Q4_0 or Q4_1 matrix in astrai's layout, or None for other types.
 
-    A GGUF block is an fp16 scale followed by the block's 32 bytes (Q8_0) or 16 bytes of
-    nibbles (Q4_0), which are astrai's qweight bytes as they are.
+    A GGUF block is an fp16 scale (Q4_1: a scale and a minimum) followed by the block's 32
+    bytes (Q8_0) or 16 bytes of nibbles (Q4_0, Q4_1), which are astrai's qweight bytes as
+    they are; a Q4_1 row's scales become its d's followed by its minimums.
     """
     from gguf import GGMLQuantizationType
 
     kind = GGMLQuantizationType(tensor.tensor_type)
-    if kind not in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0) or len(tensor.shape) != 2:
+    head_bytes = {GGMLQuantizationType.Q8_0: 2, GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}.get(kind)
+    if head_bytes is None or len(tensor.shape) != 2:
         return None
     rows, columns = int(tensor.shape[1]), int(tensor.shape[0])
-    block_bytes = 34 if kind == GGMLQuantizationType.Q8_0 else 18
+    block_bytes = head_bytes + (32 if kind == GGMLQuantizationType.Q8_0 else 16)
     blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, columns // 32, block_bytes))
-    scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, columns // 32)
-    qweight = blocks[..., 2:].reshape(rows, -1).contiguous()
+    halves = blocks[..., :head_bytes].contiguous().view(torch.float16)  # [rows, blocks, 1 or 2]
+    scales = halves.permute(0, 2, 1).reshape(rows, -1).contiguous()  # all d's, then (Q4_1) all minimums
+    qweight = blocks[..., head_bytes:].reshape(rows, -1).contiguous()
     return (qweight.view(torch.int8) if kind == GGMLQuantizationType.Q8_0 else qweight), scales
 
 
@@ -285,7 +288,7 @@ QUANTIZABLE_PROJECTIONS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_p
 def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[torch.dtype],
                     keep_quantized: bool = False) -> dict[str, torch.Tensor]:
     """The GGUF file's tensors in Hugging Face names and half-split rotary layout: dequantized,
-    or with ``keep_quantized`` the linears' Q8_0/Q4_0 matrices as ``<name>.qweight`` and
+    or with ``keep_quantized`` the linears' Q8_0/Q4_0/Q4_1 matrices as ``<name>.qweight`` and
     ``<name>.scales`` (and, for a head tied to such an embedding, ``lm_head.qweight``/``scales``)."""
     permuted = raw["model_type"] == "llama"
     heads = {"q_proj": raw["num_attention_heads"], "k_proj": raw["num_key_value_heads"]}
@@ -317,7 +320,7 @@ def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[to
 def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu",
                     keep_quantized: bool = False):
     """An astrai Transformer holding a GGUF file's weights (dequantized to float32, or ``dtype``;
-    with ``keep_quantized`` its Q8_0/Q4_0 linears as int8/int4 QuantizedLinear layers)."""
+    with ``keep_quantized`` its Q8_0/Q4_0/Q4_1 linears as int8/int4/int4-asym QuantizedLinear layers)."""
     from astrai.model import hf
     from astrai.model.automodel import AutoModel, build_and_load
 
@@ -353,7 +356,10 @@ def kept_quantization(state: dict[str, torch.Tensor]) -> Optional[dict]:
     """The ``quantization`` entry describing the quantized tensors of ``state`` (None when it has none)."""
     from astrai.model.quantized import GROUP_SIZE
 
-    kinds = {"int8" if t.dtype == torch.int8 else "int4" for n, t in state.items() if n.endswith(".qweight")}
+    from astrai.model.quantized import ASYMMETRIC, is_asymmetric
+
+    kinds = {"int8" if t.dtype == torch.int8 else ASYMMETRIC if is_asymmetric(t, state[n[:-len("qweight")] + "scales"])
+             else "int4" for n, t in state.items() if n.endswith(".qweight")}
     if not kinds:
         return None
     return {"format": kinds.pop() if len(kinds) == 1 else "mixed", "group_size": GROUP_SIZE}

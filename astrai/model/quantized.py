@@ -1,10 +1,13 @@
-"""Weight-only int8 and int4 linears in llama.cpp's Q8_0 and Q4_0 numbers.
+"""Weight-only int8 and int4 linears in llama.cpp's Q8_0, Q4_0 and Q4_1 numbers.
 
 Weights are cut into blocks of 32 along the input dimension, each with one fp16
 scale; int8 keeps a signed byte per weight, int4 a nibble (two per byte). The
-numbers are GGUF's exactly, so a Q8_0/Q4_0 tensor of a GGUF file is split into
+numbers are GGUF's exactly, so a Q8_0/Q4_0/Q4_1 tensor of a GGUF file is split into
 ``qweight``/``scales`` without requantizing, and a model quantized here holds what
-llama.cpp would hold. int8 linears keep their activations float. int4 linears
+llama.cpp would hold. int4 has two forms: "int4" (Q4_0: (nibble - 8) * d, a grid
+symmetric about zero) and "int4-asym" (Q4_1: nibble * d + m, the block's minimum m kept
+as well: two more bytes per 32 weights, and any block's range fits its 16 levels), whose
+``scales`` hold a row's d's followed by its m's. int8 linears keep their activations float. int4 linears
 multiply activations rounded to Q8_0 blocks (``quantize_activations``), as llama.cpp
 does for Q4_0: the CPU kernels then sum int4 x int8 products in integers, far cheaper
 than widening every nibble to a float. ``QuantizedLinear.forward`` is the plain
@@ -29,7 +32,8 @@ from torch import nn
 from astrai.errors import CheckpointError, ConfigError
 
 GROUP_SIZE = 32
-FORMATS = {"int8": 8, "int4": 4}
+FORMATS = {"int8": 8, "int4": 4, "int4-asym": 4}
+ASYMMETRIC = "int4-asym"
 HEAD_BITS = 8
 SKIPPED_NAMES = ("router",)
 
@@ -53,13 +57,16 @@ def _round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
 
 
-def quantize_weight(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qweight, scales) of a float [out, in] weight, as GGUF's Q8_0 (bits 8) or Q4_0 (bits 4).
+def quantize_weight(weight: torch.Tensor, bits: int, asymmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight, scales) of a float [out, in] weight, as GGUF's Q8_0 (bits 8), Q4_0 (bits 4) or,
+    ``asymmetric``, Q4_1 (bits 4; scales [out, 2 * blocks]: the d's, then the minimums).
 
     The input dimension is zero-padded to a multiple of 32. Values are computed in float32
     as ggml does (multiplying by the scale's reciprocal), so the bytes equal ggml's.
     """
     _check_bits(bits)
+    if asymmetric and bits != 4:
+        raise ConfigError("only int4 has an asymmetric form (a minimum beside each block's scale)")
     if weight.dim() != 2:
         raise ConfigError(f"quantize_weight takes a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
     out_features, in_features = weight.shape
@@ -70,6 +77,14 @@ def quantize_weight(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
         d = blocks.abs().amax(dim=-1, keepdim=True) / 127
         inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
         qweight = _round_half_away(blocks * inverse).to(torch.int8).reshape(out_features, padded)
+    elif asymmetric:
+        low, high = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+        d = (high - low) / 15
+        inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = torch.floor((blocks - low) * inverse + 0.5).clamp(0, 15).to(torch.uint8)
+        qweight = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_features, padded // 2)
+        scales = torch.cat((d.squeeze(-1), low.squeeze(-1)), dim=1).to(torch.float16)
+        return qweight.contiguous(), scales.contiguous()
     else:
         largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
         d = largest / -8
@@ -96,16 +111,28 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return rounded.reshape(*x.shape[:-1], padded)[..., :n].to(x.dtype)
 
 
+def is_asymmetric(qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether (qweight, scales) are int4 blocks with minimums (Q4_1): two fp16 values per block."""
+    return qweight.dtype == torch.uint8 and scales.shape[-1] == 2 * (qweight.shape[-1] * 2 // GROUP_SIZE)
+
+
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """The float32 [out, in_features] weight that (qweight, scales) stand for."""
     _check_bits(bits)
-    out_features, groups = scales.shape
+    out_features = qweight.shape[0]
     if bits == 8:
+        groups = qweight.shape[1] // GROUP_SIZE
         values = qweight.to(torch.float32).reshape(out_features, groups, GROUP_SIZE)
+        weight = values * scales.to(torch.float32).unsqueeze(-1)
     else:
+        groups = qweight.shape[1] * 2 // GROUP_SIZE
         packed = qweight.reshape(out_features, groups, GROUP_SIZE // 2)
-        values = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32) - 8
-    weight = values * scales.to(torch.float32).unsqueeze(-1)
+        values = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32)
+        scales = scales.to(torch.float32)
+        if is_asymmetric(qweight, scales):
+            weight = values * scales[:, :groups].unsqueeze(-1) + scales[:, groups:].unsqueeze(-1)
+        else:
+            weight = (values - 8) * scales.unsqueeze(-1)
     return weight.reshape(out_features, groups * GROUP_SIZE)[:, :in_features]
 
 
@@ -118,22 +145,38 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, bias: bool = False,
-                 device: Optional[torch.device | str] = None):
+                 device: Optional[torch.device | str] = None, asymmetric: bool = False):
         super().__init__()
         _check_bits(bits)
+        if asymmetric and bits != 4:
+            raise ConfigError("only int4 has an asymmetric form (a minimum beside each block's scale)")
         self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, GROUP_SIZE
         padded = -(-in_features // GROUP_SIZE) * GROUP_SIZE
         qdtype, qwidth = (torch.int8, padded) if bits == 8 else (torch.uint8, padded // 2)
+        per_block = 2 if asymmetric else 1
         self.register_buffer("qweight", torch.zeros(out_features, qwidth, dtype=qdtype, device=device))
-        self.register_buffer("scales", torch.zeros(out_features, padded // GROUP_SIZE, dtype=torch.float16, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, per_block * padded // GROUP_SIZE, dtype=torch.float16,
+                                                   device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
 
+    @property
+    def asymmetric(self) -> bool:
+        """Whether the blocks hold Q4_1's minimums beside their scales."""
+        return is_asymmetric(self.qweight, self.scales)
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int, importance: Optional[torch.Tensor] = None) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int, importance: Optional[torch.Tensor] = None,
+                    asymmetric: bool = False) -> "QuantizedLinear":
         """``linear`` quantized; for int4, ``importance`` (its inputs' mean square per channel,
-        astrai/model/calibration.py) picks each block's scale instead of Q4_0's rule."""
-        module = cls(linear.in_features, linear.out_features, bits, bias=False, device=linear.weight.device)
-        if bits == 4 and importance is not None:
+        astrai/model/calibration.py) picks each block's scale instead of Q4_0's rule, and
+        ``asymmetric`` takes Q4_1's numbers (each block's minimum and step) instead."""
+        if asymmetric and importance is not None:
+            raise ConfigError("calibrated scales are for int4's symmetric form; int4-asym keeps each block's range")
+        module = cls(linear.in_features, linear.out_features, bits, bias=False, device=linear.weight.device,
+                     asymmetric=asymmetric)
+        if asymmetric:
+            module.qweight, module.scales = quantize_weight(linear.weight, bits, asymmetric=True)
+        elif bits == 4 and importance is not None:
             from astrai.model.calibration import quantize_int4_weighted
 
             module.qweight, module.scales = (t.to(linear.weight.device) for t in
@@ -163,7 +206,8 @@ class QuantizedLinear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{self.bits}{' asymmetric' if self.asymmetric else ''}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
 
 
@@ -196,13 +240,17 @@ def quantize_model(model: nn.Module, format: str,
     writes to config.json. An already quantized model is refused.
     """
     bits = format_bits(format)
+    asymmetric = format == ASYMMETRIC
+    if asymmetric and importance is not None:
+        raise ConfigError("calibrated scales are for int4's symmetric form; int4-asym keeps each block's range")
     if getattr(model, "quantization", None):
         raise ConfigError(f"the model is already quantized ({model.quantization['format']}); "
                           "quantize the float model instead")
     targets = list(quantization_targets(model, bits))
     for name, target_bits in targets:
         weights = None if importance is None else importance.get(name)
-        _replace(model, name, QuantizedLinear.from_linear(model.get_submodule(name), target_bits, weights))
+        _replace(model, name, QuantizedLinear.from_linear(model.get_submodule(name), target_bits, weights,
+                                                          asymmetric=asymmetric and target_bits == 4))
     _untie(model)
     model.quantization = {"format": format, "group_size": GROUP_SIZE}
     if importance is not None and bits == 4:
@@ -261,5 +309,6 @@ def install_quantized_layout(model: nn.Module, state: dict[str, torch.Tensor], q
             continue
         bits = 8 if tensor.dtype == torch.int8 else 4
         _replace(model, name, QuantizedLinear(linear.in_features, linear.out_features, bits,
-                                              bias=linear.bias is not None, device="meta"))  # filled by the load
+                                              bias=linear.bias is not None, device="meta",
+                                              asymmetric=is_asymmetric(tensor, scales)))  # filled by the load
     model.quantization = dict(quantization)

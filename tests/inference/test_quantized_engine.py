@@ -1,4 +1,4 @@
-"""The engine serving int8, int4 and bf16 weights: greedy tokens equal the plain model's
+"""The engine serving int8, int4 (Q4_0's and Q4_1's numbers) and bf16 weights: greedy tokens equal the plain model's
 full recomputation under the same weights, whichever way the weights got there."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def engine_tokens(model, requests, n) -> list[list[int]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,precision", [("tiny", "int8"), ("tiny", "int4"), ("tiny", "bf16"), ("tiny-moe", "int4")])
+@pytest.mark.parametrize("kind,precision", [("tiny", "int8"), ("tiny", "int4"), ("tiny", "int4-asym"), ("tiny", "bf16"),
+                                            ("tiny-moe", "int4")])
 def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(kind, precision):
     model = make_model(kind)
     if precision == "bf16":
@@ -69,6 +70,7 @@ def reference_text(model_dir, tokenizer, prompt, fmt=None, dtype=None, n=6) -> s
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("flags,fmt,dtype", [(["--quantize", "int4"], "int4", None),
+                                             (["--quantize", "int4-asym"], "int4-asym", None),
                                              (["--quantize", "int8", "--dtype", "bfloat16"], "int8", torch.bfloat16),
                                              (["--dtype", "bfloat16"], None, torch.bfloat16)])
 def test_generate_flags_quantize_and_cast_as_they_load(flags, fmt, dtype, model_dir, tokenizer, capsys):

@@ -371,10 +371,11 @@ def test_packaged_gguf_names_the_package_to_install(monkeypatch):
         astrai_gguf.packaged_gguf("nope")
 
 
-# --- Q8_0 / Q4_0 kept quantized ----------------------------------------------------------
-@pytest.mark.parametrize("family,tensor_type", [("llama", Q.Q8_0), ("llama", Q.Q4_0), ("qwen2", Q.Q8_0)],
-                         ids=["llama-Q8_0", "llama-Q4_0", "qwen2-tied-Q8_0"])
-def test_q8_0_and_q4_0_linears_are_kept_quantized_with_the_dequantized_models_logits(family, tensor_type, vocab,
+# --- Q8_0 / Q4_0 / Q4_1 kept quantized ----------------------------------------------------------
+@pytest.mark.parametrize("family,tensor_type", [("llama", Q.Q8_0), ("llama", Q.Q4_0), ("llama", Q.Q4_1),
+                                                ("qwen2", Q.Q8_0), ("qwen2", Q.Q4_1)],
+                         ids=["llama-Q8_0", "llama-Q4_0", "llama-Q4_1", "qwen2-tied-Q8_0", "qwen2-tied-Q4_1"])
+def test_q8_0_q4_0_and_q4_1_linears_are_kept_quantized_with_the_dequantized_models_logits(family, tensor_type, vocab,
                                                                                        tmp_path):
     from astrai.model.quantized import QuantizedLinear
 
@@ -385,11 +386,15 @@ def test_q8_0_and_q4_0_linears_are_kept_quantized_with_the_dequantized_models_lo
     quantized = {name: m.bits for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert quantized == {name: bits for name, m in AutoModel.from_pretrained(path).named_modules()
                          if isinstance(m, torch.nn.Linear)}  # every linear, the head of a tied model too
-    assert model.quantization == {"format": f"int{bits}", "group_size": 32}
+    fmt = {Q.Q8_0: "int8", Q.Q4_0: "int4", Q.Q4_1: "int4-asym"}[tensor_type]
+    assert model.quantization == {"format": fmt, "group_size": 32}
     down = model.layers[1].mlp.down  # the GGUF's own blocks, byte for byte
-    blocks = tensors["model.layers.1.mlp.down_proj.weight"].reshape(down.out_features, -1, 34 if bits == 8 else 18)
-    assert np.array_equal(down.qweight.view(torch.uint8).numpy().reshape(blocks.shape[0], -1, blocks.shape[2] - 2),
-                          blocks[..., 2:])
+    assert down.asymmetric == (tensor_type == Q.Q4_1)
+    head = 4 if tensor_type == Q.Q4_1 else 2  # bytes before a block's values: d (and m)
+    block_bytes = head + (32 if bits == 8 else 16)
+    blocks = tensors["model.layers.1.mlp.down_proj.weight"].reshape(down.out_features, -1, block_bytes)
+    assert np.array_equal(down.qweight.view(torch.uint8).numpy().reshape(blocks.shape[0], -1, block_bytes - head),
+                          blocks[..., head:])
     if bits == 4:
         rounding_int4_inputs(reference)
     ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -411,7 +416,7 @@ def test_import_verb_keeps_q8_0_weights_in_a_quantized_directory(vocab, tmp_path
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("tensor_type", [Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("tensor_type", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
 def test_quantizing_a_dequantized_gguf_gives_back_its_own_blocks(tensor_type, vocab, tmp_path):
     """What the engine does with quantize= on a .gguf (dequantize, then quantize) loses nothing."""
     from astrai.model.quantized import quantize_model
@@ -419,7 +424,8 @@ def test_quantizing_a_dequantized_gguf_gives_back_its_own_blocks(tensor_type, vo
     reference, tensors = build_case("llama", tensor_type, vocab)
     path = write_gguf(tmp_path / "m.gguf", reference, tensors, tensor_type, vocab)
     kept = astrai_gguf.load_gguf_model(path, keep_quantized=True)
-    requantized = quantize_model(AutoModel.from_pretrained(path), "int8" if tensor_type == Q.Q8_0 else "int4")
+    fmt = {Q.Q8_0: "int8", Q.Q4_0: "int4", Q.Q4_1: "int4-asym"}[tensor_type]
+    requantized = quantize_model(AutoModel.from_pretrained(path), fmt)
     for name, module in kept.named_modules():
         if hasattr(module, "qweight") and name != "lm_head":
             other = requantized.get_submodule(name)

@@ -1,4 +1,4 @@
-"""Weight-only int8/int4: GGUF's Q8_0/Q4_0 numbers, bounded round-trip error, products
+"""Weight-only int8/int4: GGUF's Q8_0/Q4_0/Q4_1 numbers, bounded round-trip error, products
 against a float reference on odd shapes, and quantize_model's choice of layers."""
 
 import numpy as np
@@ -137,3 +137,63 @@ def test_quantized_model_logits_follow_the_float_model():
         quantize_model(model, "int8")
         logits = model(ids)["logits"]
     assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def q4_1_blocks(qweight: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """Our Q4_1 (qweight, scales [d's | minimums]) laid out as GGUF blocks: d, m, then the nibbles."""
+    out = qweight.shape[0]
+    groups = scales.shape[1] // 2
+    d = scales[:, :groups].contiguous().numpy().view(np.uint8).reshape(out, groups, 2)
+    m = scales[:, groups:].contiguous().numpy().view(np.uint8).reshape(out, groups, 2)
+    q = qweight.numpy().view(np.uint8).reshape(out, groups, -1)
+    return np.concatenate([d, m, q], axis=-1).reshape(out, -1)
+
+
+def test_asymmetric_int4_bytes_equal_gguf_q4_1():
+    w = awkward_weight(7, 96) + 0.3  # off-centre blocks, where a minimum pays
+    qweight, scales = quantize_weight(w, 4, asymmetric=True)
+    assert qweight.dtype == torch.uint8 and scales.shape == (7, 2 * 3)
+    theirs = gguf_quantize(w.numpy(), Q.Q4_1)
+    np.testing.assert_array_equal(q4_1_blocks(qweight, scales), theirs)
+    np.testing.assert_array_equal(dequantize_weight(qweight, scales, 4, 96).numpy(), gguf_dequantize(theirs, Q.Q4_1))
+
+
+@pytest.mark.parametrize("in_features", [1, 31, 33, 100])
+def test_asymmetric_round_trip_error_is_half_a_step_of_the_blocks_range(in_features):
+    """Each element is off by at most half of (max - min) / 15 of its block (plus fp16 rounding
+    of d and the minimum), however far the block sits from zero."""
+    w = awkward_weight(5, in_features, seed=in_features) * 0.1 + 5.0
+    qweight, scales = quantize_weight(w, 4, asymmetric=True)
+    back = dequantize_weight(qweight, scales, 4, in_features)
+    padded = -(-in_features // 32) * 32
+    blocks = torch.nn.functional.pad(w, (0, padded - in_features)).reshape(5, -1, 32)
+    spread = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)).expand_as(blocks)
+    bound = spread.reshape(5, padded)[:, :in_features] / 15 * (0.5 + 15 / 2048) + 5.0 / 2048
+    assert ((back - w).abs() <= bound).all()
+    if in_features >= 32:  # a whole block off centre (a short one is padded with zeros, which widen its range)
+        symmetric = dequantize_weight(*quantize_weight(w, 4), 4, in_features)
+        assert (back - w).abs().mean() < (symmetric - w).abs().mean() / 4  # there a minimum pays
+
+
+@pytest.mark.parametrize("out_features,in_features", [(1, 45), (13, 45), (64, 32)])
+def test_asymmetric_products_equal_float_reference(out_features, in_features):
+    linear = torch.nn.Linear(in_features, out_features, bias=True)
+    module = QuantizedLinear.from_linear(linear, 4, asymmetric=True)
+    assert module.asymmetric and "asymmetric" in repr(module)
+    x = torch.randn(2, 3, in_features)
+    reference = quantize_activations(x) @ module.dequantize().T + linear.bias.detach()
+    torch.testing.assert_close(module(x), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_asymmetric_is_int4_only_and_not_calibrated():
+    linear = torch.nn.Linear(64, 8)
+    with pytest.raises(ConfigError, match="only int4"):
+        quantize_weight(linear.weight, 8, asymmetric=True)
+    with pytest.raises(ConfigError, match="symmetric form"):
+        QuantizedLinear.from_linear(linear, 4, importance=torch.ones(64), asymmetric=True)
+    model = AutoModel.from_config(preset("tiny", vocab_size=64, n_layers=1))
+    with pytest.raises(ConfigError, match="symmetric form"):
+        quantize_model(model, "int4-asym", importance={})
+    quantize_model(model, "int4-asym")
+    assert model.quantization["format"] == "int4-asym"
+    assert model.layers[0].mlp.up.asymmetric and model.lm_head.bits == 8

@@ -21,7 +21,7 @@ def float_dir(tmp_path):
     return src
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-asym"])
 def test_quantize_verb_writes_a_directory_the_loader_opens_as_it_is(fmt, float_dir, tmp_path, capsys):
     out = tmp_path / fmt
     plain = ["--calibration", "none"] if fmt == "int4" else []  # Q4_0's own rule: comparable below
@@ -39,6 +39,7 @@ def test_quantize_verb_writes_a_directory_the_loader_opens_as_it_is(fmt, float_d
     expected = quantize_model(AutoModel.from_pretrained(float_dir).eval(), fmt)
     loaded = AutoModel.from_pretrained(out).eval()
     assert isinstance(loaded.layers[1].mlp.down, QuantizedLinear) and loaded.lm_head.bits == 8
+    assert loaded.layers[1].mlp.down.asymmetric == (fmt == "int4-asym")
     assert loaded.num_parameters() == AutoModel.from_pretrained(float_dir).num_parameters() + 96 * loaded.config.dim
     ids = torch.randint(0, 96, (2, 9))
     with torch.no_grad():

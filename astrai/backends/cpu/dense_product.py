@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.cpu.kernels import BF16, Q4, Q8, TypedWeight, _library
+from astrai.backends.cpu.kernels import BF16, Q4, Q8, Q41, TypedWeight, _library
 
 # fp32 weight rows widened per product: a whole projection of a small model, or a few slabs of a
 # large one's, bounding the buffer each thread keeps
@@ -74,7 +74,7 @@ def dense_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Ten
     ``w`` that ``weight`` describes, dequantized; ``bias`` fp32 [out] or None. Call only when
     ``dense_products_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    if weight.kind not in (BF16, Q8, Q4) or x.dtype != torch.float32 or x.shape[-1] != n_in:
+    if weight.kind not in (BF16, Q8, Q4, Q41) or x.dtype != torch.float32 or x.shape[-1] != n_in:
         raise ValueError("dense_product: unsupported weight kind, dtype or width")
     weight.check()
     rows = x.reshape(-1, n_in).contiguous()

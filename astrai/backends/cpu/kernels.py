@@ -279,7 +279,7 @@ def row_major(weight: torch.Tensor) -> bool:
 
 
 # weight types of native/typed_product.c
-F32, BF16, Q8, Q4 = 0, 1, 2, 3
+F32, BF16, Q8, Q4, Q41 = 0, 1, 2, 3, 4  # Q41: int4 with a minimum per block (GGUF's Q4_1)
 BLOCK = 32  # inputs per quantized block (one fp16 scale each)
 
 
@@ -304,12 +304,15 @@ class TypedWeight:
         data, scales, n_in = self.data, self.scales, self.in_features
         blocks = -(-n_in // BLOCK)
         expected = {F32: (torch.float32, n_in), BF16: (torch.bfloat16, n_in), Q8: (torch.int8, blocks * BLOCK),
-                    Q4: (torch.uint8, blocks * BLOCK // 2)}.get(self.kind)
+                    Q4: (torch.uint8, blocks * BLOCK // 2), Q41: (torch.uint8, blocks * BLOCK // 2)}.get(self.kind)
         ok = expected is not None and data.dim() == 2 and data.dtype == expected[0] and data.shape[1] >= expected[1]
         ok = ok and (data.stride(1) == 1 or data.shape[1] == 1) and data.stride(0) >= data.shape[1]
-        if self.kind in (Q8, Q4):
-            ok = ok and (scales is not None and scales.dtype == torch.float16 and scales.dim() == 2
-                         and scales.shape[0] == data.shape[0] and scales.shape[1] >= blocks
+        if self.kind in (Q8, Q4, Q41):
+            # Q4_1: the row's d's, then its minimums, which the kernels find right after the d's
+            width_ok = scales is not None and (scales.shape[1] == 2 * blocks if self.kind == Q41
+                                               else scales.shape[1] >= blocks)
+            ok = ok and (width_ok and scales.dtype == torch.float16 and scales.dim() == 2
+                         and scales.shape[0] == data.shape[0]
                          and (scales.stride(1) == 1 or scales.shape[1] == 1))
         if not ok:
             raise ValueError("typed weight: unsupported layout or dtype")

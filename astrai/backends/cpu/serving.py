@@ -48,9 +48,9 @@ from torch import nn
 
 from astrai.backends.cpu.dense_product import dense_product, dense_products_available
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
-from astrai.backends.cpu.kernels import (BF16, F32, MAX_F32_ROWS, MAX_TYPED_ROWS, Q4, Q8, TypedWeight, cpu_flags,
-                                         kernels_available, rounded_activations, row_major, row_product,
-                                         rows_product, typed_product)
+from astrai.backends.cpu.kernels import (BF16, F32, MAX_F32_ROWS, MAX_TYPED_ROWS, Q4, Q8, Q41, TypedWeight,
+                                         cpu_flags, kernels_available, rounded_activations, row_major,
+                                         row_product, rows_product, typed_product)
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
@@ -145,7 +145,7 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
     rows = x.numel() // max(x.shape[-1], 1)
     kernel = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
               and x.shape[-1] == weight.in_features and 1 <= rows <= TYPED_MAX_ROWS and kernels_available())
-    if weight is not None and weight.kind == Q4 and not (kernel and x.dtype == torch.float32):
+    if weight is not None and weight.kind in (Q4, Q41) and not (kernel and x.dtype == torch.float32):
         x = rounded_activations(x)
     if kernel:
         _note("kernel")
@@ -195,7 +195,8 @@ def typed_weight(module: nn.Module) -> Optional[TypedWeight]:
     """How the C products read ``module``'s weight: a QuantizedLinear's blocks, a plain linear's
     fp32 or bf16 weight; None for anything else."""
     if isinstance(module, QuantizedLinear):
-        return TypedWeight(module.qweight, module.scales, Q8 if module.bits == 8 else Q4, module.in_features)
+        kind = Q8 if module.bits == 8 else Q41 if module.asymmetric else Q4
+        return TypedWeight(module.qweight, module.scales, kind, module.in_features)
     if isinstance(module, nn.Linear):
         kind = {torch.float32: F32, torch.bfloat16: BF16}.get(module.weight.dtype)
         return None if kind is None else TypedWeight(module.weight, None, kind, module.in_features)
@@ -291,7 +292,7 @@ class JointProduct:
 
     def _dense(self) -> torch.Tensor:
         typed = self.typed
-        if typed.kind in (Q8, Q4):
+        if typed.kind in (Q8, Q4, Q41):
             return dequantize_weight(typed.data, typed.scales, 8 if typed.kind == Q8 else 4, typed.in_features)
         return typed.data
 

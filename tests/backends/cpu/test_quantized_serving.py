@@ -45,7 +45,7 @@ def run(model, prompts, max_batch_size=1):
         return tokens, engine.get_stats()["decode_paths"]
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "int4-asym", "bf16"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(weights, tied):
     """One request at a time (the fused step where it fits) and all three together (a few rows
@@ -166,8 +166,9 @@ def test_scales_assigned_anew_after_preparation_are_followed():
         assert torch.allclose(k, torch.nn.functional.linear(x, attention.k_proj.dequantize()), atol=1e-5)
 
 
-def test_the_portable_build_gives_the_same_tokens(monkeypatch):
-    model = served("int4")
+@pytest.mark.parametrize("weights", ["int4", "int4-asym"])
+def test_the_portable_build_gives_the_same_tokens(weights, monkeypatch):
+    model = served(weights)
     native, _ = run(model, PROMPTS)
     monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
     kernels._library.cache_clear()

@@ -1,5 +1,5 @@
 """The typed products (astrai/backends/cpu/native/typed_product.c through kernels.typed_product):
-one to eight rows against int8 and int4 blocks and bf16 weights equal the float64 product with
+one to eight rows against int8 and int4 blocks (Q4_0's and Q4_1's) and bf16 weights equal the float64 product with
 the dequantized weight (int4: of the activations rounded to Q8_0 blocks, the integer sums of
 the kernel), on shapes that are not multiples of a block or of a thread's stretch, and the
 plain-C build forced by ASTRAI_PORTABLE_KERNELS gives the same numbers."""
@@ -10,20 +10,20 @@ import pytest
 import torch
 
 from astrai.backends.cpu import kernels
-from astrai.backends.cpu.kernels import (BF16, F32, Q4, Q8, TypedWeight, kernels_available, rounded_activations,
-                                        typed_product)
+from astrai.backends.cpu.kernels import (BF16, F32, Q4, Q8, Q41, TypedWeight, kernels_available,
+                                        rounded_activations, typed_product)
 from astrai.model.quantized import dequantize_weight, quantize_activations, quantize_weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
-BITS = {Q8: 8, Q4: 4}
+BITS = {Q8: 8, Q4: 4, Q41: 4}
 
 
 def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
     """The weight in ``kind`` and the float64 weight it stands for."""
     n_in = weight.shape[1]
     if kind in BITS:
-        values, scales = quantize_weight(weight, BITS[kind])
+        values, scales = quantize_weight(weight, BITS[kind], asymmetric=kind == Q41)
         return TypedWeight(values, scales, kind, n_in), dequantize_weight(values, scales, BITS[kind], n_in).double()
     stored = weight.to(torch.bfloat16 if kind == BF16 else torch.float32)
     return TypedWeight(stored, None, kind, n_in), stored.double()
@@ -31,10 +31,10 @@ def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
 
 def multiplied(x: torch.Tensor, kind: int) -> torch.Tensor:
     """The activations a product of ``kind`` multiplies, in float64: int4 rounds them to Q8_0 blocks."""
-    return (quantize_activations(x) if kind == Q4 else x).double()
+    return (quantize_activations(x) if kind in (Q4, Q41) else x).double()
 
 
-@pytest.mark.parametrize("kind", [Q8, Q4, BF16])
+@pytest.mark.parametrize("kind", [Q8, Q4, Q41, BF16])
 @pytest.mark.parametrize("n_out,n_in", [(37, 45), (5, 31), (70, 96), (129, 200)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_typed_product_equals_the_float64_product_of_the_dequantized_weight(kind, n_out, n_in, rows, monkeypatch):
@@ -49,7 +49,7 @@ def test_typed_product_equals_the_float64_product_of_the_dequantized_weight(kind
         assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", [Q8, Q4])
+@pytest.mark.parametrize("kind", [Q8, Q4, Q41])
 def test_rows_further_apart_and_subnormal_scales_are_read(kind):
     """A block of a stacked weight reads with its own row stride, and scales too small for a
     normal fp16 convert exactly (the portable conversion's hardest case)."""
@@ -67,17 +67,18 @@ def test_rows_further_apart_and_subnormal_scales_are_read(kind):
 
 @pytest.mark.parametrize("n_in", [7, 45, 96, 1000])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int4_rounds_the_activations_as_the_reference_does(n_in, rows, monkeypatch):
+@pytest.mark.parametrize("kind", [Q4, Q41])
+def test_int4_rounds_the_activations_as_the_reference_does(n_in, rows, kind, monkeypatch):
     """The kernel's int4 x int8 block sums must round the activations exactly as
     quantize_activations does: with blocks of similar magnitude the float error stays far below
     what one value rounded one step the other way would change (about 1e-3 here), a partial
     last block and a block of zeros (d = 0) included."""
     torch.manual_seed(n_in + rows)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    weight, dense = typed(torch.randn(23, n_in), Q4)
+    weight, dense = typed(torch.randn(23, n_in), kind)
     x = torch.randn(rows, n_in) * torch.rand(n_in).add(0.5)
     x[:, :min(n_in, 32)] = 0.0
-    want = multiplied(x, Q4) @ dense.T
+    want = multiplied(x, kind) @ dense.T
     assert torch.allclose(typed_product(x, weight).double(), want, rtol=0, atol=2e-5)
 
 
@@ -111,13 +112,16 @@ def test_typed_product_refuses_what_it_cannot_read():
         typed_product(torch.randn(1, 40), TypedWeight(values.to(torch.uint8), scales, Q8, 40))
     with pytest.raises(ValueError):
         typed_product(torch.randn(2, 40), TypedWeight(torch.randn(8, 40), None, F32, 40))  # fp32: one row only
+    nibbles, steps = quantize_weight(torch.randn(8, 40), 4, asymmetric=True)
+    with pytest.raises(ValueError):  # Q4_1 without its minimums after the scales
+        typed_product(torch.randn(1, 40), TypedWeight(nibbles, steps[:, :2], Q41, 40))
 
 
 def test_the_portable_build_gives_the_same_products(monkeypatch):
     """ASTRAI_PORTABLE_KERNELS=1 builds the plain-C form for the generic target: no intrinsics,
     the same products (summed in another order)."""
     torch.manual_seed(2)
-    cases = [(typed(torch.randn(33, 70), kind)[0], torch.randn(3, 70)) for kind in (Q8, Q4, BF16)]
+    cases = [(typed(torch.randn(33, 70), kind)[0], torch.randn(3, 70)) for kind in (Q8, Q4, Q41, BF16)]
     native = [typed_product(x, w) for w, x in cases]
     monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
     kernels._library.cache_clear()

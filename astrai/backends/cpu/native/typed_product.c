@@ -7,6 +7,9 @@
  *   ASTRAI_Q4    blocks of 32 4-bit values in 16 bytes (GGUF's Q4_0): byte j of block b holds
  *                element 32 b + j in its low nibble and 32 b + 16 + j in its high one,
  *                w[o][i] = (nibble - 8) * scale[o][i / 32], `ld` bytes between rows;
+ *   ASTRAI_Q41   the same nibbles with a step d and a minimum m per block (GGUF's Q4_1):
+ *                w[o][i] = nibble * d[o][i / 32] + m[o][i / 32], the row's d's then its m's
+ *                in its scales;
  *
  * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
  * The weight is the decode step's whole cost, so it is read once for all rows. bf16 and int8
@@ -44,7 +47,7 @@
 #define TYPED_AVX2 0
 #endif
 
-enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3 };
+enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4 };
 enum { ASTRAI_MAX_TYPED_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
 
 static inline float half_to_float(uint16_t h)
@@ -138,6 +141,13 @@ static inline __m256 q4_block_products(__m256i u, const int8_t *xq, const int32_
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(fours, _mm256_loadu_si256((const __m256i *)offsets)));
 }
 
+/* The same sums for Q4_1's nibbles, which are the values as they are (no 8 to take off). */
+static inline __m256 q41_block_products(__m256i u, const int8_t *xq)
+{
+    const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)xq));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
 /* Eight consecutive fp16 scales as floats. */
 static inline __m256 scales8(const uint16_t *h)
 {
@@ -224,9 +234,10 @@ static inline float block_step(const float *xb, int64_t n, float *inverse)
  * n_in), `scales` [rows][blocks] the fp16-rounded d of each block as a float. A block holding
  * an infinity or a NaN gets NaN for its d, so that its products are NaN as the
  * reference's are. `offsets` [rows][blocks][8]: 8 times the sum of each block's values
- * 4k..4k+3 in lane k, which q4_block_products takes off. */
+ * 4k..4k+3 in lane k, which q4_block_products takes off. `sums` [rows][blocks]: each block's
+ * d times the sum of its values (what a Q4_1 block's minimum multiplies). */
 static void quantize_activations(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
-                                 float *scales, int32_t *offsets)
+                                 float *scales, int32_t *offsets, float *sums)
 {
     const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
     for (int64_t r = 0; r < rows; ++r)
@@ -238,13 +249,19 @@ static void quantize_activations(const float *x, int64_t x_stride, int64_t rows,
             const float kept = block_step(xb, n, &inverse);
             memset(q, 0, BLOCK);
             scales[r * blocks + b] = kept;
+            sums[r * blocks + b] = kept;
             if (kept != kept) {  /* NaN: the block's products are NaN; its values stay 0 */
                 memset(offsets + (r * blocks + b) * 8, 0, 8 * sizeof(int32_t));
                 continue;
             }
             for (int64_t k = 0; k < n; ++k) q[k] = (int8_t)rintf(xb[k] * inverse);
-            for (int lane = 0; lane < 8; ++lane)
-                offsets[(r * blocks + b) * 8 + lane] = 8 * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
+            int32_t total = 0;
+            for (int lane = 0; lane < 8; ++lane) {
+                const int32_t four = q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3];
+                offsets[(r * blocks + b) * 8 + lane] = 8 * four;
+                total += four;
+            }
+            sums[r * blocks + b] = kept * (float)total;
         }
 }
 
@@ -304,6 +321,65 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
+/* out[r] = the row's Q4_1 blocks against the quantized rows for r < rows: per block
+ * d_w d_x (an integer sum of nibble x value products) + m_w (d_x times the sum of the values,
+ * `xs`). The minimum terms of eight blocks are summed in the eight lanes of their own register. */
+static inline __attribute__((always_inline)) void dot_q41(const uint8_t *w, const uint16_t *scales,
+                                                          const int8_t *xq, const float *xd, const float *xs,
+                                                          int rows, int64_t blocks, float *out, const uint8_t *end)
+{
+    const uint16_t *mins = scales + blocks;
+    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    int64_t b = 0;
+#if TYPED_AVX2
+    __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS], low[ASTRAI_MAX_TYPED_ROWS];
+    float factor[ASTRAI_MAX_TYPED_ROWS][8] __attribute__((aligned(32)));
+    for (int r = 0; r < rows; ++r) even[r] = odd[r] = low[r] = _mm256_setzero_ps();
+    for (; b + 8 <= blocks; b += 8) {
+        prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
+        prefetch_ahead(w + b * (BLOCK / 2) + 64, end);
+        const __m256 d = scales8(scales + b), m = scales8(mins + b);
+        for (int r = 0; r < rows; ++r) {
+            _mm256_store_ps(factor[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b)));
+            low[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * blocks + b), low[r]);
+        }
+        for (int k = 0; k < 8; k += 2) {
+            const __m256i u0 = nibbles(w + (b + k) * (BLOCK / 2)), u1 = nibbles(w + (b + k + 1) * (BLOCK / 2));
+            for (int r = 0; r < rows; ++r) {
+                const int64_t at = r * blocks + b + k;
+                even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k]), q41_block_products(u0, xq + at * BLOCK),
+                                          even[r]);
+                odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k + 1]),
+                                         q41_block_products(u1, xq + (at + 1) * BLOCK), odd[r]);
+            }
+        }
+    }
+    for (; b < blocks; ++b) {
+        const float d = half_to_float(scales[b]), m = half_to_float(mins[b]);
+        const __m256i u = nibbles(w + b * (BLOCK / 2));
+        for (int r = 0; r < rows; ++r) {
+            const int64_t at = r * blocks + b;
+            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q41_block_products(u, xq + at * BLOCK), even[r]);
+            sum[r] += m * xs[at];
+        }
+    }
+    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(_mm256_add_ps(even[r], odd[r]), low[r]));
+#else
+    (void)end;
+    for (; b < blocks; ++b) {
+        const uint8_t *block = w + b * (BLOCK / 2);
+        const float d = half_to_float(scales[b]), m = half_to_float(mins[b]);
+        for (int r = 0; r < rows; ++r) {
+            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
+            int32_t t = 0;
+            for (int k = 0; k < BLOCK / 2; ++k) t += (block[k] & 0x0f) * xb[k] + (block[k] >> 4) * xb[k + BLOCK / 2];
+            sum[r] += d * xd[r * blocks + b] * (float)t + m * xs[r * blocks + b];
+        }
+    }
+#endif
+    for (int r = 0; r < rows; ++r) out[r] = sum[r];
+}
+
 static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
                             const uint8_t *end)
 {
@@ -354,7 +430,8 @@ int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
  * its sums in registers. */
 static inline __attribute__((always_inline)) void typed_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
                              int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
-                             const uint8_t *end, const int8_t *xq, const float *xd, const int32_t *xo)
+                             const uint8_t *end, const int8_t *xq, const float *xd, const int32_t *xo,
+                             const float *xs)
 {
     switch (type) {
     case ASTRAI_Q8:
@@ -362,6 +439,9 @@ static inline __attribute__((always_inline)) void typed_dot(int type, const uint
         break;
     case ASTRAI_Q4:
         dot_q4(w + j * ld, scales + j * scale_ld, xq, xd, xo, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
+        break;
+    case ASTRAI_Q41:
+        dot_q41(w + j * ld, scales + j * scale_ld, xq, xd, xs, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     default:
         dot_bf16((const uint16_t *)w + j * ld, x, x_stride, rows, n_in, out, end);
@@ -391,16 +471,16 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
     int64_t mine = -1;
     float highest = 0.0f, out[ASTRAI_MAX_TYPED_ROWS];
     /* int4: each thread quantizes x for itself (a few microseconds), so no barrier is needed */
-    const int64_t blocks = type == ASTRAI_Q4 && first < last ? (n_in + BLOCK - 1) / BLOCK : 0;
+    const int64_t blocks = (type == ASTRAI_Q4 || type == ASTRAI_Q41) && first < last ? (n_in + BLOCK - 1) / BLOCK : 0;
     int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
-    float xd[rows * blocks + 1];
+    float xd[rows * blocks + 1], xs[rows * blocks + 1];
     int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
-    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, xo);
+    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, xo, xs);
     for (int64_t j = first; j < last; ++j) {
         if (rows == 1)
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, xq, xd, xo);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, xq, xd, xo, xs);
         else
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, xq, xd, xo);
+            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, xq, xd, xo, xs);
         const float b = bias ? bias[j] : 0.0f;
         for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
         if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
