@@ -7,10 +7,10 @@ numbers are GGUF's exactly, so a Q8_0/Q4_0/Q4_1 tensor of a GGUF file is split i
 llama.cpp would hold. int4 has two forms: "int4" (Q4_0: (nibble - 8) * d, a grid
 symmetric about zero) and "int4-asym" (Q4_1: nibble * d + m, the block's minimum m kept
 as well: two more bytes per 32 weights, and any block's range fits its 16 levels), whose
-``scales`` hold a row's d's followed by its m's. int8 linears keep their activations float. int4 linears
-multiply activations rounded to Q8_0 blocks (``quantize_activations``), as llama.cpp
-does for Q4_0: the CPU kernels then sum int4 x int8 products in integers, far cheaper
-than widening every nibble to a float. ``QuantizedLinear.forward`` is the plain
+``scales`` hold a row's d's followed by its m's. int8 linears keep their activations
+float. int4 linears multiply activations rounded to Q8_0 blocks (``quantize_activations``),
+as llama.cpp does for Q4_0: the CPU kernels then sum int4 x int8 products in integers, far
+cheaper than widening every nibble to a float. ``QuantizedLinear.forward`` is the plain
 PyTorch reference that fast kernels are checked against, that rounding included.
 
 What ``quantize_model`` quantizes: every linear of the transformer blocks (attention
@@ -34,6 +34,8 @@ from astrai.errors import CheckpointError, ConfigError
 GROUP_SIZE = 32
 FORMATS = {"int8": 8, "int4": 4, "int4-asym": 4}
 ASYMMETRIC = "int4-asym"
+NOT_INT4 = "only int4 has an asymmetric form (a minimum beside each block's scale)"
+NOT_CALIBRATED = "calibrated scales are for int4's symmetric form; int4-asym keeps each block's range"
 HEAD_BITS = 8
 SKIPPED_NAMES = ("router",)
 
@@ -66,7 +68,7 @@ def quantize_weight(weight: torch.Tensor, bits: int, asymmetric: bool = False) -
     """
     _check_bits(bits)
     if asymmetric and bits != 4:
-        raise ConfigError("only int4 has an asymmetric form (a minimum beside each block's scale)")
+        raise ConfigError(NOT_INT4)
     if weight.dim() != 2:
         raise ConfigError(f"quantize_weight takes a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
     out_features, in_features = weight.shape
@@ -149,7 +151,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         _check_bits(bits)
         if asymmetric and bits != 4:
-            raise ConfigError("only int4 has an asymmetric form (a minimum beside each block's scale)")
+            raise ConfigError(NOT_INT4)
         self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, GROUP_SIZE
         padded = -(-in_features // GROUP_SIZE) * GROUP_SIZE
         qdtype, qwidth = (torch.int8, padded) if bits == 8 else (torch.uint8, padded // 2)
@@ -171,7 +173,7 @@ class QuantizedLinear(nn.Module):
         astrai/model/calibration.py) picks each block's scale instead of Q4_0's rule, and
         ``asymmetric`` takes Q4_1's numbers (each block's minimum and step) instead."""
         if asymmetric and importance is not None:
-            raise ConfigError("calibrated scales are for int4's symmetric form; int4-asym keeps each block's range")
+            raise ConfigError(NOT_CALIBRATED)
         module = cls(linear.in_features, linear.out_features, bits, bias=False, device=linear.weight.device,
                      asymmetric=asymmetric)
         if asymmetric:
@@ -242,7 +244,7 @@ def quantize_model(model: nn.Module, format: str,
     bits = format_bits(format)
     asymmetric = format == ASYMMETRIC
     if asymmetric and importance is not None:
-        raise ConfigError("calibrated scales are for int4's symmetric form; int4-asym keeps each block's range")
+        raise ConfigError(NOT_CALIBRATED)
     if getattr(model, "quantization", None):
         raise ConfigError(f"the model is already quantized ({model.quantization['format']}); "
                           "quantize the float model instead")

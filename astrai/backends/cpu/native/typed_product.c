@@ -130,23 +130,25 @@ static inline __m256i nibbles(const uint8_t *block)
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-/* An int4 block's 32 integer products (`u`: the stored nibbles, w + 8) with 32 int8 values,
- * summed in fours into 8 int32 lanes, less the block's `offsets` (8 times the same fours of
- * x), as floats: sum (u - 8) x = sum u x - 8 sum x, lane by lane, exactly. maddubs takes the
- * unsigned nibbles as they are; 15 * 127 * 2 is far from saturating its 16-bit pair sums. */
-static inline __m256 q4_block_products(__m256i u, const int8_t *xq, const int32_t *offsets)
+/* The 32 products of unsigned nibbles `u` with 32 int8 values, summed in fours into 8 int32
+ * lanes. maddubs takes the nibbles as they are; 15 * 127 * 2 is far from saturating its
+ * 16-bit pair sums. */
+static inline __m256i block_fours(__m256i u, const int8_t *xq)
 {
     const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)xq));
-    const __m256i fours = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(fours, _mm256_loadu_si256((const __m256i *)offsets)));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* A Q4_0 block's 32 integer products (`u`: the stored nibbles, w + 8) with 32 int8 values,
+ * summed in fours into 8 int32 lanes, less the block's `offsets` (8 times the same fours of
+ * x), as floats: sum (u - 8) x = sum u x - 8 sum x, lane by lane, exactly. */
+static inline __m256 q4_block_products(__m256i u, const int8_t *xq, const int32_t *offsets)
+{
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(block_fours(u, xq), _mm256_loadu_si256((const __m256i *)offsets)));
 }
 
 /* The same sums for Q4_1's nibbles, which are the values as they are (no 8 to take off). */
-static inline __m256 q41_block_products(__m256i u, const int8_t *xq)
-{
-    const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)xq));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
+static inline __m256 q41_block_products(__m256i u, const int8_t *xq) { return _mm256_cvtepi32_ps(block_fours(u, xq)); }
 
 /* Eight consecutive fp16 scales as floats. */
 static inline __m256 scales8(const uint16_t *h)
