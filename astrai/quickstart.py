@@ -46,6 +46,10 @@ PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: chec
 # Pre-training's schedule: 5% linear warm-up, then a linear decay to zero over the rest (WSD whose
 # decay spans the whole run). At equal steps it ends lower than a cosine decay to a tenth of the peak.
 PRETRAIN_SCHEDULE = dict(schedule="wsd", warmup_ratio=0.05, decay_ratio=0.95, min_rate=0.0)
+# The token embedding (tied to the head) learns at 12× the peak rate: a row moves only when its
+# token occurs, and at the shared rate the table trails the dense weights. With the dense rate
+# lowered to 7e-4, equal steps end 10% lower in held-out bits per byte (docs/benchmarks.md).
+PRETRAIN_EMBEDDING_LR_SCALE = 12.0
 # Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
 # by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured: a probe
 # taken while another program holds a core can read half the real rate and halve pre-training.
@@ -87,7 +91,7 @@ class Settings:
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
     cpu_products: Optional[dict] = None   # pinned: the planning run's fp32 CPU products decision (else measured)
-    lr: dict = field(default_factory=lambda: {"pretrain": 1e-3, "sft": 1e-3, "dpo": 1e-5, "grpo": 1e-5})
+    lr: dict = field(default_factory=lambda: {"pretrain": 7e-4, "sft": 1e-3, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
     progress: bool = True
@@ -442,7 +446,8 @@ class Quickstart:
             steps = PRETRAIN_STEP_SHARE * seconds * tps / (s.batch_size * s.window_size)
             kw = dict(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
-                      window_size=s.window_size, max_lr=s.lr["pretrain"], **PRETRAIN_SCHEDULE)
+                      window_size=s.window_size, max_lr=s.lr["pretrain"], embedding_lr_scale=PRETRAIN_EMBEDDING_LR_SCALE,
+                      **PRETRAIN_SCHEDULE)
         elif name == "sft":
             # at most SFT_MAX_PASSES over the conversations, the replayed text coming on top
             sft_tokens = read_json(self.done_path("data"))["sft"]["tokens"] / (1 - s.sft_replay)

@@ -51,6 +51,7 @@ class TrainConfig(JsonConfig):
     optimizer: str = "adamw"
     max_lr: float = 3e-4
     muon_lr: float = 0.02
+    embedding_lr_scale: float = 1.0            # token embedding (and a head tied to it) at max_lr × this
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.95
     adamw_eps: float = 1e-8
@@ -114,7 +115,7 @@ class TrainConfig(JsonConfig):
         for name in ("total_tokens", "max_steps", "stride"):
             value = getattr(self, name)
             need(value is None or (isinstance(value, int) and value > 0), name, "must be a positive integer or null")
-        for name in ("max_lr", "muon_lr", "adamw_eps"):
+        for name in ("max_lr", "muon_lr", "adamw_eps", "embedding_lr_scale"):
             need(isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0, name, "must be > 0")
         need(self.adamw_weight_decay >= 0, "adamw_weight_decay", "must be >= 0")
         need(isinstance(self.master_port, int) and 0 <= self.master_port <= 65535, "master_port",

@@ -70,13 +70,31 @@ def _fused_supported(model: nn.Module) -> bool:
 
 
 def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
-    """AdamW (fused kernel) or Muon on hidden matrices + AdamW on the rest, per ``config.optimizer``."""
+    """AdamW (fused kernel) or Muon on hidden matrices + AdamW on the rest, per ``config.optimizer``.
+
+    The token embedding (and the head tied to it) steps at ``max_lr · embedding_lr_scale``:
+    each row only receives gradient when its token occurs, so at one shared learning rate
+    the table trails the dense matrices; with a scale other than 1 it gets a group of its own.
+    """
     groups = split_parameters(model)
     betas = (config.adamw_beta1, config.adamw_beta2)
     adamw_kwargs = dict(lr=config.max_lr, betas=betas, eps=config.adamw_eps, fused=_fused_supported(model))
+    rest = _undecayed_groups(model, groups["no_decay"], config)
     if config.optimizer == "muon":
         muon = torch.optim.Muon(groups["decay"], lr=config.muon_lr, weight_decay=config.adamw_weight_decay)
-        adamw = torch.optim.AdamW([{"params": groups["no_decay"], "weight_decay": 0.0}], **adamw_kwargs)
+        adamw = torch.optim.AdamW(rest, **adamw_kwargs)
         return CombinedOptimizer([muon, adamw])
-    return torch.optim.AdamW([{"params": groups["decay"], "weight_decay": config.adamw_weight_decay},
-                              {"params": groups["no_decay"], "weight_decay": 0.0}], **adamw_kwargs)
+    return torch.optim.AdamW([{"params": groups["decay"], "weight_decay": config.adamw_weight_decay}, *rest],
+                             **adamw_kwargs)
+
+
+def _undecayed_groups(model: nn.Module, params: list[nn.Parameter], config) -> list[dict[str, Any]]:
+    """The AdamW groups without weight decay: one, or two when the embedding's lr is scaled."""
+    scale = getattr(config, "embedding_lr_scale", 1.0)
+    if scale == 1.0:
+        return [{"params": params, "weight_decay": 0.0}]
+    embeddings = _embedding_params(model)
+    table = [p for p in params if id(p) in embeddings]
+    other = [p for p in params if id(p) not in embeddings]
+    return [group for group in ({"params": other, "weight_decay": 0.0},
+                                {"params": table, "weight_decay": 0.0, "lr": config.max_lr * scale}) if group["params"]]

@@ -10,9 +10,9 @@ import pytest
 import astrai.quickstart as quickstart
 import astrai.trainer
 from astrai.cli import main
-from astrai.quickstart import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY,
-                               STAGE_SHARES, Deadline, Quickstart, Settings, make_pace_check_callback,
-                               make_stage_deadline_callback, write_json)
+from astrai.quickstart import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE, PRETRAIN_STEP_SHARE,
+                               SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline, Quickstart, Settings,
+                               make_pace_check_callback, make_stage_deadline_callback, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -91,6 +91,9 @@ def test_pretraining_warms_up_then_decays_linearly_to_zero(tmp_path):
     middle = (warmup + steps) // 2
     assert factors[middle] == pytest.approx(1 - (middle - warmup) / (steps - warmup), abs=0.01)  # a straight line
     assert factors[steps] == pytest.approx(0.0)  # to zero, not to a share of the peak
+    # the embedding steps faster than the rest; fine-tuning keeps one rate
+    assert config.embedding_lr_scale == PRETRAIN_EMBEDDING_LR_SCALE > 1
+    assert planner(tmp_path).train_config(1, "sft", seconds=100.0).embedding_lr_scale == 1.0
 
 
 def test_deadline_guard_ends_the_stage_like_a_reached_budget():

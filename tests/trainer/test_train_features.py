@@ -28,6 +28,33 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
 
+def test_embedding_lr_scale_gives_the_embedding_its_own_rate_through_the_schedule(tmp_path):
+    model = tiny_model()
+    opt = build_optimizer(model, TrainConfig(max_lr=1e-3, embedding_lr_scale=4.0))
+    table = [g for g in opt.param_groups if any(p is model.embed_tokens.weight for p in g["params"])]
+    assert len(table) == 1 and table[0]["params"] == [model.embed_tokens.weight]
+    assert table[0]["lr"] == pytest.approx(4e-3) and table[0]["weight_decay"] == 0.0
+    assert all(g["lr"] == 1e-3 for g in opt.param_groups if g is not table[0])
+    assert len(build_optimizer(model, TrainConfig()).param_groups) == 2  # unscaled: the usual two groups
+
+    class Rates(TrainCallback):
+        rates = []
+
+        def on_optimizer_step(self, context):
+            groups = context.optimizer.param_groups
+            self.rates.append([g["lr"] for g in groups if g["params"] == [context.model.embed_tokens.weight]]
+                              + [groups[0]["lr"]])
+
+    cfg = config(tmp_path, max_steps=6, embedding_lr_scale=4.0, max_lr=1e-3, schedule="cosine", warmup_ratio=0.0,
+                 save_final_model=False)
+    Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows(), callbacks=[Rates()]).train()
+    assert len(Rates.rates) == 6 and all(len(r) == 2 for r in Rates.rates)
+    assert all(embedding == pytest.approx(4 * dense) for embedding, dense in Rates.rates)
+    assert Rates.rates[-1][1] < Rates.rates[0][1]  # the schedule moves both
+    with pytest.raises(Exception, match="embedding_lr_scale"):
+        TrainConfig(embedding_lr_scale=0.0).validate()
+
+
 def test_muon_option_trains_and_resumes(tmp_path):
     cfg = config(tmp_path, optimizer="muon", max_steps=4, ckpt_interval=2, save_final_model=False)
     context = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows()).train()
