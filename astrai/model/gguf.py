@@ -354,9 +354,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None
 
 def kept_quantization(state: dict[str, torch.Tensor]) -> Optional[dict]:
     """The ``quantization`` entry describing the quantized tensors of ``state`` (None when it has none)."""
-    from astrai.model.quantized import GROUP_SIZE
-
-    from astrai.model.quantized import ASYMMETRIC, is_asymmetric
+    from astrai.model.quantized import ASYMMETRIC, GROUP_SIZE, is_asymmetric
 
     kinds = {"int8" if t.dtype == torch.int8 else ASYMMETRIC if is_asymmetric(t, state[n[:-len("qweight")] + "scales"])
              else "int4" for n, t in state.items() if n.endswith(".qweight")}

@@ -90,11 +90,12 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
 
 def _undecayed_groups(model: nn.Module, params: list[nn.Parameter], config) -> list[dict[str, Any]]:
     """The AdamW groups without weight decay: one, or two when the embedding's lr is scaled."""
-    scale = getattr(config, "embedding_lr_scale", 1.0)
-    if scale == 1.0:
+    if config.embedding_lr_scale == 1.0:
         return [{"params": params, "weight_decay": 0.0}]
     embeddings = _embedding_params(model)
     table = [p for p in params if id(p) in embeddings]
     other = [p for p in params if id(p) not in embeddings]
-    return [group for group in ({"params": other, "weight_decay": 0.0},
-                                {"params": table, "weight_decay": 0.0, "lr": config.max_lr * scale}) if group["params"]]
+    groups = [{"params": other, "weight_decay": 0.0}]
+    if table:
+        groups.append({"params": table, "weight_decay": 0.0, "lr": config.max_lr * config.embedding_lr_scale})
+    return groups
