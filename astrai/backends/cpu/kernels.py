@@ -1,8 +1,9 @@
 """Small C kernels for the CPU decode step and prefill, compiled on first use with the system's C compiler.
 
-Five kernels live in ``native/``, built into one library: the four below, and
-``native/dense_rows.c``, which widens rows of a bf16 or quantized weight to fp32 for the
-prefill's products (bound in dense_product.py).
+Six kernels live in ``native/``, built into one library: the four below,
+``native/dense_rows.c``, which widens rows of a bf16 or int8 weight to fp32 for the
+prefill's products, and ``native/quantized_rows.c``, which multiplies many rows by an int4
+weight in integers (both bound in dense_product.py).
 
 Decode attention. PyTorch has no CPU kernel for attention of one query over rows of
 different lengths: batched products over every row padded to the longest context read the
@@ -24,7 +25,7 @@ rows. bf16 and int8 sum in fp32 over float activations; int4 rounds the activati
 blocks as ``quantize_activations`` does and sums each block's int4 x int8 products in
 integers (the plain-C build the same integer sums). ``TypedWeight`` describes such a
 weight (``typed_product`` takes it). ``rounded_activations`` is that rounding on its own,
-in one pass, for a prompt's int4 products (which widen the weight for oneDNN instead).
+in one pass, for the routes that multiply an int4 weight in floats.
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a GQA +
 SwiGLU model for one row - norms (QK-norm too), biases, rotary embedding, K/V writes,
@@ -179,6 +180,9 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_typed_product.restype = i64
     library.astrai_round_activations.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     library.astrai_round_activations.restype = None
+    library.astrai_quantized_rows.argtypes = ([ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ptr, ptr]
+                                              + [i64] * 3 + [ctypes.c_int])
+    library.astrai_quantized_rows.restype = i64
     library.astrai_typed_product_vectorised.argtypes = []
     library.astrai_typed_product_vectorised.restype = ctypes.c_int
     for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32,

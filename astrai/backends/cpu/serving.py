@@ -24,10 +24,13 @@ a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
 ``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_TYPED_ROWS``
 rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
 fp32 (up to ``TYPED_MAX_ROWS`` rows, ``MAX_TYPED_ROWS`` a pass); more rows (a prefill) take
-dense_product.py, which widens the weight to fp32 in C, a slab at a time into a buffer each
-thread keeps, for oneDNN's product (in fp32, bf16 activations too, on a CPU without native bf16
-products, where torch would emulate them; without the native library torch multiplies the
-weight dequantized once for the call). Their
+dense_product.py, which widens a bf16 or int8 weight to fp32 in C, a slab at a time into a
+buffer each thread keeps, for oneDNN's product (in fp32, bf16 activations too, on a CPU without
+native bf16 products, where torch would emulate them; without the native library torch
+multiplies the weight dequantized once for the call). An int4 weight takes the typed product
+for one or two rows only: from ``INTEGER_MIN_ROWS`` rows on, ``integer_product`` multiplies
+it by the rounded activations in integers, which beats reading the weight once as soon as the
+sums, not the reads, are the bound. Their
 groups stack too: stacking along the outputs concatenates rows, so the joint weight of
 quantized members is their values and scales, each concatenated.
 
@@ -46,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.backends.cpu.dense_product import dense_product, dense_products_available
+from astrai.backends.cpu.dense_product import dense_product, dense_products_available, integer_product
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.backends.cpu.kernels import (BF16, F32, MAX_F32_ROWS, MAX_TYPED_ROWS, Q4, Q8, Q41, TypedWeight,
                                          cpu_flags, kernels_available, rounded_activations, row_major,
@@ -62,6 +65,9 @@ SERVED_DTYPES = (torch.float32, torch.bfloat16)
 # rows a typed product reads its weight for in passes of MAX_TYPED_ROWS: a decode batch's;
 # beyond, dequantizing the weight once for torch's product costs less than more passes
 TYPED_MAX_ROWS = 2 * MAX_TYPED_ROWS  # float weights the serving layout takes
+# rows from which an int4 product unpacks the weight for integer_product: below, the typed
+# product's one read of the weight is faster; from three rows on its sums are the bound
+INTEGER_MIN_ROWS = 3
 _tally = threading.local()
 
 
@@ -138,13 +144,20 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
     (None: not readable by the kernels), ``dense()`` giving it as a float tensor: up to
     ``TYPED_MAX_ROWS`` rows of a product without autograd through ``typed_product``,
     ``MAX_TYPED_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
-    through ``dense_product`` (slabs of the weight widened in C), anything else through torch
+    through ``dense_product`` (slabs of the weight widened in C), an int4 weight from
+    ``INTEGER_MIN_ROWS`` rows on through ``integer_product``, anything else through torch
     over ``dense()``, made once for the call. An int4 weight multiplies ``x``
-    rounded as ``quantize_activations`` does on every route (``rounded_activations``, one native
-    pass), as QuantizedLinear's forward does; the kernel rounds fp32 rows itself, exactly so."""
+    rounded as ``quantize_activations`` does on every route, as QuantizedLinear's forward
+    does: the kernels round fp32 rows themselves, exactly so, and torch's route takes
+    ``rounded_activations`` (one native pass)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    kernel = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
-              and x.shape[-1] == weight.in_features and 1 <= rows <= TYPED_MAX_ROWS and kernels_available())
+    native = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
+              and x.shape[-1] == weight.in_features)
+    if native and weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS and dense_products_available():
+        _note("kernel")
+        out = integer_product(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
+        return out.to(x.dtype)
+    kernel = native and 1 <= rows <= TYPED_MAX_ROWS and kernels_available()
     if weight is not None and weight.kind in (Q4, Q41) and not (kernel and x.dtype == torch.float32):
         x = rounded_activations(x)
     if kernel:
@@ -158,9 +171,8 @@ def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: 
                              for i in range(0, rows, MAX_TYPED_ROWS)])
         return out.view(*x.shape[:-1], -1).to(x.dtype)
     _note("dense")
-    if (weight is not None and weight.kind != F32 and x.device.type == "cpu" and x.dtype in SERVED_DTYPES
-            and not torch.is_grad_enabled() and x.shape[-1] == weight.in_features
-            and not (x.dtype == torch.bfloat16 and native_bf16_products()) and dense_products_available()):
+    if (native and weight.kind in (BF16, Q8) and not (x.dtype == torch.bfloat16 and native_bf16_products())
+            and dense_products_available()):
         out = dense_product(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)
     weight_values = dense().to(x.dtype)

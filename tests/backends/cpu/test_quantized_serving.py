@@ -120,23 +120,30 @@ def test_a_model_the_fast_paths_do_not_fit_is_counted_as_torch(monkeypatch):
     assert paths == {"fused": 0, "row_kernels": 0, "batched": 0, "torch": GREEDY.max_tokens - 1}
 
 
-@pytest.mark.parametrize("weights", ["int4", "bf16"])
-def test_a_prefill_multiplies_the_dequantized_weight_once_per_product(weights):
-    """Many rows take torch's product over the dequantized weight ("dense"; bf16 activations in
-    fp32 where the CPU has no bf16 products); its logits are the model's own."""
+@pytest.mark.parametrize("weights,route", [("int4", "kernel"), ("bf16", "dense")])
+def test_a_prefill_multiplies_the_dequantized_weight_once_per_product(weights, route):
+    """Many rows take the integer product over int4 blocks (the "kernel" route: no typed product
+    takes 37 rows) or the product over the widened weight ("dense"; bf16 activations in fp32
+    where the CPU has no bf16 products); its logits are the model's own."""
     model = served(weights)
     with InferenceEngine(model, None, page_size=4, num_pages=32) as engine:
         served_model = engine.model
         if weights == "int4":
             assert any(type(m) is ServingQuantizedLinear for m in served_model.modules())
         ids = torch.tensor([list(range(3, 40))])
-        before = route_counts()["dense"]
+        before = route_counts()[route]
         with torch.no_grad():
             got = served_model(ids)["logits"].float()
             want = model(ids)["logits"].float()
-        assert route_counts()["dense"] > before
-        tolerance = 1e-5 if weights == "int4" else 3e-2  # bf16 logits: rounding of the last bit
-        assert torch.allclose(got, want, atol=tolerance, rtol=tolerance)
+        assert route_counts()[route] > before
+        if weights == "int4":
+            # the integer sums add in another order than torch's float product: equal to about
+            # 1e-6, except where that moves an activation of a later layer across a rounding
+            # boundary of its Q8_0 block (one step of d, a few 1e-4 in the logits)
+            close = (got - want).abs().amax(dim=-1) < 1e-5
+            assert close.float().mean() > 0.9 and torch.allclose(got, want, atol=2e-3, rtol=0)
+        else:
+            assert torch.allclose(got, want, atol=3e-2, rtol=3e-2)  # bf16 logits: rounding of the last bit
 
 
 def test_a_deep_copy_of_a_served_model_reads_its_own_weights():

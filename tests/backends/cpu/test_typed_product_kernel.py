@@ -139,3 +139,27 @@ def test_a_cpu_with_avx2_and_fma_gets_the_vectorised_build():
     flags = kernels.cpu_flags().split()
     if "avx2" in flags and "fma" in flags:
         assert kernels.typed_products_vectorised()
+
+
+def test_values_near_a_tie_round_as_the_reference_does():
+    """Blocks holding a value next to a tie (about 8.5 d): rounded with 127 / max|x| instead
+    (what a compiler's reciprocal folding would make of 1 / (max|x| / 127)) some round the
+    other way; the kernels' rounding must still equal quantize_activations'."""
+    torch.manual_seed(7)
+    largest = torch.rand(20000, 1) * 10 + 0.1
+    d = largest * (1 / 127)
+    x = torch.cat([largest, d * 8.5, -d * 20.5, torch.randn(20000, 29) * d], dim=1)
+    folded = torch.round(x * torch.full_like(largest, 127).div(largest)) * d.half().float()
+    want = quantize_activations(x)
+    near_ties = (folded != want).any(dim=-1)
+    assert near_ties.sum() > 100
+    x, want = x[near_ties].contiguous(), want[near_ties]
+    assert torch.equal(rounded_activations(x), want)
+    # the products round them too: through the identity (near 1 on the diagonal) each output
+    # is its rounded input, to float error far below a step d (at least 1e-3 here)
+    from astrai.backends.cpu.dense_product import integer_product
+    for kind in (Q4, Q41):
+        identity, reference = typed(torch.eye(32), kind)
+        through = want.double() @ reference.t()
+        assert torch.allclose(typed_product(x[:8], identity).double(), through[:8], rtol=0, atol=1e-5)
+        assert torch.allclose(integer_product(x, identity).double(), through, rtol=0, atol=1e-5)

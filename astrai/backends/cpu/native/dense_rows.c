@@ -1,4 +1,4 @@
-/* Rows of a bf16 or block-quantized weight widened to fp32, for a prefill's blocked product.
+/* Rows of a bf16 or int8 weight widened to fp32, for a prefill's blocked product.
  *
  * A prompt of many rows is multiplied by a BLAS (or oneDNN) product over fp32 weights; a
  * weight stored smaller is widened for it a slab of output rows at a time into a buffer the
@@ -6,16 +6,12 @@
  * rows shared among `threads` OpenMP threads. With AVX2 a block is widened in registers
  * (integers to floats, times the block's scale, eight at a time); elsewhere plain C loops
  * compute the same products (the same values on every target: each is one exact
- * conversion and one float multiplication).
+ * conversion and one float multiplication). int4 weights have their own product in
+ * integers (quantized_rows.c).
  *
  * Kinds, as native/typed_product.c numbers them (astrai/model/quantized.py's layout):
  *   1  bf16 [out, >= in]
  *   2  int8 [out, padded in] with one fp16 scale per 32 inputs (GGUF's Q8_0)
- *   3  int4 [out, padded in / 2], byte j of block b holding input 32b + j in its low nibble
- *      and 32b + 16 + j in its high one, value (nibble - 8) * scale (GGUF's Q4_0)
- *   4  the same nibbles, value nibble * d + m with a row's fp16 d's then its m's (GGUF's Q4_1:
- *      a multiplication and an addition, each rounded, as torch computes them; never
- *      contracted into one fused multiply-add)
  * `data_ld` and `scale_ld` are the distance between two rows (elements of data, fp16 values).
  */
 #include <stdint.h>
@@ -30,8 +26,6 @@
 
 #define DENSE_BF16 1
 #define DENSE_Q8 2
-#define DENSE_Q4 3
-#define DENSE_Q41 4
 #define DENSE_BLOCK 32
 
 static float fp16_value(uint16_t h)
@@ -96,62 +90,12 @@ static void widen_q8(const int8_t *row, const uint16_t *scales, int64_t n_in, fl
     }
 }
 
-static void widen_q4(const uint8_t *row, const uint16_t *scales, int64_t n_in, float *out)
-{
-    const int64_t full = n_in / DENSE_BLOCK;
-    for (int64_t b = 0; b < full; b++) {
-        const float d = fp16_value(scales[b]);
-        const uint8_t *q = row + b * (DENSE_BLOCK / 2);
-        float *o = out + b * DENSE_BLOCK;
-#if DENSE_AVX2
-        const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-        const __m256 scale = _mm256_set1_ps(d);
-        store_scaled16(_mm_sub_epi8(_mm_and_si128(raw, low), eight), scale, o);
-        store_scaled16(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight), scale, o + DENSE_BLOCK / 2);
-#else
-        for (int j = 0; j < DENSE_BLOCK / 2; j++) {
-            o[j] = (float)((int)(q[j] & 0x0f) - 8) * d;
-            o[j + DENSE_BLOCK / 2] = (float)((int)(q[j] >> 4) - 8) * d;
-        }
-#endif
-    }
-    if (full * DENSE_BLOCK < n_in) { /* the last block, cut short: only its first inputs exist */
-        const float d = fp16_value(scales[full]);
-        const uint8_t *q = row + full * (DENSE_BLOCK / 2);
-        for (int64_t i = full * DENSE_BLOCK; i < n_in; i++) {
-            const int j = (int)(i - full * DENSE_BLOCK);
-            const int nibble = j < DENSE_BLOCK / 2 ? (q[j] & 0x0f) : (q[j - DENSE_BLOCK / 2] >> 4);
-            out[i] = (float)(nibble - 8) * d;
-        }
-    }
-}
-
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))  /* the same two roundings as the reference */
-#endif
-static void widen_q41(const uint8_t *row, const uint16_t *scales, int64_t n_in, float *out)
-{
-    const int64_t blocks = (n_in + DENSE_BLOCK - 1) / DENSE_BLOCK;
-    const uint16_t *mins = scales + blocks;
-    for (int64_t b = 0; b < blocks; b++) {
-        const float d = fp16_value(scales[b]), m = fp16_value(mins[b]);
-        const uint8_t *q = row + b * (DENSE_BLOCK / 2);
-        const int64_t first = b * DENSE_BLOCK, n = n_in - first < DENSE_BLOCK ? n_in - first : DENSE_BLOCK;
-        float block[DENSE_BLOCK];
-        for (int j = 0; j < DENSE_BLOCK / 2; j++) {
-            block[j] = (float)(q[j] & 0x0f) * d + m;
-            block[j + DENSE_BLOCK / 2] = (float)(q[j] >> 4) * d + m;
-        }
-        memcpy(out + first, block, (size_t)n * sizeof(float));
-    }
-}
-
 /* Rows first .. first + rows - 1 of the weight, widened to fp32 into `out` (rows `out_ld`
  * floats apart). Returns 0, or -1 for an unknown kind. */
 int64_t astrai_dense_rows(const void *data, int64_t data_ld, const uint16_t *scales, int64_t scale_ld, int kind,
                           int64_t n_in, int64_t first, int64_t rows, float *out, int64_t out_ld, int threads)
 {
-    if (kind != DENSE_BF16 && kind != DENSE_Q8 && kind != DENSE_Q4 && kind != DENSE_Q41)
+    if (kind != DENSE_BF16 && kind != DENSE_Q8)
         return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -159,12 +103,8 @@ int64_t astrai_dense_rows(const void *data, int64_t data_ld, const uint16_t *sca
         float *dst = out + r * out_ld;
         if (kind == DENSE_BF16)
             widen_bf16((const uint16_t *)data + o * data_ld, n_in, dst);
-        else if (kind == DENSE_Q8)
-            widen_q8((const int8_t *)data + o * data_ld, scales + o * scale_ld, n_in, dst);
-        else if (kind == DENSE_Q4)
-            widen_q4((const uint8_t *)data + o * data_ld, scales + o * scale_ld, n_in, dst);
         else
-            widen_q41((const uint8_t *)data + o * data_ld, scales + o * scale_ld, n_in, dst);
+            widen_q8((const int8_t *)data + o * data_ld, scales + o * scale_ld, n_in, dst);
     }
     return 0;
 }

@@ -227,15 +227,60 @@ static inline float block_step(const float *xb, int64_t n, float *inverse)
         finite &= magnitude <= 3.4028235e38f;  /* false for inf and NaN */
         largest = magnitude > largest ? magnitude : largest;
     }
-    const float d = largest * (1.0f / 127.0f);
+    float d = largest * (1.0f / 127.0f);
+    /* d as rounded, from here on: otherwise -freciprocal-math may fold 1 / (largest / 127)
+     * into 127 / largest, rounded otherwise, and a value near a tie rounds to the other side */
+    __asm__("" : "+m"(d));
     *inverse = d != 0.0f ? 1.0f / d : 0.0f;
     return finite ? half_to_float(float_to_half(d)) : NAN;
 }
 
+#if TYPED_AVX2
+/* quantize_activations for one whole block in registers: the same step, the same products
+ * rounded the same way (cvtps rounds to nearest even, as rintf does), and the sums of fours
+ * taken by maddubs against ones. */
+static inline void quantize_block(const float *xb, int8_t *q, float *step, int32_t *offsets, float *sum)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), top = _mm256_set1_ps(3.4028235e38f);
+    __m256 v[4], largest = _mm256_setzero_ps();
+    int finite = 1;
+    for (int k = 0; k < 4; ++k) {
+        v[k] = _mm256_loadu_ps(xb + 8 * k);
+        const __m256 a = _mm256_and_ps(v[k], magnitude);
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, top, _CMP_LE_OQ)) == 0xff;  /* false for inf and NaN */
+        largest = _mm256_max_ps(largest, a);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    float d = _mm_cvtss_f32(m) * (1.0f / 127.0f);
+    __asm__("" : "+m"(d));  /* as in block_step */
+    const float inverse = d != 0.0f ? 1.0f / d : 0.0f, kept = finite ? half_to_float(float_to_half(d)) : NAN;
+    *step = *sum = kept;
+    if (kept != kept) {
+        memset(q, 0, BLOCK);
+        if (offsets) memset(offsets, 0, 8 * sizeof(int32_t));
+        return;
+    }
+    const __m256 scale = _mm256_set1_ps(inverse);
+    __m256i i[4];
+    for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], scale));
+    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+    const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+    if (offsets) _mm256_storeu_si256((__m256i *)offsets, _mm256_slli_epi32(fours, 3));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    *sum = kept * (float)_mm_cvtsi128_si32(t);
+}
+#endif
+
 /* Rows of x quantized for the int4 products: `values` [rows][blocks * 32] int8 (zero past
  * n_in), `scales` [rows][blocks] the fp16-rounded d of each block as a float. A block holding
  * an infinity or a NaN gets NaN for its d, so that its products are NaN as the
- * reference's are. `offsets` [rows][blocks][8]: 8 times the sum of each block's values
+ * reference's are. `offsets` [rows][blocks][8] (unless NULL): 8 times the sum of each block's values
  * 4k..4k+3 in lane k, which q4_block_products takes off. `sums` [rows][blocks]: each block's
  * d times the sum of its values (what a Q4_1 block's minimum multiplies). */
 static void quantize_activations(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
@@ -247,20 +292,27 @@ static void quantize_activations(const float *x, int64_t x_stride, int64_t rows,
             const float *xb = x + r * x_stride + b * BLOCK;
             int8_t *q = values + (r * blocks + b) * BLOCK;
             const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
+#if TYPED_AVX2
+            if (n == BLOCK) {
+                quantize_block(xb, q, scales + r * blocks + b, offsets ? offsets + (r * blocks + b) * 8 : NULL,
+                               sums + r * blocks + b);
+                continue;
+            }
+#endif
             float inverse;
             const float kept = block_step(xb, n, &inverse);
             memset(q, 0, BLOCK);
             scales[r * blocks + b] = kept;
             sums[r * blocks + b] = kept;
             if (kept != kept) {  /* NaN: the block's products are NaN; its values stay 0 */
-                memset(offsets + (r * blocks + b) * 8, 0, 8 * sizeof(int32_t));
+                if (offsets) memset(offsets + (r * blocks + b) * 8, 0, 8 * sizeof(int32_t));
                 continue;
             }
             for (int64_t k = 0; k < n; ++k) q[k] = (int8_t)rintf(xb[k] * inverse);
             int32_t total = 0;
             for (int lane = 0; lane < 8; ++lane) {
                 const int32_t four = q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3];
-                offsets[(r * blocks + b) * 8 + lane] = 8 * four;
+                if (offsets) offsets[(r * blocks + b) * 8 + lane] = 8 * four;
                 total += four;
             }
             sums[r * blocks + b] = kept * (float)total;
@@ -528,6 +580,16 @@ void astrai_round_activations(const float *x, int64_t rows, int64_t n_in, float 
         for (int64_t k = 0; k < n; ++k) ob[k] = rintf(xb[k] * inverse) * kept;
     }
 }
+
+/* Rows of x rounded to Q8_0 blocks as above, without the offsets: quantized_rows.c's input. */
+void astrai_quantize_rows_q8(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
+                             float *steps, float *sums)
+{
+    quantize_activations(x, x_stride, rows, n_in, values, steps, NULL, sums);
+}
+
+/* An fp16 value as a float, for the other native files. */
+float astrai_half_value(uint16_t h) { return half_to_float(h); }
 
 /* Whether this build reads blocks with AVX2 intrinsics (1) or plain C loops (0). */
 int astrai_typed_product_vectorised(void) { return TYPED_AVX2; }

@@ -1,0 +1,225 @@
+/* Many rows (a prompt) by an int4 weight, multiplied in integers: y = x W^T (+ bias) for
+ * W in GGUF's Q4_0 or Q4_1 blocks (typed_product.c's ASTRAI_Q4 / ASTRAI_Q41 layout) and x
+ * fp32 [rows][n_in].
+ *
+ * Widening the nibbles to floats for an fp32 product (dense_rows.c) leaves the prompt's
+ * products at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
+ * int8 activations with maddubs makes 32 per instruction, so here x is first rounded to Q8_0
+ * blocks, exactly as the int4 products of a decode step (and QuantizedLinear's forward) round
+ * it, and each block's dot product is summed in integers.
+ *
+ * What keeps the integer work from drowning in conversions is the layout. Each thread takes
+ * eight weight rows at a time and unpacks their nibbles into bytes, interleaved four inputs
+ * at a time: 32 bytes hold inputs 4k..4k+3 of the eight rows. One maddubs against those four
+ * inputs of x (broadcast) then gives, in its eight 32-bit lanes after the pair sums, partial
+ * dot products of the eight rows: the eight outputs land in the eight lanes, so a block ends
+ * in one conversion and two multiply-adds for eight outputs, and no horizontal sums remain.
+ * The eight groups of four of a block add in 16 bits (at most 8 x 2 x 15 x 127 = 30,480, no
+ * overflow) before being widened once.
+ *
+ * Per block b of a row of x (d_x its fp16-rounded step, s its sum of int8 values) and a weight
+ * row (d its step; Q4_0 values u - 8, Q4_1 values u d + m), the block adds
+ *     Q4_0:  d d_x (sum u q) - 8 d (d_x s)      Q4_1:  d d_x (sum u q) + m (d_x s)
+ * the same numbers as the float product of the rounded x and the dequantized weight, summed in
+ * another order. A block of x holding an infinity or a NaN has a NaN step, so its outputs are
+ * NaN, as the reference's are. The unpacked eight rows (8 x padded n_in bytes and their steps)
+ * stay in the thread's cache while every row of x passes over them, four rows at a time.
+ * Without AVX2, or built with ASTRAI_PORTABLE, plain C loops compute the same sums.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if (defined(__AVX2__) && defined(__FMA__)) && !defined(ASTRAI_PORTABLE)
+#define ROWS_AVX2 1
+#include <immintrin.h>
+#else
+#define ROWS_AVX2 0
+#endif
+
+enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, TYPE_Q4 = 3, TYPE_Q41 = 4 };
+
+static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* typed_product.c's rounding of x to Q8_0 blocks and its fp16 conversion */
+void astrai_quantize_rows_q8(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
+                             float *steps, float *sums);
+float astrai_half_value(uint16_t h);
+
+static inline float half_value(uint16_t h)
+{
+#if defined(__F16C__) && !defined(ASTRAI_PORTABLE)
+    return _cvtsh_ss(h);
+#else
+    return astrai_half_value(h);
+#endif
+}
+
+/* Eight weight rows from `first` (rows past n_out are zero) unpacked for the products:
+ * `bytes` [blocks][8 fours][8 rows][4], `steps` [blocks][8] (d) and `extras` [blocks][8]
+ * (what d_x s multiplies: -8 d for Q4_0, m for Q4_1). With AVX2 each block of the eight rows
+ * is eight registers of nibbles in element order, transposed as an 8 x 8 matrix of fours. */
+static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, int64_t scale_ld, int type,
+                         int64_t first, int64_t n_out, int64_t blocks, uint8_t *bytes, float *steps, float *extras)
+{
+    const int live = n_out - first < GROUP ? (int)(n_out - first) : GROUP;
+    for (int c = 0; c < GROUP; ++c) {
+        const uint16_t *row = scales + (first + c) * scale_ld;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float d = c < live ? half_value(row[b]) : 0.0f;
+            steps[b * GROUP + c] = d;
+            extras[b * GROUP + c] = c >= live ? 0.0f : type == TYPE_Q41 ? half_value(row[blocks + b]) : -8.0f * d;
+        }
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t *out = bytes + b * GROUP * Q_BLOCK;
+#if ROWS_AVX2
+        __m256i r[GROUP];
+        for (int c = 0; c < GROUP; ++c) {
+            if (c >= live) { r[c] = _mm256_setzero_si256(); continue; }
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(w + (first + c) * ld + b * (Q_BLOCK / 2)));
+            const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+            r[c] = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+        }
+        __m256i t[GROUP], u[GROUP];
+        for (int c = 0; c < GROUP; c += 2) {
+            t[c] = _mm256_unpacklo_epi32(r[c], r[c + 1]);
+            t[c + 1] = _mm256_unpackhi_epi32(r[c], r[c + 1]);
+        }
+        for (int c = 0; c < GROUP; c += 4) {
+            u[c] = _mm256_unpacklo_epi64(t[c], t[c + 2]);
+            u[c + 1] = _mm256_unpackhi_epi64(t[c], t[c + 2]);
+            u[c + 2] = _mm256_unpacklo_epi64(t[c + 1], t[c + 3]);
+            u[c + 3] = _mm256_unpackhi_epi64(t[c + 1], t[c + 3]);
+        }
+        for (int k = 0; k < 4; ++k) {
+            _mm256_store_si256((__m256i *)out + k, _mm256_permute2x128_si256(u[k], u[k + 4], 0x20));
+            _mm256_store_si256((__m256i *)out + k + 4, _mm256_permute2x128_si256(u[k], u[k + 4], 0x31));
+        }
+#else
+        for (int c = 0; c < GROUP; ++c) {
+            const uint8_t *block = w + (first + c) * ld + b * (Q_BLOCK / 2);
+            for (int k = 0; k < Q_BLOCK / 2; ++k) {
+                const int low = k, high = k + Q_BLOCK / 2;
+                out[(low / 4) * GROUP * 4 + 4 * c + low % 4] = c < live ? block[k] & 0x0f : 0;
+                out[(high / 4) * GROUP * 4 + 4 * c + high % 4] = c < live ? block[k] >> 4 : 0;
+            }
+        }
+#endif
+    }
+}
+
+#if ROWS_AVX2
+/* out[r][0..8) = rows r < count of the quantized x against the unpacked group. */
+static inline __attribute__((always_inline)) void group_tile(const uint8_t *bytes, const float *steps,
+                                                             const float *extras, const int8_t *xq, const float *xd,
+                                                             const float *xs, int64_t blocks, int count,
+                                                             __m256 out[ROW_TILE])
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < count; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m256i *w = (const __m256i *)(bytes + b * GROUP * Q_BLOCK);
+        __m256i pairs[ROW_TILE];
+        for (int r = 0; r < count; ++r) pairs[r] = _mm256_setzero_si256();
+        #pragma GCC unroll 2
+        for (int k = 0; k < GROUP; ++k) {
+            const __m256i u = _mm256_load_si256(w + k);
+            for (int r = 0; r < count; ++r) {
+                int32_t four;
+                memcpy(&four, xq + r * blocks * Q_BLOCK + b * Q_BLOCK + 4 * k, sizeof four);
+                pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(four)));
+            }
+        }
+        const __m256 d = _mm256_load_ps(steps + b * GROUP), e = _mm256_load_ps(extras + b * GROUP);
+        for (int r = 0; r < count; ++r) {
+            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+            const __m256 scaled = _mm256_mul_ps(sums, _mm256_set1_ps(xd[r * blocks + b]));
+            acc[r] = _mm256_fmadd_ps(d, scaled, _mm256_fmadd_ps(e, _mm256_set1_ps(xs[r * blocks + b]), acc[r]));
+        }
+    }
+    for (int r = 0; r < count; ++r) out[r] = acc[r];
+}
+#endif
+
+/* y[r][first..first+8) (those below n_out) for every row r of the quantized x. */
+static void group_rows(const uint8_t *bytes, const float *steps, const float *extras, const int8_t *xq,
+                       const float *xd, const float *xs, int64_t rows, int64_t blocks, const float *bias, float *y,
+                       int64_t y_stride, int64_t first, int64_t n_out)
+{
+    const int live = n_out - first < GROUP ? (int)(n_out - first) : GROUP;
+    float lanes[ROW_TILE][GROUP] __attribute__((aligned(32)));
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+        const int8_t *q = xq + r0 * blocks * Q_BLOCK;
+        const float *d = xd + r0 * blocks, *s = xs + r0 * blocks;
+#if ROWS_AVX2
+        __m256 out[ROW_TILE];
+        if (count == ROW_TILE)
+            group_tile(bytes, steps, extras, q, d, s, blocks, ROW_TILE, out);
+        else
+            group_tile(bytes, steps, extras, q, d, s, blocks, count, out);
+        for (int r = 0; r < count; ++r) _mm256_store_ps(lanes[r], out[r]);
+#else
+        for (int r = 0; r < count; ++r)
+            for (int c = 0; c < GROUP; ++c) {
+                float total = 0.0f;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const uint8_t *u = bytes + b * GROUP * Q_BLOCK + 4 * c;
+                    const int8_t *x = q + r * blocks * Q_BLOCK + b * Q_BLOCK;
+                    int32_t dot = 0;
+                    for (int k = 0; k < Q_BLOCK; ++k) dot += u[(k / 4) * GROUP * 4 + k % 4] * x[k];
+                    total += steps[b * GROUP + c] * ((float)dot * d[r * blocks + b])
+                             + extras[b * GROUP + c] * s[r * blocks + b];
+                }
+                lanes[r][c] = total;
+            }
+#endif
+        for (int r = 0; r < count; ++r)
+            for (int c = 0; c < live; ++c)
+                y[(r0 + r) * y_stride + first + c] = lanes[r][c] + (bias ? bias[first + c] : 0.0f);
+    }
+}
+
+/* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias) for an int4 weight W [n_out][n_in]
+ * (type 3: Q4_0, 4: Q4_1; `ld` bytes and `scale_ld` fp16 values between two rows), shared
+ * among `threads`. Returns 0, -1 for another type, -2 when memory ran out. */
+int64_t astrai_quantized_rows(const float *x, int64_t rows, int64_t x_stride, const uint8_t *weight, int64_t ld,
+                              const uint16_t *scales, int64_t scale_ld, int type, const float *bias, float *y,
+                              int64_t y_stride, int64_t n_in, int64_t n_out, int threads)
+{
+    if (type != TYPE_Q4 && type != TYPE_Q41) return -1;
+    if (rows <= 0 || n_out <= 0) return 0;
+    const int64_t blocks = (n_in + Q_BLOCK - 1) / Q_BLOCK;
+    int8_t *xq = aligned((size_t)(rows * blocks * Q_BLOCK));
+    float *xd = malloc(sizeof(float) * (size_t)(rows * blocks + 1)), *xs = malloc(sizeof(float) * (size_t)(rows * blocks + 1));
+    int failed = xq == NULL || xd == NULL || xs == NULL;
+    if (!failed) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t r = 0; r < rows; ++r)
+            astrai_quantize_rows_q8(x + r * x_stride, x_stride, 1, n_in, xq + r * blocks * Q_BLOCK, xd + r * blocks,
+                                    xs + r * blocks);
+        const int64_t groups = (n_out + GROUP - 1) / GROUP;
+        #pragma omp parallel num_threads(threads)
+        {
+            uint8_t *bytes = aligned((size_t)(blocks * GROUP * Q_BLOCK));
+            float *steps = aligned(sizeof(float) * (size_t)(blocks * GROUP));
+            float *extras = aligned(sizeof(float) * (size_t)(blocks * GROUP));
+            if (bytes == NULL || steps == NULL || extras == NULL) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            #pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; ++g) {
+                if (bytes == NULL || steps == NULL || extras == NULL) continue;
+                unpack_group(weight, ld, scales, scale_ld, type, g * GROUP, n_out, blocks, bytes, steps, extras);
+                group_rows(bytes, steps, extras, xq, xd, xs, rows, blocks, bias, y, y_stride, g * GROUP, n_out);
+            }
+            free(bytes), free(steps), free(extras);
+        }
+    }
+    free(xq), free(xd), free(xs);
+    return failed ? -2 : 0;
+}
