@@ -21,12 +21,16 @@ pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compi
 
 
 @pytest.mark.parametrize("kind", [Q4, Q41])
-@pytest.mark.parametrize("n_out,n_in,rows", [(37, 45, 17), (5, 31, 1), (70, 96, 600), (129, 200, 6), (16, 1000, 3)])
+@pytest.mark.parametrize("n_out,n_in,rows", [(37, 45, 17), (5, 31, 1), (70, 96, 601), (23, 64, 50), (129, 200, 6),
+                                               (16, 1000, 3)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_many_rows_equal_the_float64_product_of_the_rounded_activations(kind, n_out, n_in, rows, with_bias,
                                                                       monkeypatch):
     torch.manual_seed(n_out * n_in + rows)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # groups of eight rows shared unevenly
+    # groups of eight weight rows shared unevenly among 3 threads, in pairs from 25 rows of x
+    # on (the last pair a single group when their count is odd), and rows of x left over from
+    # passes of four (one group) or three (a pair)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     weight, reference = typed(torch.randn(n_out, n_in), kind)
     x = torch.randn(2, rows, n_in) * torch.rand(n_in).add(0.5)
     x[..., :min(n_in, 32)] = 0.0  # a block of zeros: d = 0

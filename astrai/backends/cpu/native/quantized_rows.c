@@ -22,8 +22,10 @@
  *     Q4_0:  d d_x (sum u q) - 8 d (d_x s)      Q4_1:  d d_x (sum u q) + m (d_x s)
  * the same numbers as the float product of the rounded x and the dequantized weight, summed in
  * another order. A block of x holding an infinity or a NaN has a NaN step, so its outputs are
- * NaN, as the reference's are. The unpacked eight rows (8 x padded n_in bytes and their steps)
- * stay in the thread's cache while every row of x passes over them, four rows at a time.
+ * NaN, as the reference's are. The unpacked rows (8 x padded n_in bytes a group, and their
+ * steps) stay in the thread's cache while every row of x passes over them: for a prompt two
+ * groups at a time, three rows of x a pass, so that each broadcast of x feeds two maddubs;
+ * for a few rows (a decode batch) one group, four rows a pass.
  * Without AVX2, or built with ASTRAI_PORTABLE, plain C loops compute the same sums.
  */
 #include <stdint.h>
@@ -38,7 +40,7 @@
 #define ROWS_AVX2 0
 #endif
 
-enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, TYPE_Q4 = 3, TYPE_Q41 = 4 };
+enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, PAIR_MIN_ROWS = 24, TYPE_Q4 = 3, TYPE_Q41 = 4 };
 
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
@@ -111,75 +113,96 @@ static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, i
 }
 
 #if ROWS_AVX2
-/* out[r][0..8) = rows r < count of the quantized x against the unpacked group. */
+/* out[r][g] = rows r < count of the quantized x against unpacked group g < pair (`pair` and
+ * `count` literals at each call: the compiler keeps the sums of each copy in registers). */
 static inline __attribute__((always_inline)) void group_tile(const uint8_t *bytes, const float *steps,
-                                                             const float *extras, const int8_t *xq, const float *xd,
-                                                             const float *xs, int64_t blocks, int count,
-                                                             __m256 out[ROW_TILE])
+                                                             const float *extras, int64_t group_stride,
+                                                             const int8_t *xq, const float *xd, const float *xs,
+                                                             int64_t blocks, int pair, int count,
+                                                             __m256 out[ROW_TILE][2])
 {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_TILE];
-    for (int r = 0; r < count; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[ROW_TILE][2];
+    for (int r = 0; r < count; ++r)
+        for (int g = 0; g < pair; ++g) acc[r][g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const __m256i *w = (const __m256i *)(bytes + b * GROUP * Q_BLOCK);
-        __m256i pairs[ROW_TILE];
-        for (int r = 0; r < count; ++r) pairs[r] = _mm256_setzero_si256();
+        __m256i pairs[ROW_TILE][2];
+        for (int r = 0; r < count; ++r)
+            for (int g = 0; g < pair; ++g) pairs[r][g] = _mm256_setzero_si256();
         #pragma GCC unroll 2
         for (int k = 0; k < GROUP; ++k) {
-            const __m256i u = _mm256_load_si256(w + k);
+            __m256i u[2];
+            for (int g = 0; g < pair; ++g) u[g] = _mm256_load_si256(w + g * group_stride / 32 + k);
             for (int r = 0; r < count; ++r) {
                 int32_t four;
                 memcpy(&four, xq + r * blocks * Q_BLOCK + b * Q_BLOCK + 4 * k, sizeof four);
-                pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(four)));
+                const __m256i x = _mm256_set1_epi32(four);
+                for (int g = 0; g < pair; ++g)
+                    pairs[r][g] = _mm256_add_epi16(pairs[r][g], _mm256_maddubs_epi16(u[g], x));
             }
         }
-        const __m256 d = _mm256_load_ps(steps + b * GROUP), e = _mm256_load_ps(extras + b * GROUP);
         for (int r = 0; r < count; ++r) {
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
-            const __m256 scaled = _mm256_mul_ps(sums, _mm256_set1_ps(xd[r * blocks + b]));
-            acc[r] = _mm256_fmadd_ps(d, scaled, _mm256_fmadd_ps(e, _mm256_set1_ps(xs[r * blocks + b]), acc[r]));
+            const __m256 step = _mm256_set1_ps(xd[r * blocks + b]), sum = _mm256_set1_ps(xs[r * blocks + b]);
+            for (int g = 0; g < pair; ++g) {
+                const float *gs = steps + g * group_stride / Q_BLOCK, *ge = extras + g * group_stride / Q_BLOCK;
+                const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r][g], ones));
+                acc[r][g] = _mm256_fmadd_ps(_mm256_load_ps(gs + b * GROUP), _mm256_mul_ps(sums, step),
+                                            _mm256_fmadd_ps(_mm256_load_ps(ge + b * GROUP), sum, acc[r][g]));
+            }
         }
     }
-    for (int r = 0; r < count; ++r) out[r] = acc[r];
+    for (int r = 0; r < count; ++r)
+        for (int g = 0; g < pair; ++g) out[r][g] = acc[r][g];
 }
 #endif
 
-/* y[r][first..first+8) (those below n_out) for every row r of the quantized x. */
-static void group_rows(const uint8_t *bytes, const float *steps, const float *extras, const int8_t *xq,
-                       const float *xd, const float *xs, int64_t rows, int64_t blocks, const float *bias, float *y,
-                       int64_t y_stride, int64_t first, int64_t n_out)
+/* y[r][first..first + 8 pair) (those below n_out) for every row r of the quantized x: `pair`
+ * (1 or 2) groups unpacked `group_stride` bytes apart (their steps and extras group_stride / 32
+ * floats apart). */
+static void group_rows(const uint8_t *bytes, const float *steps, const float *extras, int64_t group_stride, int pair,
+                       const int8_t *xq, const float *xd, const float *xs, int64_t rows, int64_t blocks,
+                       const float *bias, float *y, int64_t y_stride, int64_t first, int64_t n_out)
 {
-    const int live = n_out - first < GROUP ? (int)(n_out - first) : GROUP;
-    float lanes[ROW_TILE][GROUP] __attribute__((aligned(32)));
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-        const int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+    const int tile = pair == 2 ? ROW_TILE - 1 : ROW_TILE;  /* rows a pass: the sums fill the registers */
+    float lanes[ROW_TILE][2][GROUP] __attribute__((aligned(32)));
+    for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+        const int count = rows - r0 < tile ? (int)(rows - r0) : tile;
         const int8_t *q = xq + r0 * blocks * Q_BLOCK;
         const float *d = xd + r0 * blocks, *s = xs + r0 * blocks;
 #if ROWS_AVX2
-        __m256 out[ROW_TILE];
-        if (count == ROW_TILE)
-            group_tile(bytes, steps, extras, q, d, s, blocks, ROW_TILE, out);
+        __m256 out[ROW_TILE][2];
+        if (pair == 2 && count == ROW_TILE - 1)
+            group_tile(bytes, steps, extras, group_stride, q, d, s, blocks, 2, ROW_TILE - 1, out);
+        else if (pair == 1 && count == ROW_TILE)
+            group_tile(bytes, steps, extras, group_stride, q, d, s, blocks, 1, ROW_TILE, out);
         else
-            group_tile(bytes, steps, extras, q, d, s, blocks, count, out);
-        for (int r = 0; r < count; ++r) _mm256_store_ps(lanes[r], out[r]);
+            group_tile(bytes, steps, extras, group_stride, q, d, s, blocks, pair, count, out);
+        for (int r = 0; r < count; ++r)
+            for (int g = 0; g < pair; ++g) _mm256_store_ps(lanes[r][g], out[r][g]);
 #else
         for (int r = 0; r < count; ++r)
-            for (int c = 0; c < GROUP; ++c) {
-                float total = 0.0f;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const uint8_t *u = bytes + b * GROUP * Q_BLOCK + 4 * c;
-                    const int8_t *x = q + r * blocks * Q_BLOCK + b * Q_BLOCK;
-                    int32_t dot = 0;
-                    for (int k = 0; k < Q_BLOCK; ++k) dot += u[(k / 4) * GROUP * 4 + k % 4] * x[k];
-                    total += steps[b * GROUP + c] * ((float)dot * d[r * blocks + b])
-                             + extras[b * GROUP + c] * s[r * blocks + b];
+            for (int g = 0; g < pair; ++g)
+                for (int c = 0; c < GROUP; ++c) {
+                    const uint8_t *gb = bytes + g * group_stride;
+                    const float *gs = steps + g * group_stride / Q_BLOCK, *ge = extras + g * group_stride / Q_BLOCK;
+                    float total = 0.0f;
+                    for (int64_t b = 0; b < blocks; ++b) {
+                        const uint8_t *u = gb + b * GROUP * Q_BLOCK + 4 * c;
+                        const int8_t *x = q + r * blocks * Q_BLOCK + b * Q_BLOCK;
+                        int32_t dot = 0;
+                        for (int k = 0; k < Q_BLOCK; ++k) dot += u[(k / 4) * GROUP * 4 + k % 4] * x[k];
+                        total += gs[b * GROUP + c] * ((float)dot * d[r * blocks + b]) + ge[b * GROUP + c] * s[r * blocks + b];
+                    }
+                    lanes[r][g][c] = total;
                 }
-                lanes[r][c] = total;
-            }
 #endif
         for (int r = 0; r < count; ++r)
-            for (int c = 0; c < live; ++c)
-                y[(r0 + r) * y_stride + first + c] = lanes[r][c] + (bias ? bias[first + c] : 0.0f);
+            for (int g = 0; g < pair; ++g)
+                for (int c = 0; c < GROUP && first + g * GROUP + c < n_out; ++c) {
+                    const int64_t j = first + g * GROUP + c;
+                    y[(r0 + r) * y_stride + j] = lanes[r][g][c] + (bias ? bias[j] : 0.0f);
+                }
     }
 }
 
@@ -201,21 +224,28 @@ int64_t astrai_quantized_rows(const float *x, int64_t rows, int64_t x_stride, co
         for (int64_t r = 0; r < rows; ++r)
             astrai_quantize_rows_q8(x + r * x_stride, x_stride, 1, n_in, xq + r * blocks * Q_BLOCK, xd + r * blocks,
                                     xs + r * blocks);
-        const int64_t groups = (n_out + GROUP - 1) / GROUP;
+        const int64_t groups = (n_out + GROUP - 1) / GROUP, stride = blocks * GROUP * Q_BLOCK;
+        /* a prompt takes two groups at a time (each row of x, once loaded, meets sixteen weight
+         * rows); a few rows take one, four rows a pass, which leaves fewer rows over */
+        const int per = rows > PAIR_MIN_ROWS ? 2 : 1;
         #pragma omp parallel num_threads(threads)
         {
-            uint8_t *bytes = aligned((size_t)(blocks * GROUP * Q_BLOCK));
-            float *steps = aligned(sizeof(float) * (size_t)(blocks * GROUP));
-            float *extras = aligned(sizeof(float) * (size_t)(blocks * GROUP));
+            uint8_t *bytes = aligned((size_t)(2 * stride));
+            float *steps = aligned(sizeof(float) * (size_t)(2 * blocks * GROUP));
+            float *extras = aligned(sizeof(float) * (size_t)(2 * blocks * GROUP));
             if (bytes == NULL || steps == NULL || extras == NULL) {
                 #pragma omp atomic write
                 failed = 1;
             }
             #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; ++g) {
+            for (int64_t p = 0; p < (groups + per - 1) / per; ++p) {
                 if (bytes == NULL || steps == NULL || extras == NULL) continue;
-                unpack_group(weight, ld, scales, scale_ld, type, g * GROUP, n_out, blocks, bytes, steps, extras);
-                group_rows(bytes, steps, extras, xq, xd, xs, rows, blocks, bias, y, y_stride, g * GROUP, n_out);
+                const int pair = groups - per * p < per ? 1 : per;
+                for (int g = 0; g < pair; ++g)
+                    unpack_group(weight, ld, scales, scale_ld, type, (per * p + g) * GROUP, n_out, blocks,
+                                 bytes + g * stride, steps + g * blocks * GROUP, extras + g * blocks * GROUP);
+                group_rows(bytes, steps, extras, stride, pair, xq, xd, xs, rows, blocks, bias, y, y_stride,
+                           per * p * GROUP, n_out);
             }
             free(bytes), free(steps), free(extras);
         }
