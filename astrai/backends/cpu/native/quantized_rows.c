@@ -2,8 +2,8 @@
  * W in GGUF's Q4_0 or Q4_1 blocks (typed_product.c's ASTRAI_Q4 / ASTRAI_Q41 layout) and x
  * fp32 [rows][n_in].
  *
- * Widening the nibbles to floats for an fp32 product (dense_rows.c) leaves the prompt's
- * products at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
+ * Widening the nibbles to floats for an fp32 product (as dense_rows.c does for bf16 and
+ * int8) leaves the prompt's products at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
  * int8 activations with maddubs makes 32 per instruction, so here x is first rounded to Q8_0
  * blocks, exactly as the int4 products of a decode step (and QuantizedLinear's forward) round
  * it, and each block's dot product is summed in integers.
