@@ -28,7 +28,7 @@ dense_product.py, which widens a bf16 or int8 weight to fp32 in C, a slab at a t
 buffer each thread keeps, for oneDNN's product (in fp32, bf16 activations too, on a CPU without
 native bf16 products, where torch would emulate them; without the native library torch
 multiplies the weight dequantized once for the call). An int4 weight takes the typed product
-for one or two rows only: from ``INTEGER_MIN_ROWS`` rows on, ``integer_product`` multiplies
+for one to three rows only: from ``INTEGER_MIN_ROWS`` rows on, ``integer_product`` multiplies
 it by the rounded activations in integers, which beats reading the weight once as soon as the
 sums, not the reads, are the bound. Their
 groups stack too: stacking along the outputs concatenates rows, so the joint weight of
@@ -66,8 +66,9 @@ SERVED_DTYPES = (torch.float32, torch.bfloat16)
 # beyond, dequantizing the weight once for torch's product costs less than more passes
 TYPED_MAX_ROWS = 2 * MAX_TYPED_ROWS  # float weights the serving layout takes
 # rows from which an int4 product unpacks the weight for integer_product: below, the typed
-# product's one read of the weight is faster; from three rows on its sums are the bound
-INTEGER_MIN_ROWS = 3
+# product's one read of the weight is faster (at three rows it depends on the shape); from
+# four rows on its sums are the bound
+INTEGER_MIN_ROWS = 4
 _tally = threading.local()
 
 

@@ -3,7 +3,7 @@ dense_product.integer_product): equal to the float64 product of the activations 
 Q8_0 blocks and the dequantized Q4_0 or Q4_1 weight on shapes that are not multiples of a
 block, of the eight rows unpacked together or of a thread's share; a NaN or an infinity poisons
 its row as in the reference; a block of a stacked weight reads its own rows; the serving
-product takes this route from three rows on (prefill and batched decode alike); the plain-C
+product takes this route from four rows on (prefill and batched decode alike); the plain-C
 build gives the same sums."""
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def test_it_refuses_what_it_cannot_multiply():
 
 @pytest.mark.parametrize("kind", [Q4, Q41])
 @pytest.mark.parametrize("rows", [serving.INTEGER_MIN_ROWS, serving.TYPED_MAX_ROWS + 1, 64])
-def test_the_serving_product_takes_this_route_from_three_rows(kind, rows, monkeypatch):
-    """Three rows or more (a batched decode step or a prompt) go through integer_product and
+def test_the_serving_product_takes_this_route_from_four_rows(kind, rows, monkeypatch):
+    """Four rows or more (a batched decode step or a prompt) go through integer_product and
     match torch over the dequantized weight and rounded activations; fewer take the typed
     product, which reads the weight once."""
     torch.manual_seed(3)
