@@ -74,16 +74,22 @@ def _product(rows: torch.Tensor, slab: torch.Tensor, bias: Optional[torch.Tensor
     return F.linear(rows, slab, bias)
 
 
+def _prompt_rows(x: torch.Tensor, weight: TypedWeight, kinds: tuple[int, ...], name: str) -> torch.Tensor:
+    """``x`` as contiguous rows [rows, in], after checking that ``name`` takes it and ``weight``
+    (one of ``kinds``; ValueError otherwise)."""
+    if weight.kind not in kinds or x.dtype != torch.float32 or x.shape[-1] != weight.in_features:
+        raise ValueError(f"{name}: unsupported weight kind, dtype or width")
+    weight.check()
+    return x.reshape(-1, weight.in_features).contiguous()
+
+
 def integer_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(quantize_activations(x), w, bias)`` for ``x`` [..., in] fp32 and the int4 weight
     ``w`` (Q4_0 or Q4_1 blocks) that ``weight`` describes, dequantized: native/quantized_rows.c
     rounds ``x`` to Q8_0 blocks and sums each block's products in integers. Call only when
     ``dense_products_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    if weight.kind not in (Q4, Q41) or x.dtype != torch.float32 or x.shape[-1] != n_in:
-        raise ValueError("integer_product: unsupported weight kind, dtype or width")
-    weight.check()
-    rows = x.reshape(-1, n_in).contiguous()
+    rows = _prompt_rows(x, weight, (Q4, Q41), "integer_product")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
@@ -101,10 +107,7 @@ def dense_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Ten
     ``w`` that ``weight`` describes, dequantized; ``bias`` fp32 [out] or None. Call only when
     ``dense_products_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    if weight.kind not in (BF16, Q8) or x.dtype != torch.float32 or x.shape[-1] != n_in:
-        raise ValueError("dense_product: unsupported weight kind, dtype or width")
-    weight.check()
-    rows = x.reshape(-1, n_in).contiguous()
+    rows = _prompt_rows(x, weight, (BF16, Q8), "dense_product")
     data, data_ld, scales, scale_ld, kind = weight.pointers()
     step = min(slab_rows(n_in), n_out)
     buffer = _slab_buffer(step * n_in)
