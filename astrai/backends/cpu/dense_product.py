@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.cpu.kernels import BF16, Q4, Q8, Q41, TypedWeight, _library
+from astrai.backends.cpu.kernels import BF16, Q4, Q8, Q41, TypedWeight, _library, fits_bias
 
 # fp32 weight rows widened per product: a whole projection of a small model, or a few slabs of a
 # large one's, bounding the buffer each thread keeps
@@ -74,11 +74,14 @@ def _product(rows: torch.Tensor, slab: torch.Tensor, bias: Optional[torch.Tensor
     return F.linear(rows, slab, bias)
 
 
-def _prompt_rows(x: torch.Tensor, weight: TypedWeight, kinds: tuple[int, ...], name: str) -> torch.Tensor:
-    """``x`` as contiguous rows [rows, in], after checking that ``name`` takes it and ``weight``
-    (one of ``kinds``; ValueError otherwise)."""
+def _prompt_rows(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor], kinds: tuple[int, ...],
+                 name: str) -> torch.Tensor:
+    """``x`` as contiguous rows [rows, in], after checking that ``name`` takes it, ``weight``
+    (one of ``kinds``) and ``bias`` (ValueError otherwise)."""
     if weight.kind not in kinds or x.dtype != torch.float32 or x.shape[-1] != weight.in_features:
         raise ValueError(f"{name}: unsupported weight kind, dtype or width")
+    if not fits_bias(bias, weight.out_features):
+        raise ValueError(f"{name}: the bias must be fp32, contiguous, one value per output ({weight.out_features})")
     weight.check()
     return x.reshape(-1, weight.in_features).contiguous()
 
@@ -89,9 +92,7 @@ def integer_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.T
     rounds ``x`` to Q8_0 blocks and sums each block's products in integers. Call only when
     ``dense_products_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    rows = _prompt_rows(x, weight, (Q4, Q41), "integer_product")
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
+    rows = _prompt_rows(x, weight, bias, (Q4, Q41), "integer_product")
     out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
     data, data_ld, scales, scale_ld, kind = weight.pointers()
     status = _library().astrai_quantized_rows(rows.data_ptr(), rows.shape[0], n_in, data, data_ld, scales, scale_ld,
@@ -107,7 +108,7 @@ def dense_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Ten
     ``w`` that ``weight`` describes, dequantized; ``bias`` fp32 [out] or None. Call only when
     ``dense_products_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    rows = _prompt_rows(x, weight, (BF16, Q8), "dense_product")
+    rows = _prompt_rows(x, weight, bias, (BF16, Q8), "dense_product")
     data, data_ld, scales, scale_ld, kind = weight.pointers()
     step = min(slab_rows(n_in), n_out)
     buffer = _slab_buffer(step * n_in)

@@ -206,10 +206,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     ``lengths_checked`` skips the check of ``lens`` (two reductions per layer) for a
     caller that built them itself within those limits: the engine's decode view.
     """
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[1] == 1):
+        raise ValueError("decode_attention: unsupported layout or dtype (q [B, 1, H, D], k and v 4-d)")
     B, _, H, D = q.shape
     S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     if not (q.is_contiguous() and k.stride(3) == 1 and v.stride(3) == 1 and lens.dtype == torch.int64
-            and q.dtype == k.dtype == v.dtype == torch.float32 and H % Hkv == 0 and lens.shape == (B,)):
+            and q.dtype == k.dtype == v.dtype == torch.float32 and Hkv > 0 and H % Hkv == 0 and lens.shape == (B,)
+            and k.shape[0] == v.shape[0] == B and k.shape[3] == D and v.shape[1:3] == (S, Hkv)):
         raise ValueError("decode_attention: unsupported layout or dtype")
     longest = S
     if not lengths_checked:
@@ -246,7 +249,7 @@ def rows_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     reading the weight once for all rows. Call only when ``kernels_available()``."""
     n_out, n_in = weight.shape if weight.dim() == 2 else (0, -1)
     if not (x.shape[-1] == n_in and x.is_contiguous() and row_major(weight) and x.dtype == weight.dtype == torch.float32
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n_out))):
+            and fits_bias(bias, n_out)):
         raise ValueError("rows_product: unsupported layout or dtype")
     rows = x.numel() // max(n_in, 1)
     out = torch.empty(rows, n_out, dtype=x.dtype)
@@ -272,9 +275,15 @@ def row_product_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
 def _check_row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     n_in = weight.shape[1] if weight.dim() == 2 else -1
     if not (x.numel() == n_in and x.is_contiguous() and row_major(weight)
-            and x.dtype == weight.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
-                                                                                and bias.is_contiguous()))):
+            and x.dtype == weight.dtype == torch.float32 and fits_bias(bias, weight.shape[0])):
         raise ValueError("row_product: unsupported layout or dtype")
+
+
+def fits_bias(bias: Optional[torch.Tensor], n_out: int) -> bool:
+    """Whether ``bias`` is absent or one contiguous fp32 value per output: the kernels read
+    ``n_out`` floats from its address, whatever its length."""
+    return bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.dim() == 1
+                            and bias.numel() == n_out)
 
 
 def row_major(weight: torch.Tensor) -> bool:
@@ -337,9 +346,7 @@ def typed_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Ten
     n_in = weight.in_features
     rows = x.numel() // n_in if n_in else 0
     if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == n_in and 1 <= rows <= MAX_TYPED_ROWS
-            and (weight.kind != F32 or rows == 1)
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
-                                  and bias.numel() == weight.out_features))):
+            and (weight.kind != F32 or rows == 1) and fits_bias(bias, weight.out_features)):
         raise ValueError("typed_product: unsupported rows, layout or dtype")
     weight.check()
     n_out = weight.out_features
@@ -413,7 +420,17 @@ def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, 
                       capacity, eps, scale, final_norm.data_ptr(), (ctypes.c_int64 * WEIGHT_VALUES)(*head.pointers()),
                       head.out_features, work.data_ptr(), workspace.data_ptr(), threads)
     plan.keep = (embedding, layers, cos, sin, final_norm, head, work, workspace)
+    plan.embedding_rows = embedding.shape[0]
     return plan
+
+
+def _check_step(plan: DecodePlan, token: int, pos: int, steps: int, embedding_rows: int) -> None:
+    """The C step reads the embedding's row ``token`` and the rotary and decode-buffer rows up
+    to ``pos + steps - 1``: refuse what lies outside the plan's tensors."""
+    if not (0 <= token < plan.embedding_rows and 0 <= pos and pos + steps <= plan.capacity
+            and 0 <= embedding_rows <= plan.embedding_rows):
+        raise ValueError(f"decode step: token {token} or positions {pos}..{pos + steps - 1} outside the plan "
+                         f"({plan.embedding_rows} embedding rows, capacity {plan.capacity})")
 
 
 def decode_step(plan: DecodePlan, token: int, pos: int, kv_offsets: tuple[int, int]) -> tuple[torch.Tensor, int]:
@@ -424,6 +441,7 @@ def decode_step(plan: DecodePlan, token: int, pos: int, kv_offsets: tuple[int, i
     V go in each layer's page store (in floats from the layer's start); ``token`` must be a
     row of the embedding. Call only when ``kernels_available()``.
     """
+    _check_step(plan, token, pos, 1, 0)
     logits = torch.empty(plan.vocab, dtype=torch.float32)
     best = _library().astrai_decode_step_f32(plan, token, pos, kv_offsets[0], kv_offsets[1], logits.data_ptr())
     return logits, best
@@ -440,6 +458,7 @@ def decode_steps(plan: DecodePlan, token: int, pos: int, kv_offsets: Sequence[tu
     only when ``kernels_available()``.
     """
     n = len(kv_offsets)
+    _check_step(plan, token, pos, n, embedding_rows)
     k_offsets = (ctypes.c_int64 * n)(*(k for k, _ in kv_offsets))
     v_offsets = (ctypes.c_int64 * n)(*(v for _, v in kv_offsets))
     stops = (ctypes.c_int64 * max(len(stop_ids), 1))(*stop_ids)
