@@ -10,8 +10,8 @@ the caller keeps quantized weights (``keep_quantized``, as ``astrai model import
 does): then the Q8_0, Q4_0 and Q4_1 matrices of the linears and the output head, whose
 blocks are astrai's int8, int4 and int4-asym formats byte for byte (``astrai.model.quantized``),
 are split into ``qweight``/``scales`` without being dequantized. A head tied to such a
-token embedding becomes its own quantized head then, while the embedding table itself is
-dequantized for lookups.
+token embedding stays tied: the head holds the table's blocks, which the embedding looks
+up dequantized.
 
 One layout difference needs undoing: for the ``llama`` architecture (Mistral files
 use it too) llama.cpp's converter interleaves the two rotary halves of every Q and K
@@ -25,7 +25,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -104,20 +104,25 @@ def read_gguf(path: str | os.PathLike):
     with open(path, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise CheckpointError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
+    from astrai.model.gguf_reader import TruncatedGGUF
+
     stat = path.stat()
     try:
         return _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    except TruncatedGGUF as exc:
+        raise CheckpointError(f"{path}: the GGUF file is truncated ({exc}); download or convert it again") from None
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
-        raise CheckpointError(f"{path}: cannot read the GGUF file ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: cannot read the GGUF file, damaged or truncated in its header "
+                              f"({type(exc).__name__}: {exc})") from None
 
 
 @lru_cache(maxsize=1)
 def _reader(path: str, mtime_ns: int, size: int):
     """Parsing a large vocabulary's metadata takes seconds, so a model and its tokenizer share one parse;
     keyed by modification time and size too, so a rewritten file is read again."""
-    from gguf import GGUFReader
+    from astrai.model.gguf_reader import CheckedGGUFReader
 
-    return GGUFReader(path, "r")
+    return CheckedGGUFReader(path, "r")
 
 
 class GGUFMetadata:
@@ -187,6 +192,9 @@ def hf_config_from_gguf(meta: GGUFMetadata, tensor_names: set[str], vocab_size: 
         "max_position_embeddings": meta.need_int(f"{arch}.context_length", 2048),
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    window = sliding_window(meta, arch)
+    if window:  # read by hf.hf_to_config, which caps max_len at the window as for a Hugging Face import
+        raw.update(use_sliding_window=True, sliding_window=window)
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear", "yarn"):
         raise CheckpointError(f"{meta.source}: rope scaling {scaling!r} is not supported; astrai imports none, linear and yarn")
@@ -196,6 +204,25 @@ def hf_config_from_gguf(meta: GGUFMetadata, tensor_names: set[str], vocab_size: 
             raw["rope_scaling"]["original_max_position_embeddings"] = meta.need_int(
                 f"{arch}.rope.scaling.original_context_length")
     return raw
+
+
+MISTRAL_WINDOW = 4096  # Mistral 7B v0.1's sliding window, Hugging Face's default for the family
+
+
+def sliding_window(meta: GGUFMetadata, arch: str) -> Optional[int]:
+    """The attention window of a GGUF file's model, or None when it attends to its whole context.
+
+    ``{arch}.attention.sliding_window`` when the file records one. Mistral files use the
+    ``llama`` architecture and llama.cpp's converter does not record Mistral 7B v0.1's window,
+    so a file whose name says Mistral is taken to have that window unless it records one:
+    astrai attends to the full context, which equals windowed attention up to the window
+    only, and later Mistral models without a window lose nothing but length beyond it.
+    """
+    recorded = meta.get(f"{arch}.attention.sliding_window")
+    if recorded is not None:
+        return meta.need_int(f"{arch}.attention.sliding_window") or None
+    names = " ".join(str(meta.get(key, "")) for key in ("general.name", "general.basename"))
+    return MISTRAL_WINDOW if arch == "llama" and "mistral" in names.lower() else None
 
 
 def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, theta: float, source: str) -> dict[str, Any]:
@@ -286,7 +313,8 @@ QUANTIZABLE_PROJECTIONS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_p
 
 
 def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[torch.dtype],
-                    keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+                    keep_quantized: bool = False, progress: Optional[Callable[[int], None]] = None
+                    ) -> dict[str, torch.Tensor]:
     """The GGUF file's tensors in Hugging Face names and half-split rotary layout: dequantized,
     or with ``keep_quantized`` the linears' Q8_0/Q4_0/Q4_1 matrices as ``<name>.qweight`` and
     ``<name>.scales`` (and, for a head tied to such an embedding, ``lm_head.qweight``/``scales``)."""
@@ -294,6 +322,8 @@ def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[to
     heads = {"q_proj": raw["num_attention_heads"], "k_proj": raw["num_key_value_heads"]}
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if progress is not None:
+            progress(1)
         if tensor.name == ROPE_FREQS:
             continue  # read into the config by load_gguf_model
         name = hf_tensor_name(tensor.name)
@@ -308,8 +338,7 @@ def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[to
                 kept = tuple(unpermute_rotary_rows(part, heads[projection]) for part in kept)
             prefix = "lm_head" if head_copy else name[: -len(".weight")]
             state[f"{prefix}.qweight"], state[f"{prefix}.scales"] = kept
-            if not head_copy:
-                continue
+            continue  # a tied head's blocks are the embedding's table too (Transformer.tie_weights)
         value = torch.from_numpy(dequantized(tensor, source))
         if permuted and projection in heads:
             value = unpermute_rotary_rows(value, heads[projection])
@@ -318,9 +347,10 @@ def gguf_state_dict(reader, raw: dict[str, Any], source: str, dtype: Optional[to
 
 
 def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu",
-                    keep_quantized: bool = False):
+                    keep_quantized: bool = False, progress: Optional[Callable[[int], None]] = None):
     """An astrai Transformer holding a GGUF file's weights (dequantized to float32, or ``dtype``;
-    with ``keep_quantized`` its Q8_0/Q4_0/Q4_1 linears as int8/int4/int4-asym QuantizedLinear layers)."""
+    with ``keep_quantized`` its Q8_0/Q4_0/Q4_1 linears as int8/int4/int4-asym QuantizedLinear layers).
+    ``progress`` is called with 1 per tensor read."""
     from astrai.model import hf
     from astrai.model.automodel import AutoModel, build_and_load
 
@@ -339,15 +369,13 @@ def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None
     config = hf.hf_to_config(raw, source)
     state = {}
     origins = {}
-    for name, tensor in gguf_state_dict(reader, raw, source, dtype, keep_quantized).items():
+    for name, tensor in gguf_state_dict(reader, raw, source, dtype, keep_quantized, progress).items():
         stem, _, suffix = name.rpartition(".")
         new_name = (hf.hf_to_astrai_name(f"{stem}.weight")[: -len(".weight")] + f".{suffix}"
                     if suffix in ("qweight", "scales") else hf.hf_to_astrai_name(name))
         state[new_name] = tensor
         origins[new_name] = f"{source} ('{name}')"
     quantization = kept_quantization(state)
-    if quantization and config.tie_weight and "lm_head.qweight" in state:
-        config.tie_weight = False  # the head reads its own quantized copy of the embedding
     return build_and_load(AutoModel.get_component_class(config.model_type), config, state, Path(source), dtype, device,
                           origins=origins, quantization=quantization)
 

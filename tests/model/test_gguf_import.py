@@ -113,7 +113,7 @@ def build_case(family: str, tensor_type: Q, vocab, seed: int = 0, shape=SHAPE):
 
 
 def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="gpt-2", skip_keys=(), tokenizer_model="gpt2",
-               kinds=None, rope_freqs=None, add_bos=False):
+               kinds=None, rope_freqs=None, add_bos=False, extra_keys=None):
     """A GGUF file as llama.cpp's converter lays it out: metadata, tokenizer, tensors (Q/K interleaved for llama)."""
     config = reference.config
     arch = arch or config.model_type
@@ -126,7 +126,7 @@ def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="
         "layer_norm_rms_eps": config.rms_norm_eps, "rope_freq_base": config.rope_parameters["rope_theta"],
         "key_length": head_dim, "value_length": head_dim, "rope_dimension_count": head_dim,
     }
-    for key, value in keys.items():
+    for key, value in {**keys, **(extra_keys or {})}.items():
         if key not in skip_keys:
             getattr(writer, f"add_{key}")(value)
     tokens, merges, types = vocab
@@ -338,6 +338,30 @@ def test_a_truncated_gguf_is_refused(vocab, tmp_path):
     cut.write_bytes(path.read_bytes()[:200])
     with pytest.raises(AstraiError, match="cannot read the GGUF file"):
         AutoModel.from_pretrained(cut)
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.95, 0.999])
+def test_a_gguf_cut_short_in_its_tensors_names_the_tensor_and_the_missing_bytes(cut, vocab, tmp_path):
+    reference, tensors = build_case("llama", Q.Q4_0, vocab)
+    whole = write_gguf(tmp_path / "whole.gguf", reference, tensors, Q.Q4_0, vocab).read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole[:int(len(whole) * cut)])
+    for keep in (False, True):
+        with pytest.raises(AstraiError, match=r"cut.gguf: the GGUF file is truncated \(tensor '[a-z0-9_.]+' ends at "
+                                              r"byte \d+, past the file's end .* bytes are missing\)"):
+            astrai_gguf.load_gguf_model(path, keep_quantized=keep)
+
+
+@pytest.mark.parametrize("name,window,max_len", [
+    ("Mistral-7B-Instruct-v0.1", None, 4096), ("mistral 7b", 2048, 2048), ("Llama-3-8B", None, 32768),
+    ("Llama-3-8B", 1024, 1024), ("Mistral-7B", 0, 32768)])
+def test_a_sliding_window_caps_max_len_as_the_hugging_face_import_does(name, window, max_len, vocab, tmp_path):
+    """Mistral 7B v0.1's files carry no window (llama.cpp does not write it): a Mistral-named
+    ``llama`` file takes the 4096 of Hugging Face's Mistral import; a recorded window wins."""
+    reference, tensors = build_case("llama", Q.F32, vocab, shape={**SHAPE, "max_position_embeddings": 32768})
+    extra = {"name": name} if window is None else {"name": name, "sliding_window": window}
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.F32, vocab, extra_keys=extra)
+    assert AutoModel.from_pretrained(path).config.max_len == max_len
 
 
 def test_unsupported_architecture_tensor_type_and_metadata_are_named(vocab, tmp_path):
