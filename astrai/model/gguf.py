@@ -104,13 +104,11 @@ def read_gguf(path: str | os.PathLike):
     with open(path, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise CheckpointError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
-    from astrai.model.gguf_reader import TruncatedGGUF
-
     stat = path.stat()
     try:
         return _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    except TruncatedGGUF as exc:
-        raise CheckpointError(f"{path}: the GGUF file is truncated ({exc}); download or convert it again") from None
+    except CheckpointError:  # a file cut short, named by the reader
+        raise
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
         raise CheckpointError(f"{path}: cannot read the GGUF file, damaged or truncated in its header "
                               f"({type(exc).__name__}: {exc})") from None

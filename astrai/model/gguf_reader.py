@@ -12,12 +12,14 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-
-class TruncatedGGUF(ValueError):
-    """The file ends before the data of a tensor its header lists."""
+from astrai.errors import CheckpointError
 
 
 class CheckedGGUFReader(GGUFReader):
+    def __init__(self, path: str, mode: str = "r"):
+        self.path = path
+        super().__init__(path, mode)
+
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)
         for field in fields:
@@ -25,6 +27,8 @@ class CheckedGGUFReader(GGUFReader):
             block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
             end = int(start_offs) + int(offset[0]) + int(np.prod(dims, dtype=np.int64)) * block_bytes // block
             if end > size:
-                raise TruncatedGGUF(f"tensor '{bytes(name).decode('utf-8', 'replace')}' ends at byte {end}, "
-                                    f"past the file's end (byte {size}): {end - size} bytes are missing")
+                raise CheckpointError(f"{self.path}: the GGUF file is truncated (tensor "
+                                      f"'{bytes(name).decode('utf-8', 'replace')}' ends at byte {end}, past the "
+                                      f"file's end (byte {size}): {end - size} bytes are missing); download or "
+                                      "convert it again")
         super()._build_tensors(start_offs, fields)

@@ -1,4 +1,4 @@
-"""The alignment and LoRA flags of ``astrai train`` and what they change about a run.
+"""What the alignment and LoRA flags of ``astrai train`` (astrai/commands/train.py) change about a run.
 
 Strategy settings (``--beta``, ``--group_size``, ``--reward``, ``--stage_tokens``, ...)
 are folded into ``TrainConfig.strategy_kwargs`` so they are saved in every checkpoint's
@@ -11,52 +11,11 @@ stage-by-stage driver (kl).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any, Optional
 
+from astrai.commands.train import STRATEGY_FLAGS
 from astrai.errors import ConfigError
-
-STRATEGY_FLAGS = {
-    "beta": (float, "DPO β (default 0.1) / KL-stage β (default 0.1)"),
-    "ref_path": (str, "reference model directory for DPO/GRPO (default: a frozen copy of the starting weights)"),
-    "reduction": (str, "mean | sum over pairs / responses"),
-    "group_size": (int, "GRPO responses sampled per prompt (default 4, at least 2)"),
-    "clip_eps": (float, "GRPO ratio clipping ε (default 0.2)"),
-    "kl_coef": (float, "GRPO KL penalty coefficient (default 0.01)"),
-    "sync_interval": (int, "GRPO: re-sync the reference to the policy every N steps (default 200, 0 = never)"),
-    "weight_sync_interval": (int, "GRPO: refresh the rollout engine's weights every N steps (default 1)"),
-    "reward": (str, "GRPO reward: arithmetic | package.module:function | reward-model directory"),
-    "max_new_tokens": (int, "GRPO rollout length limit (default 64)"),
-    "temperature": (float, "GRPO rollout sampling temperature (default 1.0)"),
-    "estimate": (str, "kl: the stage penalty, exact (KL over the vocabulary, default) | nll_difference (spec 003's "
-                      "policy NLL - reference NLL, which does not anchor)"),
-}
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
-
-
-def _name_list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def add_alignment_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("alignment (dpo, rm, grpo, kl) and LoRA")
-    for name, (kind, help_text) in STRATEGY_FLAGS.items():
-        group.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=help_text)
-    group.add_argument("--stage_tokens", type=_int_list, default=argparse.SUPPRESS,
-                       help="kl: token budget per stage, e.g. 1000000,200000 (at least two stages)")
-    group.add_argument("--stage_datasets", type=json.loads, default=argparse.SUPPRESS,
-                       help='kl: one dataset mixture per stage as JSON, e.g. [[{"path": "a"}], [{"path": "b"}]]')
-    group.add_argument("--lora_rank", type=int, default=argparse.SUPPRESS, help="train LoRA adapters of this rank")
-    group.add_argument("--lora_alpha", type=float, default=argparse.SUPPRESS, help="LoRA scale α (default 2·rank)")
-    group.add_argument("--lora_targets", type=_name_list, default=argparse.SUPPRESS,
-                       help="projections to adapt (default q_proj,k_proj,v_proj,o_proj)")
 
 
 def alignment_strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,9 +47,10 @@ def prepare_model(config) -> Optional[Any]:
         return None
     from astrai.model.lora import LoraConfig, inject_lora
     from astrai.model.reward import RewardModel
-    from astrai.trainer.builder import load_model
+    from astrai.trainer.builder import load_model, refuse_quantized_weights
 
     model = load_model(config)
+    refuse_quantized_weights(model)  # before LoRA, which would find no float linear to adapt
     if config.train_type == "rm" and not isinstance(model, RewardModel):
         model = RewardModel.from_base(model)
     if lora:

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from astrai.config import TrainConfig, preset
 from astrai.errors import ConfigError, DataError
+from astrai.model.quantized import QuantizedLinear
 from astrai.parallel import get_current_device, get_rank, get_world_size, wrap_model
 from astrai.parallel.wrap import load_full_model_state
 from astrai.serialization import Checkpoint
@@ -73,6 +74,20 @@ def load_tokenizer(config: TrainConfig) -> Any:
     from astrai.tokenize import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def refuse_quantized_weights(model: nn.Module) -> None:
+    """ConfigError for a model holding int8/int4 blocks (``astrai model quantize``, an imported
+    GGUF): packed blocks take no gradient, and int4's rounding of the activations passes none
+    back to earlier layers, so neither full training nor LoRA over such a base would learn what
+    it reports; refused before any step instead of failing at the end."""
+    quantized = [name for name, module in model.named_modules() if isinstance(module, QuantizedLinear)]
+    if quantized:
+        formats = sorted({f"int{m.bits}" for m in model.modules() if isinstance(m, QuantizedLinear)})
+        raise ConfigError(f"the model holds {len(quantized)} quantized linear layers ({'/'.join(formats)}, e.g. "
+                          f"{quantized[0]}); astrai trains float weights only (LoRA too): train the float model "
+                          "it was quantized from, or a copy turned back to floats with "
+                          "astrai.model.quantized.dequantize_model, and quantize the result afterwards")
 
 
 def check_model_fits(config: TrainConfig, model: nn.Module, tokenizer: Any) -> None:
@@ -132,6 +147,7 @@ class TrainContextBuilder:
         device = resolve_device(config)
         torch.manual_seed(config.random_seed)
         model = self.model if self.model is not None else load_model(config)
+        refuse_quantized_weights(model)
         tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(config)
         check_model_fits(config, model, tokenizer)
         data = resolve_data(config, self.train_dataset, self.val_dataset)
