@@ -1,42 +1,57 @@
 """The ``astrai`` command: one verb per stage of a model's life.
 
-Each verb lives beside the code it drives, in a module exposing
-``add_arguments(parser)`` and ``run(args) -> int``; this file only maps verbs to
-those modules (imported lazily, so ``astrai serve`` never imports the trainer) and
-turns user mistakes (``AstraiError``) into a one-line message and exit status 2.
+Each verb has two halves: its flags, in a module of astrai/commands that imports nothing
+heavy (so ``--help`` and a mistyped flag are answered at once), and the code it runs, beside
+what it drives, exposing ``run(args) -> int`` and imported only once the command line has
+parsed (so ``astrai serve`` never imports the trainer). This file maps verbs to both, points
+a mistyped flag at the closest real one, and turns user mistakes (``AstraiError``) into a
+one-line message and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
+from typing import NamedTuple
 
 from astrai.errors import AstraiError
 
 # the verbs that run a model: they tune the process for it first (astrai/backends/cpu/tuning.py)
 COMPUTE_VERBS = frozenset({"quickstart", "train", "generate", "chat", "serve", "eval"})
 
-VERBS: dict[str, tuple[str, str]] = {
-    "quickstart": ("astrai.quickstart", "train a bilingual tiny model end to end (tokenizer → PT → SFT → DPO → GRPO) with a report"),
-    "tokenizer": ("astrai.tokenize.cli", "train or inspect a byte-level BPE tokenizer"),
-    "preprocess": ("astrai.dataset.cli", "turn raw JSONL into memory-mapped / HDF5 / JSON storage"),
-    "train": ("astrai.trainer.cli", "pre-train, fine-tune or align a model (seq, sft, dpo, rm, grpo, kl)"),
-    "generate": ("astrai.inference.cli", "generate completions for prompts (command line or JSONL)"),
-    "chat": ("astrai.inference.chat_cli", "chat with a model in the terminal"),
-    "serve": ("astrai.inference.server.cli", "serve a model over OpenAI- and Anthropic-compatible HTTP"),
-    "eval": ("astrai.eval.cli", "evaluate a model: perplexity, task accuracy, samples"),
-    "model": ("astrai.model.cli", "create, inspect or convert model directories"),
+class Verb(NamedTuple):
+    flags: str  # module with add_arguments(parser): imports nothing heavy
+    runner: str  # module with run(args) -> int
+    help: str
+
+
+VERBS: dict[str, Verb] = {
+    "quickstart": Verb("astrai.quickstart", "astrai.quickstart",
+                       "train a bilingual tiny model end to end (tokenizer → PT → SFT → DPO → GRPO) with a report"),
+    "tokenizer": Verb("astrai.commands.tokenizer", "astrai.tokenize.cli", "train or inspect a byte-level BPE tokenizer"),
+    "preprocess": Verb("astrai.commands.preprocess", "astrai.dataset.cli",
+                       "turn raw JSONL into memory-mapped / HDF5 / JSON storage"),
+    "train": Verb("astrai.commands.train", "astrai.trainer.cli",
+                  "pre-train, fine-tune or align a model (seq, sft, dpo, rm, grpo, kl)"),
+    "generate": Verb("astrai.commands.generate", "astrai.inference.cli",
+                     "generate completions for prompts (command line or JSONL)"),
+    "chat": Verb("astrai.commands.chat", "astrai.inference.chat_cli", "chat with a model in the terminal"),
+    "serve": Verb("astrai.commands.serve", "astrai.inference.server.cli",
+                  "serve a model over OpenAI- and Anthropic-compatible HTTP"),
+    "eval": Verb("astrai.commands.eval", "astrai.eval.cli", "evaluate a model: perplexity, task accuracy, samples"),
+    "model": Verb("astrai.commands.model", "astrai.model.cli", "create, inspect or convert model directories"),
 }
 
 
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="astrai", description="Build, train and serve small language models.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    for name, (module_name, help_text) in VERBS.items():
-        verb_parser = sub.add_parser(name, help=help_text, description=help_text)
+    for name, spec in VERBS.items():
+        verb_parser = sub.add_parser(name, help=spec.help, description=spec.help)
         if name == verb:
-            importlib.import_module(module_name).add_arguments(verb_parser)
+            importlib.import_module(spec.flags).add_arguments(verb_parser)
     return parser
 
 
@@ -72,13 +87,42 @@ def either_spelling(argv: list[str], known: set[str]) -> list[str]:
     return out
 
 
+def innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the deepest sub-command ``args`` chose (``astrai model create``'s, not ``astrai``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return innermost_parser(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
+def closest_option(word: str, parser: argparse.ArgumentParser) -> str | None:
+    """The long option of ``parser`` nearest to the mistyped ``word``, dashes and underscores alike."""
+    if not word.startswith("--"):
+        return None
+    options = {o.replace("_", "-"): o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    match = difflib.get_close_matches(word.partition("=")[0].replace("_", "-"), list(options), n=1, cutoff=0.6)
+    return options[match[0]] if match else None
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, except that an unknown flag is reported with the verb's own usage
+    and the name of the flag that was probably meant, as git and cargo do."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        where = innermost_parser(parser, args)
+        guesses = {word: closest_option(word, where) for word in unknown}
+        hints = [f"did you mean {guess}?" for guess in guesses.values() if guess]
+        where.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb is not None and verb not in VERBS:
         verb = None
     parser = build_parser(verb)
-    args = parser.parse_args(either_spelling(argv, known_options(parser)))
+    args = parse_command_line(parser, either_spelling(argv, known_options(parser)))
     if args.verb is None:
         parser.print_help()
         return 0 if not argv else 2
@@ -87,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             from astrai.backends.cpu import tune_process
 
             tune_process()
-        return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
+        return int(importlib.import_module(VERBS[args.verb].runner).run(args) or 0)
     except AstraiError as exc:
         print(f"astrai {args.verb}: error: {exc}", file=sys.stderr)
         return 2

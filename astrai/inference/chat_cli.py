@@ -3,7 +3,8 @@
 The conversation is kept as chat messages and re-rendered with the tokenizer's chat
 template every turn; the prefix cache makes the shared history cheap to re-read.
 Replies stream as they are generated. Commands: ``/reset`` clears the history,
-``/exit`` (or Ctrl-D) quits.
+``/exit`` (or Ctrl-D) quits. Sampling defaults as ``astrai generate``'s: the model's
+generation_config.json, else greedy. Flags: astrai/commands/chat.py.
 """
 
 from __future__ import annotations
@@ -11,13 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from astrai.inference.cli import add_engine_arguments, add_sampling_arguments, build_engine, sampling_from_args
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
-    parser.add_argument("--system", default=None, help="system prompt")
-    add_sampling_arguments(parser)
+from astrai.inference.cli import build_engine, sampling_from_args
 
 
 def run(args: argparse.Namespace, stdin=None, stdout=None) -> int:

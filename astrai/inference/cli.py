@@ -1,9 +1,15 @@
-"""``astrai generate``: complete prompts from the command line or a JSONL file.
+"""``astrai generate``: complete prompts from the command line or a JSONL file (flags: astrai/commands/generate.py).
 
 Prompts come from ``--prompt`` (repeatable) or ``--input`` (JSONL; each line has
 "prompt" text or chat "messages", plus optional per-line sampling fields such as
 "max_tokens" or "temperature"). All requests are submitted at once, so the engine
-batches them; results are written as JSONL (to ``--output`` or stdout) in input order.
+batches them. On the terminal the completions stream as text, in input order, as a
+user of ``llama-cli`` expects; ``--json`` (or ``--output FILE``) writes one JSON line per
+prompt instead, for programs.
+
+Unset sampling flags take the model's generation_config.json, and greedy decoding when
+there is none: the engine's own default (temperature 1.0) would make fp32 and int8 copies of
+one model disagree for a reason that has nothing to do with their weights.
 """
 
 from __future__ import annotations
@@ -11,56 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Optional, TextIO
 
 from tqdm import tqdm
 
 from astrai.errors import DataError, RequestError
-from astrai.inference.placement import DTYPE_CHOICES, resolve_placement
+from astrai.inference.engine import InferenceEngine
+from astrai.inference.handle import RequestHandle
+from astrai.inference.placement import resolve_placement
+from astrai.inference.types import SamplingParams
 from astrai.jsonl import iter_jsonl
-from astrai.model.quantized import FORMATS
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "frequency_penalty", "presence_penalty", "seed")
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=None, help="tokens to generate (default 256)")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
-    parser.add_argument("--top-p", dest="top_p", type=float, default=None)
-    parser.add_argument("--top-k", dest="top_k", type=int, default=None)
-    parser.add_argument("--min-p", dest="min_p", type=float, default=None)
-    parser.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, default=None)
-    parser.add_argument("--frequency-penalty", dest="frequency_penalty", type=float, default=None)
-    parser.add_argument("--presence-penalty", dest="presence_penalty", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-
-
-def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help="auto (a visible GPU, else the CPU), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="weights' dtype; auto: bfloat16 on GPUs with native bf16, else as saved")
-    parser.add_argument("--quantize", choices=tuple(FORMATS), default=None,
-                        help="quantize the linears' weights as they load (block-wise, as GGUF Q8_0/Q4_0/Q4_1); "
-                             "a quantized model directory needs no flag")
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.json) or a GGUF file")
-    add_placement_arguments(parser)
-    parser.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=16)
-    parser.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
-    parser.add_argument("--num-pages", dest="num_pages", type=int, default=None)
-    parser.add_argument("--page-size", dest="page_size", type=int, default=16)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
-    parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    parser.add_argument("--input", help="JSONL file with one {'prompt': ...} or {'messages': [...]} per line")
-    parser.add_argument("--output", help="JSONL file for the results (default: stdout)")
-    parser.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user message with the chat template")
-    add_sampling_arguments(parser)
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
@@ -70,14 +40,21 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def build_engine(args: argparse.Namespace):
-    from astrai.inference.engine import InferenceEngine
+def default_sampling(model: str) -> Optional[SamplingParams]:
+    """Greedy when ``model`` has no generation_config.json; None lets the engine read the file."""
+    if (Path(model) / "generation_config.json").is_file():
+        return None
+    return SamplingParams(temperature=0.0)
 
+
+def build_engine(args: argparse.Namespace) -> InferenceEngine:
     device, dtype = resolve_placement(args.device, args.dtype)
+    defaults = default_sampling(args.model)
     return InferenceEngine.from_pretrained(args.model, device=device, dtype=dtype, quantize=getattr(args, "quantize", None),
                                            max_batch_size=args.max_batch_size,
                                            max_seq_len=args.max_seq_len, num_pages=args.num_pages,
-                                           page_size=args.page_size)
+                                           page_size=args.page_size,
+                                           **({"default_params": defaults} if defaults is not None else {}))
 
 
 def read_requests(args: argparse.Namespace) -> list[dict]:
@@ -90,6 +67,54 @@ def read_requests(args: argparse.Namespace) -> list[dict]:
     if not requests:
         raise RequestError("no prompts: give --prompt TEXT or --input FILE.jsonl")
     return requests
+
+
+def timing_line(handle: RequestHandle, completion_tokens: int) -> str:
+    """Time to first token and decode speed of one finished request, as llama.cpp's summary gives them."""
+    first, total = handle.time_to_first_token, handle.duration
+    line = f"{handle.prompt_tokens} prompt tokens, {completion_tokens} generated in {total:.2f} s"
+    if first is None:
+        return line
+    line += f"; time to first token {first * 1000:.0f} ms"
+    if completion_tokens > 1 and total > first:
+        line += f", {(completion_tokens - 1) / (total - first):.1f} tokens/s after it"
+    return line
+
+
+def stream_text(handle: RequestHandle, out: TextIO) -> int:
+    """Write one request's text as it arrives; its completion token count."""
+    for event in handle:
+        if event.error:
+            raise RuntimeError(f"generation failed: {event.error}")
+        if event.text:
+            out.write(event.text)
+            out.flush()
+        if event.finished:
+            out.write("\n")
+            return event.completion_tokens
+    return 0
+
+
+def write_json_lines(requests: list[dict], handles: list[RequestHandle], out: TextIO, verbose: bool) -> None:
+    for i, (record, handle) in enumerate(tqdm(list(zip(requests, handles)), desc="generate", file=sys.stderr,
+                                               disable=len(handles) < 2)):
+        result = handle.result()
+        row = {"index": i, **{k: record[k] for k in ("prompt", "messages") if k in record},
+               "text": result.text, "finish_reason": result.finish_reason,
+               "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+        out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        out.flush()
+        if verbose:
+            print(f"[{i}] {timing_line(handle, result.completion_tokens)}", file=sys.stderr)
+
+
+def write_text(handles: list[RequestHandle], out: TextIO, verbose: bool) -> None:
+    for i, handle in enumerate(handles):
+        if len(handles) > 1:
+            out.write(f"--- {i + 1}/{len(handles)} ---\n")
+        completion_tokens = stream_text(handle, out)
+        if verbose:
+            print(timing_line(handle, completion_tokens), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,17 +130,11 @@ def run(args: argparse.Namespace) -> int:
                 handles.append(engine.submit(ids, params))
             except RequestError as exc:
                 raise RequestError(f"request {i + 1}: {exc}") from None
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-        try:
-            for i, (record, handle) in enumerate(tqdm(list(zip(requests, handles)), desc="generate", file=sys.stderr,
-                                                       disable=len(handles) < 2)):
-                result = handle.result()
-                row = {"index": i, **{k: record[k] for k in ("prompt", "messages") if k in record},
-                       "text": result.text, "finish_reason": result.finish_reason,
-                       "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-                out.flush()
-        finally:
-            if out is not sys.stdout:
-                out.close()
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as out:
+                write_json_lines(requests, handles, out, args.verbose)
+        elif args.json:
+            write_json_lines(requests, handles, sys.stdout, args.verbose)
+        else:
+            write_text(handles, sys.stdout, args.verbose)
     return 0

@@ -65,6 +65,14 @@ class RequestHandle:
             return None
         return task.first_token_time - task.arrival_time
 
+    @property
+    def duration(self) -> Optional[float]:
+        """Seconds from submission to the request's end (None until it ends), taken on the scheduler thread."""
+        task = self._task
+        if task is None or task.finish_time is None:
+            return None
+        return task.finish_time - task.arrival_time
+
     def __iter__(self) -> Iterator[StreamEvent]:
         while not self._consumed_final:
             event = self._queue.get()

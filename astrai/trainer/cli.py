@@ -1,4 +1,4 @@
-"""``astrai train``: every TrainConfig field is a flag; ``--config`` supplies a JSON base.
+"""``astrai train``: every TrainConfig field is a flag (astrai/commands/train.py); ``--config`` supplies a JSON base.
 
 Precedence: flags > ``--config`` file > the resumed checkpoint's config > defaults.
 """
@@ -6,59 +6,11 @@ Precedence: flags > ``--config`` file > the resumed checkpoint's config > defaul
 from __future__ import annotations
 
 import argparse
-import json
-import typing
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
 
 from astrai.config import TrainConfig
 from astrai.errors import CheckpointError
-
-_HELP = {
-    "train_type": "seq | sft | dpo | rm | grpo | kl",
-    "data_root_path": "training data (a storage file or directory from `astrai preprocess`)",
-    "datasets": 'mixture as JSON: [{"path": "a", "rate": 0.7}, {"path": "b", "rate": 0.3, "type": "seq"}] '
-                '(type: optional; pre-training text may be mixed into sft)',
-    "param_path": "model directory (config.json [+ weights, tokenizer])",
-    "model_preset": "build a fresh model from a preset (tiny, small, 1b, ...) instead of param_path",
-    "model_overrides": 'ModelConfig fields as JSON, e.g. {"vocab_size": 1024}',
-    "total_tokens": "token budget (overrides n_epoch)",
-    "schedule": "cosine | sgdr | wsd | constant",
-    "optimizer": "adamw | muon (Muon on 2-D hidden weights, AdamW on the rest)",
-    "precision": "auto | fp32 | bf16 (bf16 autocast, fp32 master weights)",
-    "nprocs": "processes to spawn locally (use torchrun for multi-node)",
-    "parallel_mode": "ddp | fsdp (FSDP2 fully_shard)",
-}
-
-
-def _flag_type(annotation: str):
-    text = str(annotation)
-    if "dict" in text or "list" in text:
-        return json.loads
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="JSON file with TrainConfig fields (flags override it)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan (parameters, tokens/step, steps, memory) and exit")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
-                        help="continue from a checkpoint directory (default: the latest under ckpt_dir)")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in fields(TrainConfig):
-        default = f.default if f.default is not MISSING else f.default_factory()
-        help_text = f"{_HELP.get(f.name, '')} (default: {json.dumps(default)})".strip()
-        if hints[f.name] is bool:
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text)
-        else:
-            parser.add_argument(f"--{f.name}", type=_flag_type(hints[f.name]), default=argparse.SUPPRESS, help=help_text)
-    from astrai.trainer.alignment_cli import add_alignment_arguments
-
-    add_alignment_arguments(parser)
 
 
 def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
@@ -160,4 +112,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "build_config", "dry_run", "run"]
+__all__ = ["build_config", "dry_run", "run"]

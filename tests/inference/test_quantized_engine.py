@@ -76,7 +76,7 @@ def reference_text(model_dir, tokenizer, prompt, fmt=None, dtype=None, n=6) -> s
 def test_generate_flags_quantize_and_cast_as_they_load(flags, fmt, dtype, model_dir, tokenizer, capsys):
     prompt = "The cat sat on"
     assert main(["generate", "--model", str(model_dir), "--prompt", prompt, "--max-tokens", "6", "--temperature", "0",
-                 "--device", "cpu", *flags]) == 0
+                 "--json", "--device", "cpu", *flags]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["completion_tokens"] == 6
     assert row["text"] == reference_text(model_dir, tokenizer, prompt, fmt, dtype)

@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from astrai.commands.tokenizer import add_arguments
 from astrai.errors import CheckpointError, DataError
 from astrai.tokenize import SPECIAL_TOKENS, AutoTokenizer
-from astrai.tokenize.cli import add_arguments, run
+from astrai.tokenize.cli import run
 
 MIXED = "In the beginning 起初，神创造天地。 🙂👍🏽 x = 42\n\tdef f(): return 'ok'  \u00e9\u0301"
 

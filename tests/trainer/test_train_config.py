@@ -5,10 +5,11 @@ import json
 import pytest
 from trainer_helpers import TokenWindows, config, tiny_model
 
+from astrai.commands.train import add_arguments
 from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.trainer import Trainer
-from astrai.trainer.cli import build_config, add_arguments
+from astrai.trainer.cli import build_config
 
 
 def test_json_round_trip(tmp_path):

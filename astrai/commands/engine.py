@@ -1,0 +1,46 @@
+"""Flags shared by the verbs that run the inference engine: generate, chat and serve."""
+
+from __future__ import annotations
+
+import argparse
+
+# astrai/inference/placement.py's DTYPE_CHOICES and astrai/model/quantized.py's FORMATS
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATION_FORMATS = ("int8", "int4", "int4-asym")
+
+SAMPLING_HELP = "default: the model's generation_config.json, else greedy"
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "sampling", "Unset flags take the model directory's generation_config.json when it has one; "
+                    "without one, decoding is greedy (temperature 0), so two runs of a model agree.")
+    group.add_argument("--max-tokens", dest="max_tokens", type=int, default=None,
+                       help="tokens to generate (default: generation_config's max_new_tokens, else 256)")
+    group.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({SAMPLING_HELP})")
+    group.add_argument("--top-p", dest="top_p", type=float, default=None)
+    group.add_argument("--top-k", dest="top_k", type=int, default=None)
+    group.add_argument("--min-p", dest="min_p", type=float, default=None)
+    group.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, default=None)
+    group.add_argument("--frequency-penalty", dest="frequency_penalty", type=float, default=None)
+    group.add_argument("--presence-penalty", dest="presence_penalty", type=float, default=None)
+    group.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto (a visible GPU, else the CPU), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="weights' dtype; auto: bfloat16 on GPUs with native bf16, else as saved")
+    parser.add_argument("--quantize", choices=QUANTIZATION_FORMATS, default=None,
+                        help="quantize the linears' weights as they load (block-wise, as GGUF Q8_0/Q4_0/Q4_1); "
+                             "a quantized model directory needs no flag")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.json) or a GGUF file")
+    add_placement_arguments(parser)
+    parser.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=16)
+    parser.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
+    parser.add_argument("--num-pages", dest="num_pages", type=int, default=None)
+    parser.add_argument("--page-size", dest="page_size", type=int, default=16)

@@ -1,0 +1,21 @@
+"""``astrai generate``'s flags (the run: astrai/inference/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from astrai.commands.engine import add_engine_arguments, add_sampling_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    parser.add_argument("--input", help="JSONL file with one {'prompt': ...} or {'messages': [...]} per line")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON line per prompt (text, finish_reason, token counts) instead of streaming "
+                             "the text")
+    parser.add_argument("--output", help="write the JSON lines to this file instead (the terminal then stays quiet)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="on stderr: time to first token and tokens/s of each completion")
+    parser.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user message with the chat template")
+    add_sampling_arguments(parser)
