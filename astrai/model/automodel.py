@@ -4,7 +4,11 @@ A model directory is Hugging Face-shaped: ``config.json`` plus ``model.safetenso
 (or shards ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``
 above ``max_shard_bytes``). A quantized model (``astrai.model.quantized``) stores each
 quantized linear as ``<name>.qweight`` and ``<name>.scales`` and says so in config.json's
-``"quantization": {"format": "int8" | "int4" | "int4-asym", "group_size": 32}``; it opens as it is. A directory whose config.json names a Hugging Face family
+``"quantization": {"format": "int8" | "int4" | "int4-asym", "group_size": 32}``; it opens as it is.
+A tied model's table is stored once: as ``lm_head.qweight``/``scales`` when the head is quantized
+(the embedding then looks up those blocks dequantized), else as the embedding's weight. A directory
+written when a quantized head was an untied int8 copy (config.json's ``tie_weight`` false, the float
+embedding stored beside it) opens as it was written. A directory whose config.json names a Hugging Face family
 (llama, qwen2, qwen3, mistral) is converted on load by ``astrai.model.hf``.
 """
 
@@ -28,6 +32,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+TIED_EMBEDDING = "embed_tokens.weight"  # looked up from a tied quantized head's blocks, so not stored
 
 
 class AutoModel(nn.Module, BaseFactory["AutoModel"]):
@@ -47,17 +52,23 @@ class AutoModel(nn.Module, BaseFactory["AutoModel"]):
         return AutoModel.get_component_class(config.model_type)(config)
 
     def num_parameters(self) -> int:
-        """Parameter count with tied weights counted once and quantized weights counted as the weights they hold."""
+        """The logical parameter count, the same at every precision: tied weights counted once and
+        quantized weights counted as the weights they hold (a tied quantized head is the embedding's table)."""
         from astrai.model.quantized import QuantizedLinear
 
-        packed = sum(m.out_features * (m.in_features + (m.bias is not None)) for m in self.modules() if isinstance(m, QuantizedLinear))
+        tied_head = getattr(self, "lm_head", None) if self.config.tie_weight else None
+        packed = sum(m.out_features * (m.in_features + (m.bias is not None)) for m in self.modules()
+                     if isinstance(m, QuantizedLinear) and m is not tied_head)
         return packed + sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
     # --- saving -----------------------------------------------------------------
     def _unique_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state with a tied table stored once: the embedding's weight, or a quantized head's blocks."""
         state = self.state_dict()
         if self.config.tie_weight:
             state.pop("lm_head.weight", None)
+            if "lm_head.qweight" in state:
+                state.pop(TIED_EMBEDDING, None)
         return {k: v.detach().contiguous() for k, v in state.items()}
 
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -160,6 +171,9 @@ def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor
     expected = model.state_dict()
     if config.tie_weight:
         expected.pop("lm_head.weight", None)
+        if "lm_head.qweight" in expected:  # the embedding is the head's blocks dequantized (tie_weights)
+            expected.pop(TIED_EMBEDDING, None)
+            state = {k: v for k, v in state.items() if k != TIED_EMBEDDING}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing:
@@ -207,6 +221,13 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_bytes
         weight_map.update({name: fname for name in shard})
     total = sum(t.numel() * t.element_size() for t in state.values())
     _atomic_write_text(out / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def weight_bytes(directory: str | os.PathLike) -> int:
+    """Bytes of a model directory's weight files (model.safetensors or its shards) on disk."""
+    directory = Path(directory)
+    return sum(f.stat().st_size for f in [directory / WEIGHTS_NAME, *directory.glob("model-*-of-*.safetensors")]
+               if f.is_file())
 
 
 def read_safetensors_dir(directory: Path, origins: Optional[dict[str, Path]] = None) -> dict[str, torch.Tensor]:

