@@ -3,15 +3,18 @@
 Each row is one task feeding its uncomputed tokens (a prefill chunk, or the last sampled
 token when decoding). The executor turns tasks into the runner's plain rows, advances
 each task's ``num_computed`` by what the step computed, and samples every row that has
-reached the end of its context from the logits the runner returns.
+reached the end of its context from the logits the runner returns. The token masks of
+constrained rows (astrai/inference/constraints.py) are written while the model runs.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Iterable, Optional, Sequence
 
 import torch
 
+from astrai.inference.constraints import MaskWriter, RowMasks
 from astrai.inference.runner import GreedyRun, ModelRunner, Row
 from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw, row_argmax
 from astrai.inference.task import Task
@@ -26,6 +29,7 @@ class Executor:
         self.tokenizer = tokenizer
         self.generator = torch.Generator(device=runner.device)  # unseeded requests' draws (seeded ones bring their own)
         self.generator.seed()
+        self.masks = MaskWriter(runner.model.config.vocab_size)
 
     @property
     def model(self):
@@ -47,11 +51,13 @@ class Executor:
 
     def execute_prefill(self, tasks: Sequence[Task], n_new: Sequence[int]) -> list[Optional[Sampled]]:
         """Prefill chunks; tasks whose context is now fully computed get a sampled token (else None)."""
+        done = [i for i, (t, n) in enumerate(zip(tasks, n_new)) if t.remaining == n]
+        masks = self.masks.start([tasks[i].constraint for i in done])
         logits, argmax = self.forward(tasks, n_new)
-        done = [i for i, t in enumerate(tasks) if t.remaining == 0]
         tokens: list[Optional[Sampled]] = [None] * len(tasks)
         if done:
-            picked = self.sample([tasks[i] for i in done], logits[done], None if argmax is None else [argmax[i] for i in done])
+            picked = self.sample([tasks[i] for i in done], logits[done], None if argmax is None else [argmax[i] for i in done],
+                                 masks)
             for i, tok in zip(done, picked):
                 tokens[i] = tok
         return tokens
@@ -60,7 +66,8 @@ class Executor:
         """One token for each task, the rows in the order the runner prefers; results in ``tasks`` order."""
         order = self.runner.decode_order([Row(t.task_id, [], t.num_computed) for t in tasks])
         ordered = [tasks[i] for i in order]
-        sampled = self.sample(ordered, *self.forward(ordered, [1] * len(ordered)))
+        masks = self.masks.start([t.constraint for t in ordered])
+        sampled = self.sample(ordered, *self.forward(ordered, [1] * len(ordered)), masks)
         results: list[Sampled] = [None] * len(tasks)  # type: ignore[list-item]
         for i, token in zip(order, sampled):
             results[i] = token
@@ -68,10 +75,10 @@ class Executor:
 
     def runs_greedy_steps(self, task: Task) -> bool:
         """Whether ``task``'s decode steps may run several to one call (``execute_greedy_steps``):
-        a greedy request without penalties or log-probabilities, on a runner that takes such runs."""
+        a greedy request without penalties, log-probabilities or a constraint, on a runner that takes such runs."""
         p = task.params
         return (self.runner.runs_greedy and p.temperature == 0 and not _has_penalty(p)
-                and not p.logprobs and not p.top_logprobs)
+                and not p.logprobs and not p.top_logprobs and task.constraint is None)
 
     @torch.inference_mode()
     def execute_greedy_steps(self, task: Task, steps: int, stop_ids: Iterable[int],
@@ -87,17 +94,22 @@ class Executor:
         return self.execute_decode([task])
 
     @torch.inference_mode()
-    def sample(self, tasks: Sequence[Task], logits: torch.Tensor, argmax: Optional[list[int]] = None) -> list[Sampled]:
+    def sample(self, tasks: Sequence[Task], logits: torch.Tensor, argmax: Optional[list[int]] = None,
+               masks: Optional[Future] = None) -> list[Sampled]:
         """Next token (and its log-probability entry when asked) for each task's logits row;
-        ``argmax``, when given, is each row's argmax, which greedy rows without penalties take."""
+        ``argmax``, when given, is each row's argmax, which greedy rows without penalties take.
+        ``masks`` is the pending result of ``self.masks.start`` for these tasks (written now when
+        not given); a constrained row draws only among the tokens its language allows next."""
         logits = logits.float()
         params = [t.params for t in tasks]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        if all(p.temperature == 0 for p in params) and not any(_has_penalty(p) for p in params):
+        allowed: Optional[RowMasks] = masks.result() if masks is not None else self.masks.compute(
+            [t.constraint for t in tasks])
+        if allowed is None and all(p.temperature == 0 for p in params) and not any(_has_penalty(p) for p in params):
             ids = argmax if argmax is not None else row_argmax(logits).tolist()
         else:
-            logits = logits.clone()
+            logits = logits.clone() if allowed is None else allowed.apply(logits)
             for i, (t, p) in enumerate(zip(tasks, params)):
                 if _has_penalty(p):
                     apply_penalties(logits[i], t.context, t.output_ids, p.repetition_penalty,

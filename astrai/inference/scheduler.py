@@ -36,6 +36,7 @@ import torch
 
 from astrai.errors import OverloadedError, RequestError
 from astrai.inference.cache import KVCache
+from astrai.inference.constraints import ConstraintCompiler
 from astrai.inference.executor import Executor
 from astrai.inference.runner import create_runner
 from astrai.inference.task import Task, TaskManager, TaskStatus
@@ -101,6 +102,7 @@ class InferenceScheduler:
         self._runner = create_runner(model, self._page_cache, in_place)
         self.model = self._runner.model
         self._executor = Executor(self._runner, tokenizer)
+        self._constraints = ConstraintCompiler(tokenizer, self.stop_ids)
         self._task_mgr = TaskManager()
         self._lock = threading.RLock()  # reentrant: a stream callback may abort its own task
         self._wake = threading.Condition(self._lock)
@@ -134,10 +136,11 @@ class InferenceScheduler:
         check_params(params, self.vocab_size, self.tokenizer is not None)
         ids = check_prompt(prompt_ids, self.vocab_size, self.max_prompt_len, self.max_seq_len)
         check_fits(len(ids), params, self.max_seq_len, self.page_size, self._page_cache.num_pages)
+        constraint = self._constraints.compile(params)
         generator = None
         if params.temperature > 0 and params.seed is not None:  # reproducible whoever shares the batch
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
-        task = Task(task_id or uuid.uuid4().hex, ids, params, stream_callback, self.tokenizer, generator)
+        task = Task(task_id or uuid.uuid4().hex, ids, params, stream_callback, self.tokenizer, generator, constraint)
         self._runner.release_threads()  # the caller's idle compute threads would slow the loop's
         with self._lock:
             if not self._running:

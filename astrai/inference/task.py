@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from astrai.inference.constraints import TokenConstraint
 from astrai.inference.stop import StopChecker
 from astrai.inference.types import SamplingParams, StreamEvent, TokenLogprob
 
@@ -31,12 +32,13 @@ class TaskStatus(enum.Enum):
 class Task:
     def __init__(self, task_id: str, prompt_ids: list[int], params: SamplingParams,
                  stream_callback: Optional[Callable[[StreamEvent], None]] = None, tokenizer=None,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, constraint: Optional[TokenConstraint] = None):
         self.task_id = task_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.stream_callback = stream_callback
         self.generator = generator
+        self.constraint = constraint
         self.status = TaskStatus.PENDING
         self.context: list[int] = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -117,12 +119,16 @@ class Task:
         text, reason = "", None
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in stop_ids):
             reason = "stop"
+        elif self.constraint is not None and (broken := self.constraint.consume(token_id)) is not None:
+            self.error, reason = f"constrained decoding: {broken}", "abort"
         else:
             if self._decoder is not None:
                 text = self._stopper.push(self._decoder.push(token_id))
                 self.matched_stop = self._stopper.matched
                 if self.matched_stop is not None:
                     reason = "stop"
+            if reason is None and self.constraint is not None and self.constraint.finished:
+                reason = "stop"  # the language allows nothing more
             if reason is None and (len(self.output_ids) >= p.max_tokens or len(self.context) >= max_seq_len):
                 reason = "length"
         if reason is not None:
@@ -133,7 +139,8 @@ class Task:
         self.text += text
         return StreamEvent(text=text, token_ids=[token_id], logprobs=[logprob] if logprob is not None else [],
                            finished=reason is not None, finish_reason=reason, matched_stop=self.matched_stop,
-                           prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids))
+                           prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
+                           error=self.error)
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason

@@ -8,7 +8,7 @@ onto these, so neither protocol leaks into the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -18,6 +18,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 and top_p 1.0 and min_p 0.0 mean "off".
     ``stop`` strings end generation and are not included in the returned text.
     ``seed`` makes sampling reproducible for this request regardless of batch mates.
+    At most one of ``json_schema`` (a dict or its JSON text), ``regex`` and ``grammar`` (Lark,
+    or llama.cpp's GBNF) holds the output to a language (astrai/inference/constraints.py).
     """
 
     max_tokens: int = 256
@@ -34,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    json_schema: Union[dict[str, Any], str, None] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
 
 
 @dataclass
