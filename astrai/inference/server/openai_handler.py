@@ -24,6 +24,7 @@ from .protocol import ProtocolHandler
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .scoring import score_prompt, token_text
 from .sse import sse_event
+from .structured import forced_tools, one_constraint, response_format_schema, tool_call_schema
 from .toolcalls import ParsedToolCall, ToolCallStreamParser, parse_tool_calls, render_tool_call
 
 DONE_FRAME = "data: [DONE]\n\n"
@@ -49,7 +50,12 @@ class _OpenAIBase(ProtocolHandler):
             max_tokens=self.state.max_tokens_for(self.requested_max_tokens()),
             temperature=b.temperature, top_p=b.top_p, top_k=max(b.top_k, 0), min_p=b.min_p,
             repetition_penalty=b.repetition_penalty, frequency_penalty=b.frequency_penalty,
-            presence_penalty=b.presence_penalty, seed=seed, ignore_eos=b.ignore_eos, logprobs=want_logprobs, top_logprobs=top)
+            presence_penalty=b.presence_penalty, seed=seed, ignore_eos=b.ignore_eos, logprobs=want_logprobs, top_logprobs=top,
+            json_schema=self.output_schema())
+
+    def output_schema(self) -> Optional[dict]:
+        """The JSON Schema the reply is held to (None: free text); see structured.py."""
+        return response_format_schema(self.body.response_format)
 
     def stop_strings(self) -> list[str]:
         return self.body.stop_list()
@@ -118,6 +124,15 @@ class OpenAIHandler(_OpenAIBase):
     @property
     def tools_active(self) -> bool:
         return bool(self.body.tools) and self.body.tool_choice != "none"
+
+    def output_schema(self) -> Optional[dict]:
+        """A forced call ("required", or a named function) holds the reply to a call of the tools it allows."""
+        choice, forced = self.body.tool_choice, None
+        if choice == "required" or (choice is not None and not isinstance(choice, str)):
+            tools = [(t.function.name, t.function.parameters) for t in self.body.tools or []]
+            name = None if choice == "required" else choice.function.name
+            forced = tool_call_schema(forced_tools(tools, name, "tool_choice"))
+        return one_constraint(forced, super().output_schema())
 
     def build_prompt(self) -> list[list[int]]:
         messages = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
@@ -93,6 +93,28 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    """``response_format.json_schema``: a named schema the reply must validate against."""
+
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object: {"name": ..., "schema": {...}}')
+        return self
+
+
 class _OpenAISampling(_Body):
     """Sampling fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -112,6 +134,7 @@ class _OpenAISampling(_Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     ignore_eos: bool = False  # an extension (as in vLLM): generate to max_tokens even past end tokens
+    response_format: Optional[ResponseFormat] = None
 
     @field_validator("stop")
     @classmethod
@@ -168,6 +191,26 @@ class AnthropicMessage(_Body):
     content: Union[str, list[AnthropicContentBlock]]
 
 
+class AnthropicTool(_Body):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(_Body):
+    """``auto`` (the model decides), ``any`` (some tool), ``tool`` (the one named), ``none``."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[StrictBool] = None
+
+    @model_validator(mode="after")
+    def _name_given(self):
+        if self.type == "tool" and not self.name:
+            raise ValueError('type "tool" needs the name of the tool to call')
+        return self
+
+
 class MessagesRequest(_Body):
     """Body of ``POST /v1/messages``."""
 
@@ -181,6 +224,8 @@ class MessagesRequest(_Body):
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
     seed: Optional[Seed] = None  # an astrai extension: reproducible sampling, as in the OpenAI protocol
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
 
     @field_validator("stop_sequences")
     @classmethod
