@@ -8,6 +8,10 @@ byte-level BPE vocabulary with astrai's special tokens, without any download.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_DATA = REPO_ROOT / "data"
 TOKENIZER_VOCAB_SIZE = 1000
 TOKENIZER_TRAINING_DOCS = 600
+SAVE_KILLER = REPO_ROOT / "tests" / "trainer" / "save_killer_worker.py"
 
 
 def _training_texts(limit: int):
@@ -46,3 +51,21 @@ def tokenizer_dir(tokenizer, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def killed_save():
+    """``killed_save(root)``: save checkpoint step_1 under ``root`` in another process, start step_2
+    and SIGKILL that process halfway through its save; returns the dead process's id."""
+
+    def kill(root: Path) -> int:
+        proc = subprocess.Popen([sys.executable, str(SAVE_KILLER), str(root)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "saving"
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        return proc.pid
+
+    return kill

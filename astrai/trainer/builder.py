@@ -26,7 +26,7 @@ from astrai.trainer.data import make_loader, make_train_loader, resolve_data
 from astrai.trainer.optimizers import build_optimizer
 from astrai.trainer.sampling import MixtureSampler
 from astrai.trainer.schedulers import SchedulerFactory, scheduler_kwargs
-from astrai.trainer.state import restore_training_state
+from astrai.trainer.state import restore_training_state, seed_rng
 from astrai.trainer.strategies import StrategyFactory
 
 
@@ -145,7 +145,7 @@ class TrainContextBuilder:
         self.validate()
         rank, world = get_rank(), get_world_size()
         device = resolve_device(config)
-        torch.manual_seed(config.random_seed)
+        seed_rng(config.random_seed)
         model = self.model if self.model is not None else load_model(config)
         refuse_quantized_weights(model)
         tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(config)

@@ -59,6 +59,8 @@ class TrainContext:
     stop_requested: bool = False
     error: Optional[BaseException] = None
     cpu_products: Optional[dict] = None  # the run's choice of fp32 CPU products (agree_on_products)
+    # a checkpoint's RNG streams, restored by the loop just before the resumed run's first step
+    resume_rng: Optional[dict] = None
 
     @property
     def micro_loss(self) -> Optional[float]:

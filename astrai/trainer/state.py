@@ -16,6 +16,15 @@ from astrai.serialization import Checkpoint, prune_checkpoints
 PRODUCTS_KEY = "cpu_products"  # the run's fp32 products decision (backends/cpu/training.py), kept for a resume
 
 
+def seed_rng(seed: int) -> None:
+    """Seed every stream a checkpoint keeps (torch, Python, NumPy): a fresh process starts Python's
+    and NumPy's from the OS's entropy, so a strategy or callback drawing from them would make
+    each run of one config, and each resumed piece of a run, different."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def capture_rng() -> dict:
     """All RNG streams as tensors and plain values (loadable with weights_only=True)."""
     np_state = np.random.get_state()
@@ -60,7 +69,8 @@ def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
 
 
 def restore_training_state(context, checkpoint: Checkpoint) -> None:
-    """Optimizer, schedule, counters, data position and RNG from ``checkpoint`` (weights are loaded earlier)."""
+    """Optimizer, schedule, counters and data position from ``checkpoint`` (weights are loaded earlier);
+    its RNG streams wait in ``context.resume_rng`` for the loop."""
     extra = checkpoint.extra
     if "optimizer" in extra:
         load_full_optimizer_state(context.model, context.optimizer, extra["optimizer"])
@@ -78,4 +88,4 @@ def restore_training_state(context, checkpoint: Checkpoint) -> None:
     scale = int(state.get("world_size", 1)) / context.world_size
     context.batch_in_epoch = int(context.batch_in_epoch * scale)
     context.tokens_seen = int(state["tokens_seen"])
-    restore_rng(state["rng"])
+    context.resume_rng = state["rng"]  # restored by the loop after the start-up's own draws (Trainer._run_epoch)

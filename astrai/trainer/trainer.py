@@ -23,7 +23,7 @@ from astrai.serialization import Checkpoint
 from astrai.trainer.builder import TrainContextBuilder, resolve_device
 from astrai.trainer.callbacks import CallbackFactory, TrainCallback
 from astrai.trainer.context import TrainContext
-from astrai.trainer.state import PRODUCTS_KEY
+from astrai.trainer.state import PRODUCTS_KEY, restore_rng
 
 TOKEN_KEYS = ("input_ids", "chosen", "rejected", "prompts", "responses")
 
@@ -88,8 +88,10 @@ class Trainer:
         names = [("gradient_checkpointing", {"modules": c.gradient_checkpointing_modules})] if c.gradient_checkpointing else []
         names += [("gradient_clipping", {"max_grad_norm": c.max_grad_norm}),
                   ("validation", {"interval": c.validation_interval, "max_batches": c.validation_batches}),
-                  ("checkpoint", {"save_dir": c.ckpt_dir, "interval": c.ckpt_interval, "keep": c.ckpt_keep}),
+                  # the step's log line before its checkpoint: a run killed between the two resumes from
+                  # the step before and writes the line again, so every checkpointed step has its line
                   ("metric_logger", {"log_dir": c.log_dir or c.ckpt_dir, "save_interval": c.log_interval}),
+                  ("checkpoint", {"save_dir": c.ckpt_dir, "interval": c.ckpt_interval, "keep": c.ckpt_keep}),
                   ("progress_bar", {"enabled": c.progress_bar})]
         if c.save_final_model:
             names.append(("save_model", {"save_dir": str(Path(c.ckpt_dir) / "final")}))
@@ -132,6 +134,11 @@ class Trainer:
         if context.batch_in_epoch == 0:
             fire("on_epoch_begin")
         batches = iter(context.dataloader)
+        if context.resume_rng is not None:
+            # only now: starting a run draws too (the loader's seed above, the products' measurement),
+            # and the saved step's streams must reach the next step as they did in the unbroken run
+            restore_rng(context.resume_rng)
+            context.resume_rng = None
         remaining = context.steps_per_epoch - context.batch_in_epoch // accum
         for _ in range(remaining):
             window = [next(batches) for _ in range(accum)]

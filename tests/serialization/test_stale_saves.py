@@ -1,7 +1,6 @@
 """Leftovers of saves killed midway are cleared at the next start, without losing a finished checkpoint."""
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +10,6 @@ import torch
 
 from astrai.serialization import Checkpoint, latest_checkpoint, remove_stale_saves
 from astrai.trainer.callbacks.checkpointing import CheckpointCallback
-
-KILLER = Path(__file__).resolve().parent.parent / "trainer" / "save_killer_worker.py"
-
-
-def killed_save(root: Path) -> int:
-    """Run a save that is killed with SIGKILL halfway; return the dead process's id."""
-    proc = subprocess.Popen([sys.executable, str(KILLER), str(root)], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "saving"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    return proc.pid
 
 
 def dead_pid() -> int:
@@ -37,7 +22,7 @@ def hidden(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
 
 
-def test_training_start_removes_a_killed_saves_temporary_directory(tmp_path):
+def test_training_start_removes_a_killed_saves_temporary_directory(tmp_path, killed_save):
     pid = killed_save(tmp_path)
     assert hidden(tmp_path) == [f".tmp-step_00000002-{pid}"]
     CheckpointCallback(str(tmp_path)).on_train_begin(SimpleNamespace(step=1, is_main=True))
