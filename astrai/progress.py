@@ -22,8 +22,10 @@ def on_terminal(stream: TextIO) -> bool:
 class Phase:
     """One phase of a long job (``with Phase("quantize", total=30, unit="linear") as step: ... step(1)``)."""
 
-    def __init__(self, name: str, total: Optional[int] = None, unit: str = "it", stream: Optional[TextIO] = None):
-        self.name, self.total, self.unit = name, total, unit
+    def __init__(self, name: str, total: Optional[int] = None, unit: str = "it", stream: Optional[TextIO] = None,
+                 show: bool = True):
+        """``show`` False counts without a word (for a caller that reports in its own way)."""
+        self.name, self.total, self.unit, self.show = name, total, unit, show
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0
         self.bar: Optional[tqdm] = None
@@ -31,6 +33,8 @@ class Phase:
 
     def __enter__(self) -> "Phase":
         self.started = time.perf_counter()
+        if not self.show:
+            return self
         if on_terminal(self.stream):
             self.bar = tqdm(total=self.total, desc=self.name, unit=self.unit, file=self.stream, dynamic_ncols=True,
                             leave=True)
@@ -48,6 +52,6 @@ class Phase:
         if self.bar is not None:
             self.bar.close()
             return
-        if kind is None:
+        if kind is None and self.show:
             count = f"{self.done} {self.unit}, " if self.done else ""
             print(f"{self.name}: done ({count}{time.perf_counter() - self.started:.1f} s)", file=self.stream, flush=True)

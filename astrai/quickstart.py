@@ -37,9 +37,10 @@ STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 # conversation set and wreck held-out perplexity.
 SFT_MAX_PASSES = 1.5
 # Share of SFT batches drawn from the pre-training text (replay, every token counted). On the
-# small bundled conversations SFT alone wears the plain-text skill away; a quarter replayed
-# keeps held-out perplexity near pre-training's, where half or a lower learning rate cost
-# much of the arithmetic accuracy SFT is there to teach (docs/benchmarks.md).
+# small bundled conversations SFT alone wears the plain-text skill away (held-out perplexity
+# five- to six-fold); a quarter replayed holds the rise to about a third to a half, where half
+# or a lower learning rate cost much of the arithmetic accuracy SFT is there to teach
+# (docs/benchmarks.md).
 SFT_REPLAY = 0.25
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
@@ -573,6 +574,16 @@ class Quickstart:
             self.tps = record["tokens_per_s"]
 
     # --- evaluation ------------------------------------------------------------------------
+    def ppl_window(self) -> int:
+        """The window held-out text is scored in: the one the model was trained with."""
+        return self.s.window_size
+
+    def eval_command(self, astrai: str, model_path: str) -> str:
+        """The ``astrai eval`` command that scores held-out text as this report does, so that it
+        gives the report's perplexity and bits per byte (both go through ``evaluate``)."""
+        limit = f" --ppl-max-tokens {self.s.ppl_max_tokens}" if self.s.ppl_max_tokens is not None else ""
+        return f"{astrai} eval --model {model_path} --ppl-window {self.ppl_window()}{limit}"
+
     def evaluate(self, name: str) -> dict:
         """Held-out perplexity, arithmetic accuracy and sample answers after every stage: the
         perplexity shows what each fine-tuning stage costs the plain-text skill (a few
@@ -584,10 +595,8 @@ class Quickstart:
         log(f"evaluating {name}: perplexity, arithmetic accuracy, sample answers")
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
         chat = name != "pretrain"
-        window = self.s.window_size
-        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=window,
-                           ppl_stride=window - window // 4, ppl_max_tokens=self.s.ppl_max_tokens,
-                           task=arithmetic_task(self.s.eval_problems),
+        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=self.ppl_window(),
+                           ppl_max_tokens=self.s.ppl_max_tokens, task=arithmetic_task(self.s.eval_problems),
                            max_new_tokens=8)
         results.update(evaluate(model, self.tokenizer, samples=True, chat=chat,
                                 max_new_tokens=self.s.sample_max_new_tokens))
@@ -648,7 +657,7 @@ class Quickstart:
             "commands": {
                 "serve": f"{astrai} serve --model {model_path} --port 8000",
                 "chat": f"{astrai} chat --model {model_path}",
-                "eval": f"{astrai} eval --model {model_path}",
+                "eval": self.eval_command(astrai, model_path),
                 "rerun": f"{astrai} quickstart {self.rerun_arguments()} --out NEW_DIR",
             },
         }
@@ -680,12 +689,10 @@ def _median(values: list) -> Optional[float]:
 
 
 def _parameters(model_dir: Path) -> int:
-    import math
+    """The logical parameter count, as ``astrai model info`` gives it."""
+    from astrai.model import AutoModel
 
-    from safetensors import safe_open
-
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
-        return sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
+    return AutoModel.from_pretrained(model_dir).num_parameters()
 
 
 def _astrai_command() -> str:

@@ -304,6 +304,9 @@ class BaseQuickstart(Quickstart):
     def estimate_eval_seconds(self) -> float:
         return 60.0
 
+    def ppl_window(self) -> int:
+        return self.s.ppl_window
+
     def evaluate(self, name: str) -> dict:
         """Held-out bits per byte, held-out task accuracy (this run's prompt and checker) and
         sample answers, generated with the inference engine (a KV cache: a 100M-parameter
@@ -316,8 +319,8 @@ class BaseQuickstart(Quickstart):
         log(f"evaluating {name}: bits per byte, held-out arithmetic accuracy, sample answers")
         s = self.s
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
-        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=s.ppl_window,
-                           ppl_stride=s.ppl_window - s.ppl_window // 4, ppl_max_tokens=s.ppl_max_tokens)
+        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=self.ppl_window(),
+                           ppl_max_tokens=s.ppl_max_tokens)
         # a cache sized for these short prompts and answers, around the model itself (it is not used again)
         with InferenceEngine(model, self.tokenizer, max_batch_size=32, max_seq_len=EVAL_MAX_SEQ_LEN,
                              in_place=True) as engine:

@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the bundled English and Chinese held-out files)")
     parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity")
     parser.add_argument("--ppl-window", type=int, default=None, help="perplexity window (default: model max_len)")
-    parser.add_argument("--ppl-stride", type=int, default=None, help="window stride (default: half the window)")
+    parser.add_argument("--ppl-stride", type=int, default=None, help="window stride (default: three quarters of the window)")
     parser.add_argument("--ppl-max-tokens", type=int, default=None,
                         help="stop each held-out file after about this many tokens (whole documents)")
     parser.add_argument("--task-problems", type=int, default=None,

@@ -41,11 +41,12 @@ def run(args: argparse.Namespace) -> int:
         ppl_window=args.ppl_window, ppl_stride=args.ppl_stride, ppl_max_tokens=args.ppl_max_tokens,
         task=None if args.task_problems == 0 else arithmetic_task(args.task_problems),
         samples=not args.no_samples, mmlu=args.mmlu, rouge=args.rouge, instructions=args.instructions,
-        chat=not args.no_chat, max_new_tokens=args.max_new_tokens,
+        chat=not args.no_chat, max_new_tokens=args.max_new_tokens, progress=True,
     )
     text = json.dumps(results, indent=2, ensure_ascii=False)
+    sys.stdout.write(text + "\n")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n", encoding="utf-8")
-    sys.stdout.write(text + "\n")
+        print(f"wrote {args.out}: the results above as JSON", file=sys.stderr)
     return 0

@@ -62,6 +62,12 @@ def sliding_windows(n_tokens: int, window_size: int, stride: int) -> list[tuple[
     return windows
 
 
+def default_stride(window_size: int) -> int:
+    """Three quarters of the window: each window after the first scores its last 3/4 with at least
+    a quarter of a window as context (``astrai eval`` and the quick start's report both use it)."""
+    return max(1, window_size - window_size // 4)
+
+
 @torch.no_grad()
 def token_nlls(model, token_ids: Sequence[int], window_size: int | None = None, stride: int | None = None,
                batch_size: int = 8) -> torch.Tensor:
@@ -70,7 +76,7 @@ def token_nlls(model, token_ids: Sequence[int], window_size: int | None = None, 
     if ids.numel() < 2:
         raise DataError(f"perplexity needs at least 2 tokens, got {ids.numel()}")
     window_size = min(window_size or model.config.max_len, model.config.max_len)
-    stride = min(stride or max(1, window_size // 2), window_size - 1)
+    stride = min(stride or default_stride(window_size), window_size - 1)
     windows = sliding_windows(ids.numel(), window_size, stride)
     device = next(model.parameters()).device
     nlls = torch.empty(ids.numel() - 1)

@@ -8,6 +8,7 @@ run" from "scored zero".
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -18,6 +19,7 @@ from astrai.eval.perplexity import heldout_perplexity
 from astrai.eval.rouge import corpus_rouge, load_references
 from astrai.eval.samples import sample_answers
 from astrai.eval.task import task_accuracy
+from astrai.progress import Phase
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 DEFAULT_HELDOUT = {"en": DATA_DIR / "pretrain" / "valid_en.jsonl", "zh": DATA_DIR / "pretrain" / "valid_zh.jsonl"}
@@ -28,35 +30,47 @@ def evaluate(model, tokenizer, *, heldout: Optional[dict[str, str | Path]] = Non
              task: Optional[tuple[Sequence, Callable, Callable]] = None, samples: bool = False,
              mmlu: Sequence[str | Path] = (), rouge: Optional[str | Path] = None,
              instructions: Optional[str | Path] = None, chat: bool = True, max_new_tokens: int = 32,
-             generator: Optional[Generator] = None) -> dict:
+             generator: Optional[Generator] = None, progress: bool = False) -> dict:
     """Run the evaluations given and return their results.
 
-    ``heldout`` maps a name (``en``, ``zh``) to a held-out text file; ``task`` is
-    ``(problems, prompt_of, check)``; ``chat`` says whether prompts go through the chat
-    template (False for a pre-trained model that never saw it).
+    ``heldout`` maps a name (``en``, ``zh``) to a held-out text file, scored in windows of
+    ``ppl_window`` tokens (default the model's ``max_len``) every ``ppl_stride`` (default
+    ``default_stride``); ``task`` is ``(problems, prompt_of, check)``; ``chat`` says whether
+    prompts go through the chat template (False for a pre-trained model that never saw it).
+    ``progress`` shows each evaluation as a phase on stderr (astrai/progress.py).
     """
     generate = generator or model_generator(model, tokenizer, max_new_tokens)
     results: dict = {}
     started = time.perf_counter()
+    phase = partial(Phase, show=progress)
     if heldout:
-        results["perplexity"] = {name: heldout_perplexity(model, tokenizer, path, ppl_window, ppl_stride, ppl_max_tokens)
-                                 for name, path in heldout.items()}
+        results["perplexity"] = {}
+        for name, path in heldout.items():
+            with phase(f"perplexity {name}"):
+                results["perplexity"][name] = heldout_perplexity(model, tokenizer, path, ppl_window, ppl_stride,
+                                                                 ppl_max_tokens)
     if task is not None:
         problems, prompt_of, check = task
-        results["task"] = task_accuracy(generate, tokenizer, problems, prompt_of, check, chat=chat)
+        with phase("task", total=len(problems), unit="problem") as step:
+            results["task"] = task_accuracy(generate, tokenizer, problems, prompt_of, check, chat=chat)
+            step(len(problems))
     if samples:
-        results["samples"] = sample_answers(generate, tokenizer, chat=chat)
+        with phase("samples"):
+            results["samples"] = sample_answers(generate, tokenizer, chat=chat)
     if mmlu:
-        questions = [q for path in mmlu for q in load_questions(path)]
-        results["mmlu"] = evaluate_multiple_choice(model, tokenizer, questions)
+        with phase("mmlu"):
+            questions = [q for path in mmlu for q in load_questions(path)]
+            results["mmlu"] = evaluate_multiple_choice(model, tokenizer, questions)
     if rouge is not None:
-        records = load_references(rouge)
-        predictions = _answers(generate, tokenizer, records, "prediction", chat)
-        results["rouge"] = {**corpus_rouge(predictions, [r["reference"] for r in records]), "n": len(records)}
+        with phase("rouge"):
+            records = load_references(rouge)
+            predictions = _answers(generate, tokenizer, records, "prediction", chat)
+            results["rouge"] = {**corpus_rouge(predictions, [r["reference"] for r in records]), "n": len(records)}
     if instructions is not None:
-        records = load_instructions(instructions)
-        responses = _answers(generate, tokenizer, records, "response", chat)
-        results["instructions"] = score_instructions(records, responses)
+        with phase("instructions"):
+            records = load_instructions(instructions)
+            responses = _answers(generate, tokenizer, records, "response", chat)
+            results["instructions"] = score_instructions(records, responses)
     results["seconds"] = time.perf_counter() - started
     return results
 
