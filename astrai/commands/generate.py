@@ -18,4 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="on stderr: time to first token and tokens/s of each completion")
     parser.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user message with the chat template")
+    parser.add_argument("--json-schema", dest="json_schema", metavar="FILE",
+                        help="a JSON Schema file: every completion is JSON valid against it (constrained decoding)")
     add_sampling_arguments(parser)

@@ -5,7 +5,8 @@ Prompts come from ``--prompt`` (repeatable) or ``--input`` (JSONL; each line has
 "max_tokens" or "temperature"). All requests are submitted at once, so the engine
 batches them. On the terminal the completions stream as text, in input order, as a
 user of ``llama-cli`` expects; ``--json`` (or ``--output FILE``) writes one JSON line per
-prompt instead, for programs.
+prompt instead, for programs. ``--json-schema FILE`` holds every completion to a JSON Schema
+(as can a "json_schema", "regex" or "grammar" field of a JSONL line).
 
 Unset sampling flags take the model's generation_config.json, and greedy decoding when
 there is none: the engine's own default (temperature 1.0) would make fp32 and int8 copies of
@@ -23,6 +24,7 @@ from typing import Optional, TextIO
 from tqdm import tqdm
 
 from astrai.errors import DataError, RequestError
+from astrai.inference.constraints import CONSTRAINT_FIELDS
 from astrai.inference.engine import InferenceEngine
 from astrai.inference.handle import RequestHandle
 from astrai.inference.placement import resolve_placement
@@ -37,7 +39,21 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     values = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     if args.stop:
         values["stop"] = list(args.stop)
+    if getattr(args, "json_schema", None):
+        values["json_schema"] = read_json_schema(args.json_schema)
     return {k: v for k, v in values.items() if v is not None}
+
+
+def read_json_schema(path: str) -> dict:
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DataError(f"--json-schema {path}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"--json-schema {path}: not valid JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise DataError(f"--json-schema {path}: a JSON Schema is an object, got {type(schema).__name__}")
+    return schema
 
 
 def default_sampling(model: str) -> Optional[SamplingParams]:
@@ -123,9 +139,12 @@ def run(args: argparse.Namespace) -> int:
     with build_engine(args) as engine:
         handles = []
         for i, record in enumerate(requests):
-            overrides = {k: record[k] for k in (*SAMPLING_FLAGS, "stop") if k in record}
+            overrides = {k: record[k] for k in (*SAMPLING_FLAGS, "stop", *CONSTRAINT_FIELDS) if k in record}
+            base = defaults  # a line's own language replaces --json-schema's
+            if any(k in overrides for k in CONSTRAINT_FIELDS):
+                base = {k: v for k, v in defaults.items() if k not in CONSTRAINT_FIELDS}
             try:
-                params = engine.make_params(**{**defaults, **overrides})
+                params = engine.make_params(**{**base, **overrides})
                 ids = engine.encode_prompt(record["messages"] if "messages" in record else record["prompt"])
                 handles.append(engine.submit(ids, params))
             except RequestError as exc:
