@@ -23,9 +23,10 @@ class Phase:
     """One phase of a long job (``with Phase("quantize", total=30, unit="linear") as step: ... step(1)``)."""
 
     def __init__(self, name: str, total: Optional[int] = None, unit: str = "it", stream: Optional[TextIO] = None,
-                 show: bool = True):
-        """``show`` False counts without a word (for a caller that reports in its own way)."""
-        self.name, self.total, self.unit, self.show = name, total, unit, show
+                 unit_scale: bool = False, show: bool = True):
+        """``unit_scale`` writes counts the way tqdm's option of that name does (2.35MB for bytes);
+        ``show`` False counts without a word (for a caller that reports in its own way)."""
+        self.name, self.total, self.unit, self.unit_scale, self.show = name, total, unit, unit_scale, show
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0
         self.bar: Optional[tqdm] = None
@@ -37,11 +38,14 @@ class Phase:
             return self
         if on_terminal(self.stream):
             self.bar = tqdm(total=self.total, desc=self.name, unit=self.unit, file=self.stream, dynamic_ncols=True,
-                            leave=True)
+                            leave=True, unit_scale=self.unit_scale)
         else:
-            size = f" ({self.total} {self.unit})" if self.total is not None else ""
+            size = f" ({self.count(self.total)})" if self.total is not None else ""
             print(f"{self.name}{size} ...", file=self.stream, flush=True)
         return self
+
+    def count(self, n: int) -> str:
+        return f"{tqdm.format_sizeof(n)}{self.unit}" if self.unit_scale else f"{n} {self.unit}"
 
     def __call__(self, n: int = 1) -> None:
         self.done += n
@@ -53,5 +57,5 @@ class Phase:
             self.bar.close()
             return
         if kind is None and self.show:
-            count = f"{self.done} {self.unit}, " if self.done else ""
+            count = f"{self.count(self.done)}, " if self.done else ""
             print(f"{self.name}: done ({count}{time.perf_counter() - self.started:.1f} s)", file=self.stream, flush=True)

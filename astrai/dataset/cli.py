@@ -1,4 +1,4 @@
-"""``astrai preprocess``: raw JSONL → a tokenised dataset directory for training."""
+"""``astrai preprocess``: raw JSONL → a tokenised dataset directory for training (flags: astrai/commands/preprocess.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ def run(args: argparse.Namespace) -> int:
         shard_size=args.shard_size, num_workers=args.num_workers, batch_size=args.batch_size,
         skip_bad=args.skip_bad, show_progress=not args.quiet)
     summary = run_preprocess(opts)
-    print(f"wrote {args.output} ({args.format}, {args.train_type}):")
     print(json.dumps(summary, indent=2, ensure_ascii=False))
+    print(f"wrote {args.output}: {summary['tokens']:,} tokens of {summary['written']:,} records in "
+          f"{summary['shards']} shard(s) ({args.format}, {args.train_type}); train on it with "
+          f"--data_root_path {args.output}")
     return 0

@@ -17,12 +17,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from astrai.dataset.packing import KEY_DTYPES, make_layout
 from astrai.dataset.records import RecordEncoder, RecordError, parse_line
 from astrai.dataset.writer import ShardWriter
 from astrai.errors import DataError
+from astrai.progress import Phase
 
 TRAIN_TYPES = ("seq", "sft", "dpo", "grpo")
 
@@ -147,7 +146,9 @@ def run_preprocess(opts: PreprocessOptions) -> dict:
     records = 0
     start = time.perf_counter()
     total_bytes = sum(Path(p).stat().st_size for p in opts.inputs)
-    progress = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=not opts.show_progress)
+    more = f" and {len(opts.inputs) - 1} more" if len(opts.inputs) > 1 else ""
+    progress = Phase(f"tokenize {opts.inputs[0]}{more}", total=total_bytes, unit="B", unit_scale=True,
+                     show=opts.show_progress)
     batches = read_batches(opts.inputs, opts.batch_size)
     if opts.num_workers > 1:
         pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
@@ -158,24 +159,24 @@ def run_preprocess(opts: PreprocessOptions) -> dict:
         encoder = RecordEncoder(tokenizer, opts.train_type)
         results = (encode_batch(batch, encoder) for batch in batches)
     try:
-        for examples, bad, n_lines, n_bytes in results:
-            for path, lineno, reason, message in bad:
-                if not opts.skip_bad:
-                    raise DataError(f"{path}:{lineno}: {message} (use --skip_bad to skip such lines)")
-                skipped[reason] += 1
-            for (path, lineno), example in examples:
-                try:
-                    layout.add(example)
-                except RecordError as exc:
-                    raise DataError(f"{path}:{lineno}: {exc}") from None
-                for chunk in layout.drain():
-                    writer.add(chunk)
-            records += n_lines
-            progress.update(n_bytes)
-        for chunk in layout.drain(final=True):
-            writer.add(chunk)
+        with progress:
+            for examples, bad, n_lines, n_bytes in results:
+                for path, lineno, reason, message in bad:
+                    if not opts.skip_bad:
+                        raise DataError(f"{path}:{lineno}: {message} (use --skip_bad to skip such lines)")
+                    skipped[reason] += 1
+                for (path, lineno), example in examples:
+                    try:
+                        layout.add(example)
+                    except RecordError as exc:
+                        raise DataError(f"{path}:{lineno}: {exc}") from None
+                    for chunk in layout.drain():
+                        writer.add(chunk)
+                records += n_lines
+                progress(n_bytes)
+            for chunk in layout.drain(final=True):
+                writer.add(chunk)
     finally:
-        progress.close()
         if pool is not None:
             pool.terminate()
     skipped.update({k.split(": ", 1)[1]: v for k, v in layout.stats.items() if k.startswith("skipped: ")})

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import sys
+
+from astrai.progress import Phase, on_terminal
 
 
 def _hex_bytes(error: UnicodeDecodeError) -> tuple[str, int]:
@@ -23,10 +26,15 @@ def run(args: argparse.Namespace) -> int:
     from astrai.tokenize import AutoTokenizer
 
     if args.action == "train":
-        tokenizer = AutoTokenizer.train(args.inputs, args.vocab_size, args.special_tokens,
-                                        show_progress=True, min_frequency=args.min_frequency)
+        terminal = on_terminal(sys.stderr)
+        more = f" and {len(args.inputs) - 1} more" if len(args.inputs) > 1 else ""
+        # on a terminal the tokenizers library draws its own bars (reading, counting pairs, merging)
+        with Phase(f"learn {args.vocab_size} tokens from {args.inputs[0]}{more}", show=not terminal):
+            tokenizer = AutoTokenizer.train(args.inputs, args.vocab_size, args.special_tokens,
+                                            show_progress=terminal, min_frequency=args.min_frequency)
         tokenizer.save_pretrained(args.out)
-        print(f"wrote {args.out}: vocabulary {tokenizer.vocab_size}, special tokens {args.special_tokens}")
+        print(f"wrote {args.out}: tokenizer.json and tokenizer_config.json, vocabulary {tokenizer.vocab_size}, "
+              f"special tokens {' '.join(args.special_tokens)}")
     elif args.action == "encode":
         tokenizer = AutoTokenizer.from_pretrained(args.path)
         ids = tokenizer.encode(args.text)

@@ -6,6 +6,7 @@ Precedence: flags > ``--config`` file > the resumed checkpoint's config > defaul
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -109,7 +110,20 @@ def run(args: argparse.Namespace) -> int:
     if context is not None and context.stop_requested:
         print(f"astrai train: interrupted at step {context.step}; resume with --resume --ckpt_dir {config.ckpt_dir}")
         return 130
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this; one line is enough
+        print(written_line(config))
     return 0
 
 
-__all__ = ["build_config", "dry_run", "run"]
+def written_line(config: TrainConfig) -> str:
+    """The run's last line: where the trained model went, the directory ``generate``/``serve --model`` take next."""
+    root = Path(config.ckpt_dir)
+    finals = sorted(root.glob("**/final/config.json"), key=lambda p: p.stat().st_mtime)
+    if not finals:
+        return f"astrai train: checkpoints under {root} (no model directory: save_final_model is off)"
+    adapter = root / "adapter"
+    lora = f", LoRA adapters in {adapter}" if (adapter / "adapter_config.json").is_file() else ""
+    return f"wrote {finals[-1].parent}: the trained model{lora} (checkpoints under {root})"
+
+
+__all__ = ["build_config", "dry_run", "run", "written_line"]

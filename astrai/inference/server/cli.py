@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 from pathlib import Path
 from typing import Optional
 
 from astrai.errors import ConfigError
 from astrai.inference.placement import resolve_placement
+
+from . import runner
+
+# directory names that say where a model sits in a run, not which model it is
+GENERIC_NAME = re.compile(r"(final|model|models|latest|best|last|ckpt|checkpoints?|out|output|weights"
+                          r"|(checkpoint|ckpt|step|epoch|iter)[-_]?\d+)", re.IGNORECASE)
 
 
 def read_api_key_file(path: str) -> str:
@@ -27,15 +35,29 @@ def split_names(values: Optional[list[str]]) -> Optional[list[str]]:
     return names or None
 
 
-def run(args: argparse.Namespace) -> int:
-    from .runner import run_server
+def served_model_name(model: str) -> str:
+    """The model id a client sends when ``--served-model-name`` is not given: a GGUF file's name
+    without .gguf, else the directory's name, or the nearest parent's when the name only says
+    where a run put it (runs/pt/final -> pt, runs/quickstart/model -> quickstart)."""
+    path = Path(model).resolve()
+    if path.is_file():
+        return path.stem
+    for part in (path, *path.parents):
+        if part.name and not GENERIC_NAME.fullmatch(part.name):
+            return part.name
+    return path.name or "astrai"
 
+
+def run(args: argparse.Namespace) -> int:
     for flag in ("port", "max_body_bytes", "default_max_tokens", "max_batch_size", "page_size", "max_queue"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     device, dtype = resolve_placement(args.device, args.dtype)
     api_key = read_api_key_file(args.api_key_file) if args.api_key_file else args.api_key
-    run_server(args.model, host=args.host, port=args.port, api_key=api_key, model_name=args.served_model_name,
+    name = args.served_model_name or served_model_name(args.model)
+    print(f"astrai serve: {args.model} as model {name!r} on http://{args.host}:{args.port} "
+          f"(clients send \"model\": \"{name}\"; --served-model-name changes it)", file=sys.stderr, flush=True)
+    runner.run_server(args.model, host=args.host, port=args.port, api_key=api_key, model_name=name,
                cors_origins=args.cors_origin, allowed_hosts=split_names(args.allowed_hosts), max_body_bytes=args.max_body_bytes,
                default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,

@@ -1,0 +1,95 @@
+"""`astrai generate` prints what a terminal user expects: streamed text by default, JSON lines
+on request, timings with --verbose, and the same text on every run of a model that carries no
+sampling settings of its own."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from astrai.cli import main
+from astrai.config import preset
+from astrai.inference import InferenceEngine
+from astrai.model import AutoModel
+
+PROMPT = "The cat sat on"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    torch.manual_seed(3)
+    model = AutoModel.from_config(preset("tiny", vocab_size=tokenizer.vocab_size, n_layers=2, dim=64, n_heads=4,
+                                         n_kv_heads=2, dim_ffn=128, max_len=256))
+    path = tmp_path_factory.mktemp("generate_cli") / "final"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def engine_text(model_dir, **sampling) -> str:
+    with InferenceEngine.from_pretrained(model_dir, max_batch_size=1, num_pages=32) as engine:
+        return engine.generate(PROMPT, **sampling)
+
+
+class Writes(io.StringIO):
+    """stdout that remembers each write, to tell streamed text from text written at the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.pieces: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        return super().write(text)
+
+
+def generate(argv, monkeypatch) -> Writes:
+    out = Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    assert main(["generate", *argv]) == 0
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_text_streams_by_default_and_json_gives_the_json_line(model_dir, monkeypatch, capsys):
+    streamed = generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "12"], monkeypatch)
+    row = json.loads(generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "12", "--json"],
+                              monkeypatch).getvalue())
+    assert set(row) == {"index", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"}
+    assert row["text"] and streamed.getvalue() == row["text"] + "\n"
+    assert len([p for p in streamed.pieces if p.strip()]) > 1  # written piece by piece as tokens arrived
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.timeout(120)
+def test_greedy_without_generation_config(model_dir, monkeypatch):
+    first = generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "16"], monkeypatch).getvalue()
+    again = generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "16"], monkeypatch).getvalue()
+    assert first == again == engine_text(model_dir, max_tokens=16, temperature=0.0) + "\n"
+
+
+@pytest.mark.timeout(120)
+def test_generation_config_sets_the_sampling(model_dir, tmp_path, monkeypatch):
+    sampled = tmp_path / "sampled"
+    sampled.mkdir()
+    for item in model_dir.iterdir():
+        (sampled / item.name).write_bytes(item.read_bytes())
+    (sampled / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 1.5, "top_k": 50, "max_new_tokens": 20}))
+    out = generate(["--model", str(sampled), "--prompt", PROMPT, "--seed", "7", "--json"], monkeypatch)
+    row = json.loads(out.getvalue())
+    reference = engine_text(sampled, seed=7)  # the engine's own defaults: read from generation_config.json
+    assert row["text"] == reference and row["completion_tokens"] <= 20
+    assert reference != engine_text(model_dir, max_tokens=20, temperature=0.0)
+
+
+@pytest.mark.timeout(120)
+def test_verbose_times_each_completion_on_stderr(model_dir, monkeypatch, capsys):
+    out = generate(["--model", str(model_dir), "--prompt", PROMPT, "--prompt", "hello", "--max-tokens", "8",
+                    "--verbose"], monkeypatch)
+    err = capsys.readouterr().err
+    assert out.getvalue().startswith("--- 1/2 ---\n") and "--- 2/2 ---\n" in out.getvalue()
+    assert err.count("time to first token") == 2 and "tokens/s" in err
