@@ -62,3 +62,14 @@ def test_v1_models_lists_the_default_name_and_the_override(final_dir, monkeypatc
     assert "as model 'poems-pt'" in capsys.readouterr().err
     assert listed_models(monkeypatch, ["--model", str(final_dir), "--served-model-name", "tiny-poet"]) == ["tiny-poet"]
     assert "as model 'tiny-poet'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_the_uvicorn_app_takes_the_same_default_name(final_dir, monkeypatch):
+    from astrai.inference import server
+
+    monkeypatch.setenv("ASTRAI_MODEL", str(final_dir))
+    monkeypatch.setenv("ASTRAI_DEVICE", "cpu")
+    monkeypatch.setattr(server, "_app", None)
+    with TestClient(server.app, base_url="http://localhost") as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["poems-pt"]

@@ -29,11 +29,11 @@ def __getattr__(name: str):
     global _app
     if _app is None:
         import os
-        from pathlib import Path
 
         from astrai.errors import ConfigError
         from astrai.inference import InferenceEngine
         from astrai.inference.placement import resolve_placement
+        from astrai.inference.server.cli import served_model_name
 
         model_dir = os.environ.get("ASTRAI_MODEL")
         if not model_dir:
@@ -41,6 +41,6 @@ def __getattr__(name: str):
         device, dtype = resolve_placement(os.environ.get("ASTRAI_DEVICE", "auto"), os.environ.get("ASTRAI_DTYPE", "auto"))
         hosts = [h.strip() for h in os.environ.get("ASTRAI_ALLOWED_HOSTS", "").split(",") if h.strip()]
         _app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(model_dir, device=device, dtype=dtype),
-                          model_name=Path(model_dir).resolve().name, api_key=os.environ.get("ASTRAI_API_KEY"),
+                          model_name=served_model_name(model_dir), api_key=os.environ.get("ASTRAI_API_KEY"),
                           allowed_hosts=hosts or None)
     return _app
