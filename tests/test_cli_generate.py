@@ -46,17 +46,17 @@ class Writes(io.StringIO):
         return super().write(text)
 
 
-def generate(argv, monkeypatch) -> Writes:
+def run_cli(argv, monkeypatch, verb: str = "generate") -> Writes:
     out = Writes()
     monkeypatch.setattr("sys.stdout", out)
-    assert main(["generate", *argv]) == 0
+    assert main([verb, *argv]) == 0
     return out
 
 
 @pytest.mark.timeout(120)
 def test_text_streams_by_default_and_json_gives_the_json_line(model_dir, monkeypatch, capsys):
-    streamed = generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "12"], monkeypatch)
-    row = json.loads(generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "12", "--json"],
+    streamed = run_cli(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "12"], monkeypatch)
+    row = json.loads(run_cli(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "12", "--json"],
                               monkeypatch).getvalue())
     assert set(row) == {"index", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"}
     assert row["text"] and streamed.getvalue() == row["text"] + "\n"
@@ -66,8 +66,8 @@ def test_text_streams_by_default_and_json_gives_the_json_line(model_dir, monkeyp
 
 @pytest.mark.timeout(120)
 def test_greedy_without_generation_config(model_dir, monkeypatch):
-    first = generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "16"], monkeypatch).getvalue()
-    again = generate(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "16"], monkeypatch).getvalue()
+    first = run_cli(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "16"], monkeypatch).getvalue()
+    again = run_cli(["--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "16"], monkeypatch).getvalue()
     assert first == again == engine_text(model_dir, max_tokens=16, temperature=0.0) + "\n"
 
 
@@ -79,7 +79,7 @@ def test_generation_config_sets_the_sampling(model_dir, tmp_path, monkeypatch):
         (sampled / item.name).write_bytes(item.read_bytes())
     (sampled / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 1.5, "top_k": 50, "max_new_tokens": 20}))
-    out = generate(["--model", str(sampled), "--prompt", PROMPT, "--seed", "7", "--json"], monkeypatch)
+    out = run_cli(["--model", str(sampled), "--prompt", PROMPT, "--seed", "7", "--json"], monkeypatch)
     row = json.loads(out.getvalue())
     reference = engine_text(sampled, seed=7)  # the engine's own defaults: read from generation_config.json
     assert row["text"] == reference and row["completion_tokens"] <= 20
@@ -88,8 +88,18 @@ def test_generation_config_sets_the_sampling(model_dir, tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_verbose_times_each_completion_on_stderr(model_dir, monkeypatch, capsys):
-    out = generate(["--model", str(model_dir), "--prompt", PROMPT, "--prompt", "hello", "--max-tokens", "8",
+    out = run_cli(["--model", str(model_dir), "--prompt", PROMPT, "--prompt", "hello", "--max-tokens", "8",
                     "--verbose"], monkeypatch)
     err = capsys.readouterr().err
     assert out.getvalue().startswith("--- 1/2 ---\n") and "--- 2/2 ---\n" in out.getvalue()
     assert err.count("time to first token") == 2 and "tokens/s" in err
+
+
+@pytest.mark.timeout(120)
+def test_chat_is_greedy_without_generation_config(model_dir, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    out = run_cli(["--model", str(model_dir), "--max-tokens", "10"], monkeypatch, verb="chat")
+    with InferenceEngine.from_pretrained(model_dir, max_batch_size=1, num_pages=32) as engine:
+        reply = engine.generate([{"role": "user", "content": "hi"}], max_tokens=10, temperature=0.0)
+    assert out.getvalue() == f"assistant> {reply}\n"
+
