@@ -17,13 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     keys = parser.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None,
-                      help=f"require this key on /v1 routes (shows in `ps`: prefer --api-key-file or ${API_KEY_ENV}; "
+                      help=f"require this key on /v1 routes, /stats and /metrics (shows in `ps`: prefer --api-key-file or ${API_KEY_ENV}; "
                            f"default: ${API_KEY_ENV} if set, else no key)")
     keys.add_argument("--api-key-file", default=None, metavar="PATH",
                       help="read the key from this file's first line (kept out of the process list)")
     parser.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME]",
                         help="Host header names to answer (repeatable; '*' any, '*.example.com' subdomains). Default: "
                              "the bound address and localhost; any host when bound to 0.0.0.0 with an API key")
+    parser.add_argument("--metrics-public", action="store_true",
+                        help="answer /stats and /metrics without the API key (for a scraper that sends none)")
     parser.add_argument("--served-model-name", default=None,
                         help="model id clients send (default: the model directory's name, or its parent's when the "
                              "name is a generic one such as final, model or checkpoint-200; a GGUF file's name "

@@ -17,7 +17,7 @@ import dataclasses
 import inspect
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -29,6 +29,7 @@ from astrai.inference.types import GenerationRequest, SamplingParams, StreamEven
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 SETTING_NAMES = frozenset(inspect.signature(InferenceScheduler).parameters) - {"model", "tokenizer"}
 Prompt = Union[str, list[int], list[dict]]
+PROMPT_LOGITS_POSITIONS = 128  # positions whose logits prompt_logits computes at a time
 
 
 class InferenceEngine:
@@ -134,11 +135,19 @@ class InferenceEngine:
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
 
-    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Logits [len(prompt_ids), vocab] of every prompt position, from one plain forward run
-        between the engine's steps: for scoring a prompt's own tokens, which the steps (they
-        compute only what sampling needs) do not give."""
-        return self.scheduler.whole_forward(prompt_ids)
+    def check_prompt(self, prompt_ids: list[int], scoring: bool = False) -> list[int]:
+        """The checks ``submit`` (or, with ``scoring``, ``prompt_logits``) makes of a prompt, alone:
+        for a caller with several prompts that wants them all refused before any runs."""
+        return self.scheduler.check_prompt(prompt_ids, scoring)
+
+    def prompt_logits(self, prompt_ids: list[int], consume: Callable[[int, torch.Tensor], None],
+                      positions: int = PROMPT_LOGITS_POSITIONS) -> None:
+        """The logits of every prompt position, from one plain forward run between the engine's
+        steps, given to ``consume(first, logits)`` ``positions`` rows [n, vocab] at a time (so a
+        long prompt never holds [len, vocab] at once): for scoring a prompt's own tokens, which
+        the steps (they compute only what sampling needs) do not give. The prompt must pass
+        ``check_prompt(ids, scoring=True)``."""
+        self.scheduler.prompt_logits(prompt_ids, consume, positions)
 
     def update_weights(self, model_or_state_dict) -> None:
         """The one way to change the served weights (e.g. a GRPO policy update): copied in between

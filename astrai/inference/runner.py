@@ -120,6 +120,9 @@ class ModelRunner:
     def release_threads(self) -> None:
         """Give back the calling thread's idle compute threads (nothing to do here)."""
 
+    def release_scratch(self) -> None:
+        """Free the scratch memory the calling thread's products keep between calls (none here)."""
+
 
 def create_runner(model: nn.Module, cache: KVCache, in_place: bool = False) -> ModelRunner:
     """The runner for ``model``'s device: the CPU backend's on the CPU, else the plain one."""

@@ -134,7 +134,7 @@ class InferenceScheduler:
         """``add_task`` returning the Task itself (its final state outlives the scheduler's bookkeeping)."""
         params = params if params is not None else SamplingParams()
         check_params(params, self.vocab_size, self.tokenizer is not None)
-        ids = check_prompt(prompt_ids, self.vocab_size, self.max_prompt_len, self.max_seq_len)
+        ids = self.check_prompt(prompt_ids)
         check_fits(len(ids), params, self.max_seq_len, self.page_size, self._page_cache.num_pages)
         constraint = self._constraints.compile(params)
         generator = None
@@ -208,15 +208,34 @@ class InferenceScheduler:
                 "decode_paths": self._runner.decode_path_counts(),
             }
 
-    def whole_forward(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Logits [len, vocab] of every position of ``prompt_ids`` from the model's plain forward
-        (no KV cache), between steps."""
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self._device)
+    def check_prompt(self, prompt_ids: list[int], scoring: bool = False) -> list[int]:
+        """The prompt's ids after the checks a request's prompt gets (token ids in the vocabulary,
+        ``max_prompt_len``, ``max_seq_len``); with ``scoring`` also the model's ``max_len``, past
+        which its plain forward (``prompt_logits``) does not go. RequestError otherwise."""
+        ids = check_prompt(prompt_ids, self.vocab_size, self.max_prompt_len, self.max_seq_len)
+        limit = self.model.config.max_len
+        if scoring and len(ids) > limit:
+            raise RequestError(f"prompt has {len(ids)} tokens; scoring it takes at most the model's max_len {limit}")
+        return ids
+
+    def prompt_logits(self, prompt_ids: list[int], consume: Callable[[int, torch.Tensor], None],
+                      positions: int) -> None:
+        """The logits of every position of ``prompt_ids`` from the model's plain forward (no KV
+        cache), between steps, given to ``consume(first, logits[first:first + positions])`` a chunk
+        of ``positions`` at a time: only the hidden states [len, dim] are held whole, never the
+        [len, vocab] logits. The calling thread's scratch memory is freed afterwards, since
+        such a caller (a server's scoring worker) runs the model only now and then."""
+        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+            raise RequestError(f"positions must be a positive integer, got {positions!r}")
+        ids = torch.tensor([self.check_prompt(prompt_ids, scoring=True)], dtype=torch.long, device=self._device)
         try:
             with self.model_lock, torch.no_grad():
-                return self.model(ids)["logits"][0]
+                hidden = self.model(ids, compute_logits=False)["hidden_states"]
+                for first in range(0, ids.shape[1], positions):
+                    consume(first, self.model.lm_head(hidden[:, first:first + positions])[0])
         finally:
             self._runner.release_threads()  # the caller's idle compute threads would slow the loop's
+            self._runner.release_scratch()
 
     def load_weights(self, state: dict) -> None:
         """New weights for the served model, between steps; the prefix cache goes with the old ones."""

@@ -51,7 +51,8 @@ class Transformer(AutoModel):
     ``aux_loss`` (the summed load-balancing loss). Given ``target_ids`` it returns
     ``loss`` (mean next-token cross-entropy over targets other than -100) instead of
     ``logits``, computed without ever holding the [B, T, V] logits (see
-    linear_cross_entropy.py).
+    linear_cross_entropy.py). With ``compute_logits=False`` it returns ``hidden_states``
+    alone, for a caller that applies ``lm_head`` to a few positions at a time.
     """
 
     def __init__(self, config: ModelConfig):
@@ -102,6 +103,7 @@ class Transformer(AutoModel):
         logits_index: Optional[torch.Tensor] = None,
         target_ids: Optional[torch.Tensor] = None,
         label_smoothing: float = 0.0,
+        compute_logits: bool = True,
     ) -> dict[str, torch.Tensor]:
         B, T = input_ids.shape
         # past max_len the RoPE scaling and any imported window no longer hold; with a paged cache the
@@ -127,7 +129,9 @@ class Transformer(AutoModel):
         if logits_index is not None and (keep is None or not self.layers):
             x = select_positions(x, logits_index)
         x = self.norm(x)
-        if target_ids is None:
+        if not compute_logits:  # the caller applies lm_head itself, a few positions at a time
+            out = {"hidden_states": x}
+        elif target_ids is None:
             out = {"logits": self.lm_head(x), "hidden_states": x}
         elif isinstance(self.lm_head, Linear) and self.lm_head.bias is None:
             # a head that brings its own matrix product (a training opt-in) lends it to the loss

@@ -3,6 +3,8 @@ text, token-id and batched prompts, with ``max_tokens`` 0 scoring without genera
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -73,3 +75,38 @@ def test_max_tokens_zero_needs_echo_and_no_stream(server_url, extra):
     resp = httpx.post(server_url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0,
                                                             "logprobs": 1, **extra}, timeout=30)
     assert resp.status_code == 400 and "max_tokens 0" in resp.json()["error"]["message"]
+
+
+def test_text_offsets_count_whole_characters_when_tokens_split_them(server_url, tokenizer):
+    """Chinese text and emoji make byte-level tokens that end inside a character: each offset is
+    where its token's text begins in the returned text, however the characters were split."""
+    text = "你好，世界！🙂🚀 emoji 測試 𝄞"
+    ids = tokenizer.encode(text)
+    singles = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert any("\ufffd" in s for s in singles)  # some token splits a character
+    resp = httpx.post(server_url + "/v1/completions", json={"model": MODEL_NAME, "prompt": text, "max_tokens": 0,
+                                                            "echo": True, "logprobs": 0}, timeout=30).json()
+    choice = resp["choices"][0]
+    offsets = choice["logprobs"]["text_offset"]
+    assert choice["text"] == text and len(offsets) == len(ids) and offsets[0] == 0
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    for i in range(1, len(ids)):
+        before = tokenizer.decode(ids[:i], skip_special_tokens=False)
+        if not before.endswith("\ufffd"):
+            assert text[:offsets[i]] == before
+    summed = [sum(map(len, singles[:i])) for i in range(len(ids))]
+    assert offsets != summed
+
+
+def test_streamed_text_offsets_equal_the_whole_response(server_url):
+    body = {"model": MODEL_NAME, "prompt": "雪🙂", "max_tokens": 12, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = httpx.post(server_url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    offsets, text = [], ""
+    with httpx.stream("POST", server_url + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                offsets += (choice["logprobs"] or {}).get("text_offset", [])
+    assert text == whole["text"] and offsets == whole["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)

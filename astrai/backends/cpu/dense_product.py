@@ -56,6 +56,11 @@ def _slab_buffer(elements: int) -> torch.Tensor:
     return buffer
 
 
+def release_slab_buffer() -> None:
+    """Free this thread's slab buffer: for a thread that multiplies prompts only now and then."""
+    _scratch.__dict__.pop("buffer", None)
+
+
 def slab_rows(n_in: int) -> int:
     """Weight rows widened at a time for ``n_in`` inputs: ``SLAB_BYTES`` of fp32 (a multiple of 16)."""
     return max(16, (SLAB_BYTES // (4 * max(n_in, 1))) // 16 * 16)

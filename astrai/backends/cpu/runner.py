@@ -20,6 +20,7 @@ from torch import nn
 
 from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView
 from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
+from astrai.backends.cpu.dense_product import release_slab_buffer
 from astrai.backends.cpu.fused_decode import FusedDecode
 from astrai.backends.cpu.serving import prepare_for_serving, route_counts
 from astrai.backends.cpu.tuning import release_thread_pool
@@ -118,3 +119,6 @@ class CpuModelRunner(ModelRunner):
 
     def release_threads(self) -> None:
         release_thread_pool()
+
+    def release_scratch(self) -> None:
+        release_slab_buffer()

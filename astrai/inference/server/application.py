@@ -134,11 +134,15 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
                model_name: str = "astrai", api_key: Optional[str] = None,
                cors_origins: Optional[list[str]] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                default_max_tokens: int = 512, allowed_hosts: Optional[list[str]] = None,
-               on_load_error: Optional[Callable[[Exception], None]] = None) -> FastAPI:
+               metrics_public: bool = False, on_load_error: Optional[Callable[[Exception], None]] = None) -> FastAPI:
     """Build the app around ``engine``, or around what ``load_engine()`` returns once loaded.
 
     ``allowed_hosts`` lists the ``Host`` names answered (``*`` any, ``*.example.com``
     subdomains); by default only the loopback names, as for a server bound to 127.0.0.1.
+
+    With an ``api_key``, ``/stats`` and ``/metrics`` need it as the /v1 routes do (they tell
+    anyone who can reach the port how busy the server is and what it serves) unless
+    ``metrics_public``, for a scraper that sends no key; ``/health`` never does.
 
     With ``load_engine`` the engine is built in a background thread when the app starts
     and shut down when it stops; until it is ready ``/health`` says so and /v1 routes
@@ -183,6 +187,8 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         if loader_thread is not None:
             stop.set()
             loader_thread.join()
+        if holder["state"] is not None:
+            holder["state"].scorer.shutdown()
 
     app = FastAPI(title="astrai", version=version("astrai"), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", lifespan=lifespan,
@@ -218,6 +224,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
             error = APIError("invalid_request", str(exc.detail))
         response = _error_response(request, error)
         response.status_code = exc.status_code
+        response.headers.update(exc.headers or {})  # e.g. 405's Allow
         return response
 
     @app.exception_handler(RequestValidationError)
@@ -244,12 +251,19 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
         ready = holder["state"] is not None
         return JSONResponse({"ready": ready, "model": model_name}, status_code=200 if ready else 503)
 
-    @app.get("/stats", responses={200: {"model": dict[str, Any]}, 503: {"model": OpenAIError}})
-    async def stats():
+    def check_metrics_key(request: Request) -> None:
+        if not metrics_public:
+            check_key(request)
+
+    @app.get("/stats", responses={200: {"model": dict[str, Any]}, 401: {"model": OpenAIError},
+                                  503: {"model": OpenAIError}})
+    async def stats(request: Request):
+        check_metrics_key(request)
         return {"model": model_name, **state().engine.get_stats()}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus():
+    @app.get("/metrics", response_class=PlainTextResponse, responses={401: {"model": OpenAIError}})
+    async def prometheus(request: Request):
+        check_metrics_key(request)
         current = holder["state"]
         engine_stats = current.engine.get_stats() if current is not None else None
         return PlainTextResponse(metrics.render(engine_stats, model_name),
@@ -302,15 +316,14 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
     @app.post("/v1/messages/count_tokens", responses={200: {"model": TokenCount}, **error_responses(anthropic=True)})
     async def count_tokens(request: Request):
         check_key(request)
-        data = await read_json_body(request, max_body_bytes)
-        data.setdefault("max_tokens", 1)
-        body = parse_body(MessagesRequest, data)
+        body = parse_body(CountTokensRequest, await read_json_body(request, max_body_bytes))
         handler = AnthropicHandler(state(), body, request)
         handler.check_model()
         return {"input_tokens": len(handler.build_prompt()[0])}
 
     install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                          "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest})
+                          "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest},
+                    model_name, lambda: None if holder["state"] is None else holder["state"].tokenizer.vocab_size)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"])

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
           f"(clients send \"model\": \"{name}\"; --served-model-name changes it)", file=sys.stderr, flush=True)
     runner.run_server(args.model, host=args.host, port=args.port, api_key=api_key, model_name=name,
                cors_origins=args.cors_origin, allowed_hosts=split_names(args.allowed_hosts), max_body_bytes=args.max_body_bytes,
+               metrics_public=args.metrics_public,
                default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,
                page_size=args.page_size, num_pages=args.num_pages, max_queue=args.max_queue,

@@ -9,7 +9,6 @@ reproducible while the choices still differ.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from abc import abstractmethod
 from typing import Optional
@@ -22,7 +21,7 @@ from .errors import APIError, error_body
 from .generation import Delta, StreamContext, new_id
 from .protocol import ProtocolHandler
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from .scoring import score_prompt, token_text
+from .scoring import text_offsets, token_text
 from .sse import sse_event
 from .structured import forced_tools, one_constraint, response_format_schema, tool_call_schema
 from .toolcalls import ParsedToolCall, ToolCallStreamParser, parse_tool_calls, render_tool_call
@@ -41,6 +40,24 @@ class _OpenAIBase(ProtocolHandler):
     @abstractmethod
     def logprob_settings(self) -> tuple[bool, int]:
         """(whether to return logprobs, how many alternatives per token)."""
+
+    def check_logit_bias(self) -> None:
+        """``logit_bias`` maps token ids to biases. The engine applies none, so a map that asks for
+        any is refused (naming keys that are no token id first), never silently ignored."""
+        bias = self.body.logit_bias
+        if not bias:
+            return
+        vocab = self.state.tokenizer.vocab_size
+        wrong = [key for key in bias if not (key.isascii() and key.isdigit() and int(key) < vocab)]
+        if wrong:
+            raise APIError("invalid_request", f"logit_bias keys must be token ids in [0, {vocab}) written as "
+                           f"strings, got {', '.join(map(repr, wrong[:3]))}", param="logit_bias")
+        raise APIError("invalid_request", "logit_bias is not supported by this server; send the request without it",
+                       param="logit_bias")
+
+    async def handle(self) -> Response:
+        self.check_logit_bias()
+        return await super().handle()
 
     def sampling_params(self, choice: int) -> SamplingParams:
         b = self.body
@@ -222,21 +239,16 @@ class OpenAICompletionHandler(_OpenAIBase):
     def _prompt_ids(self) -> list[list[int]]:
         prompt = self.body.prompt
         tokenizer = self.state.tokenizer
-        if isinstance(prompt, str):
+        if isinstance(prompt, str):  # the schema let through only these shapes, none of them empty
             prompts = [tokenizer.encode(prompt)]
-        elif prompt and all(isinstance(p, int) for p in prompt):
+        elif isinstance(prompt[0], int):
             prompts = [list(prompt)]
-        elif prompt and all(isinstance(p, str) for p in prompt):
+        elif isinstance(prompt[0], str):
             prompts = [tokenizer.encode(p) for p in prompt]
-        elif prompt and all(isinstance(p, list) for p in prompt):
-            prompts = [list(p) for p in prompt]
         else:
-            raise APIError("invalid_request", "prompt must be a string, a list of strings, a list of token ids "
-                           "or a list of token-id lists, and must not be empty", param="prompt")
+            prompts = [list(p) for p in prompt]
         vocab = getattr(tokenizer, "vocab_size", None)
         for i, ids in enumerate(prompts):
-            if not ids:
-                raise APIError("invalid_request", f"prompt {i} is empty", param="prompt")
             if vocab is not None and any(t < 0 or t >= vocab for t in ids):
                 raise APIError("invalid_request", f"prompt {i} has token ids outside [0, {vocab})", param="prompt")
         return prompts
@@ -256,52 +268,58 @@ class OpenAICompletionHandler(_OpenAIBase):
         if score_only and (not self.body.echo or self.body.stream):
             raise APIError("invalid_request", "max_tokens 0 only scores the prompt: it needs echo: true "
                            "(with logprobs for the scores) and stream: false", param="max_tokens")
-        self.check_model()
-        prompts = self.build_prompt()
-        if self.scores_prompt:
-            self.state.check_fits_queue(len(self._prompts))
-            self._prompt_scores = tuple([await self._score(p) for p in self._prompts])
         if not score_only:
             return await super().handle()
+        self.check_logit_bias()
+        self.check_model()
+        prompts = self.build_prompt()
+        self.state.check_fits_queue(len(self._prompts))
+        await self.prepare_reply()
         contexts = [StreamContext(self.resp_id, self.state.model_name, index=i, created=self.created,
                                   prompt_tokens=len(p), finish_reason="length") for i, p in enumerate(prompts)]
         self._record(contexts, time.perf_counter(), finished=True)
         return JSONResponse(self.format_non_stream_response(contexts))
 
-    async def _score(self, prompt_ids: list[int]) -> list[TokenLogprob]:
-        limit = self.state.engine.model.config.max_len
-        if len(prompt_ids) > limit:
-            raise APIError("invalid_request", f"prompt has {len(prompt_ids)} tokens; scoring it needs at most the "
-                           f"model's max_len {limit}", param="prompt")
-        return await asyncio.to_thread(score_prompt, self.state.engine, prompt_ids, self.body.logprobs)
+    async def prepare_reply(self) -> None:
+        """Score the prompts when echo asks for their logprobs (after the engine took the
+        generation requests, so a prompt it refuses is never scored)."""
+        if self.scores_prompt:
+            self._prompt_scores = tuple(await self.state.scorer.score_all(self._prompts, self.body.logprobs,
+                                                                          self.state.queue_capacity))
 
     def _echo(self, ctx: StreamContext) -> str:
         if not self.body.echo:
             return ""
         return self.state.tokenizer.decode(self._prompts[ctx.index // self.body.n], skip_special_tokens=False)
 
-    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> Optional[dict]:
+    def _logprobs(self, entries: list[TokenLogprob], offsets: list[int]) -> Optional[dict]:
         if self.body.logprobs is None:
             return None
-        offsets, pos = [], offset
-        for e in entries:
-            offsets.append(pos)
-            pos += len(e.text)
         return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _generated_logprobs(self, entries: list[TokenLogprob], decoder, start: int) -> tuple[Optional[dict], int]:
+        """Logprobs of generated tokens whose text starts at ``start``, and where their text ends;
+        ``decoder`` (a stream decoder of the completion) carries on from the choice's earlier tokens."""
+        if self.body.logprobs is None:
+            return None, start
+        offsets, end = text_offsets(decoder, [e.token_id for e in entries], start)
+        return self._logprobs(entries, offsets), end
 
     def _echo_logprobs(self, ctx: StreamContext) -> Optional[dict]:
         """The prompt's tokens as logprobs: the first has no context, so its values are null (as in OpenAI)."""
         if not self.scores_prompt:
             return None
         prompt = self._prompts[ctx.index // self.body.n]
-        first = token_text(self.state.tokenizer, prompt[0])
-        scored = self._logprobs(self._prompt_scores[ctx.index // self.body.n], len(first))
-        return {"tokens": [first] + scored["tokens"], "token_logprobs": [None] + scored["token_logprobs"],
-                "top_logprobs": [None] + scored["top_logprobs"], "text_offset": [0] + scored["text_offset"]}
+        tokenizer = self.state.tokenizer
+        offsets, _ = text_offsets(tokenizer.stream_decoder(skip_special_tokens=False), prompt)
+        scored = self._logprobs(self._prompt_scores[ctx.index // self.body.n], offsets[1:])
+        return {"tokens": [token_text(tokenizer, prompt[0])] + scored["tokens"],
+                "token_logprobs": [None] + scored["token_logprobs"],
+                "top_logprobs": [None] + scored["top_logprobs"], "text_offset": offsets}
 
-    def _choice_logprobs(self, ctx: StreamContext, offset: int) -> Optional[dict]:
-        generated = self._logprobs(ctx.logprobs, offset)
+    def _choice_logprobs(self, ctx: StreamContext, start: int) -> Optional[dict]:
+        generated, _ = self._generated_logprobs(ctx.logprobs, self.state.tokenizer.stream_decoder(), start)
         echoed = self._echo_logprobs(ctx)
         if echoed is None:
             return generated
@@ -310,11 +328,12 @@ class OpenAICompletionHandler(_OpenAIBase):
     chunk_object = "text_completion"
 
     def format_stream_start(self, contexts: list[StreamContext]) -> list[str]:
-        self._sent = [0] * len(contexts)
+        self._decoders = [self.state.tokenizer.stream_decoder() for _ in contexts]
+        self._positions = [0] * len(contexts)  # where each choice's next generated token's text starts
         frames = []
         for c in contexts:
             echo = self._echo(c)
-            self._sent[c.index] = len(echo)
+            self._positions[c.index] = len(echo)
             if echo:
                 frames.append(self._chunk([{"index": c.index, "text": echo, "logprobs": self._echo_logprobs(c),
                                             "finish_reason": None}]))
@@ -324,8 +343,8 @@ class OpenAICompletionHandler(_OpenAIBase):
         if delta.finished:
             return [self._chunk([{"index": ctx.index, "text": "", "logprobs": None,
                                   "finish_reason": ctx.finish_reason}])]
-        lp = self._logprobs(delta.logprobs, self._sent[ctx.index])
-        self._sent[ctx.index] += len(delta.text)
+        lp, self._positions[ctx.index] = self._generated_logprobs(delta.logprobs, self._decoders[ctx.index],
+                                                                  self._positions[ctx.index])
         return [self._chunk([{"index": ctx.index, "text": delta.text, "logprobs": lp, "finish_reason": None}])]
 
     def format_stream_end(self, contexts: list[StreamContext]) -> list[str]:

@@ -9,7 +9,7 @@ and schema-driven testers (schemathesis) know every route's shapes.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -142,26 +142,57 @@ def error_responses(anthropic: bool = False) -> dict:
         (422, "body breaks the schema"), (503, "busy or still loading"))}
 
 
+# one server-sent event, as readers split a stream: ``data`` is a JSON chunk of the protocol (or
+# OpenAI's closing ``[DONE]``), ``event`` its type on the Anthropic routes
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"},
+                                                                    "data": {"type": "string"}}}
+
+
 def streamed(model: type[BaseModel], anthropic: bool = False) -> dict:
     """A POST route's responses: the JSON ``model``, an SSE stream, or an error."""
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": SSE_EVENT}}},
             **error_responses(anthropic)}
 
 
-def install_openapi(app: FastAPI, request_models: dict[str, type[BaseModel]]) -> None:
-    """Build the document once, with ``request_models`` (path -> body model) as POST request bodies."""
+def narrow_to_server(schemas: dict, model_name: str, vocab_size: Optional[int]) -> None:
+    """What this server takes beyond the protocols' shapes: the one ``model`` id it serves and
+    (once the model is loaded) token ids within its vocabulary, so that a schema-driven client
+    or tester sends nothing that the document allows and the server then refuses."""
+    for schema in schemas.values():
+        if "model" in schema.get("properties", {}):
+            schema["properties"]["model"] = {"title": "Model", "type": "string", "enum": [model_name]}
+    if vocab_size is None:
+        return
+    pending = [schemas["CompletionRequest"]["properties"]["prompt"]]
+    while pending:
+        node = pending.pop()
+        if node.get("type") == "integer":
+            node.update(minimum=0, maximum=vocab_size - 1)
+        pending.extend(node.get("anyOf", []))
+        if isinstance(node.get("items"), dict):
+            pending.append(node["items"])
+
+
+def install_openapi(app: FastAPI, request_models: dict[str, type[BaseModel]], model_name: str,
+                    vocab_size: Callable[[], Optional[int]]) -> None:
+    """Build the document, with ``request_models`` (path -> body model) as POST request bodies,
+    narrowed to this server (``narrow_to_server``); kept once ``vocab_size()`` is known."""
 
     def openapi() -> dict:
-        if app.openapi_schema is None:
-            document = get_openapi(title=app.title, version=app.version, description=app.description,
-                                   routes=app.routes)
-            _, definitions = models_json_schema([(m, "validation") for m in request_models.values()],
-                                                ref_template="#/components/schemas/{model}")
-            document.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
-            for path, model in request_models.items():
-                document["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _, definitions = models_json_schema([(m, "validation") for m in request_models.values()],
+                                            ref_template="#/components/schemas/{model}")
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(definitions.get("$defs", {}))
+        vocab = vocab_size()
+        narrow_to_server(schemas, model_name, vocab)
+        for path, model in request_models.items():
+            document["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        if vocab is not None:
             app.openapi_schema = document
-        return app.openapi_schema
+        return document
 
     app.openapi = openapi

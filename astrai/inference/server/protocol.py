@@ -25,6 +25,7 @@ from astrai.inference.types import SamplingParams
 from .errors import APIError
 from .generation import Delta, StreamContext, collect, merge_choices, stream_choice, submit_all
 from .metrics import ServerMetrics
+from .scoring import PromptScorer
 from .sse import SSEResponse
 
 
@@ -37,6 +38,10 @@ class ServerState:
     model_name: str
     default_max_tokens: int = 512
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    scorer: PromptScorer = field(init=False)
+
+    def __post_init__(self):
+        self.scorer = PromptScorer(self.engine)
 
     def max_tokens_for(self, requested: Optional[int]) -> int:
         """The request's own limit or the server default (the engine stops at its context limit)."""
@@ -96,6 +101,10 @@ class ProtocolHandler(ABC):
     @abstractmethod
     def format_non_stream_response(self, contexts: list[StreamContext]) -> dict: ...
 
+    async def prepare_reply(self) -> None:
+        """Work a reply needs beyond generation, done once the engine took the requests (so
+        they are refused before it starts) and before the first byte goes out."""
+
     def token_counts(self, contexts: list[StreamContext]) -> tuple[int, int]:
         """(prompt tokens, completion tokens) of the whole response, as usage reports them."""
         return contexts[0].prompt_tokens, sum(c.completion_tokens for c in contexts)
@@ -129,6 +138,12 @@ class ProtocolHandler(ABC):
         self.state.check_fits_queue(len(prompts))
         params = [self.sampling_params(i) for i in range(len(prompts))]
         handles = submit_all(self.state.engine, prompts, params)
+        try:
+            await self.prepare_reply()
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
         contexts = [StreamContext(self.resp_id, self.state.model_name, index=i, created=self.created,
                                   prompt_tokens=len(p)) for i, p in enumerate(prompts)]
         stops = self.stop_strings()

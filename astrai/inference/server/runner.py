@@ -22,7 +22,7 @@ API_KEY_ENV = "ASTRAI_API_KEY"
 
 def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
                model_name: Optional[str] = None, cors_origins: Optional[list[str]] = None,
-               allowed_hosts: Optional[list[str]] = None,
+               allowed_hosts: Optional[list[str]] = None, metrics_public: bool = False,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
                log_level: str = "info", **engine_limits) -> None:
     """Serve ``model_dir`` (a model directory or a GGUF file) until interrupted; ``engine_limits`` go to
@@ -52,7 +52,8 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_ke
     app = create_app(load_engine=lambda: InferenceEngine.from_pretrained(str(path), **limits),
                      model_name=model_name or (path.stem if gguf_file else path.resolve().name), api_key=api_key, cors_origins=cors_origins,
                      max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
-                     allowed_hosts=default_allowed_hosts(host, api_key, allowed_hosts), on_load_error=stop_serving)
+                     allowed_hosts=default_allowed_hosts(host, api_key, allowed_hosts), metrics_public=metrics_public,
+                     on_load_error=stop_serving)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=5))

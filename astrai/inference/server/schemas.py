@@ -3,30 +3,53 @@
 Validation here is what turns a wrong type or an out-of-range number into a 422
 that names the field, before anything reaches the engine. Unknown fields are
 ignored (clients send vendor extras such as ``metadata`` or ``parallel_tool_calls``)
-but every field astrai acts on is typed and bounded.
+but every field astrai acts on is typed and bounded. Types are strict (``"yes"`` is not a
+boolean, ``"5"`` not a number), so the OpenAPI document generated from these models
+says exactly what the server takes.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI documents it
 
 
-def _not_a_bool(value):
-    """JSON's true/false would otherwise pass as 1/0 wherever a number is expected."""
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    return value
+def _json_integer(value):
+    """JSON Schema counts 2.0 as an integer, so it is taken as 2 (true, "2" and 2.5 are still refused)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Int = Annotated[int, BeforeValidator(_not_a_bool)]
-Float = Annotated[float, BeforeValidator(_not_a_bool)]
-Seed = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+def integer(**bounds):
+    """A strict integer (JSON's true/false would otherwise pass as 1/0) within ``bounds`` (ge, le),
+    published as JSON Schema's minimum/maximum."""
+    return Annotated[int, Strict(), Field(**bounds), BeforeValidator(_json_integer)]
+
+
+Int = integer()
+Float = Annotated[float, Strict()]  # an integer is still a number here
+Seed = integer(ge=SEED_RANGE[0], le=SEED_RANGE[1])
+Text = Annotated[str, Field(min_length=1)]
+
+
+def _text_parts_only(schema: dict) -> None:
+    """Publish what the handlers read: parts of type ``text`` that carry their text. The model
+    itself takes any type, so that an image part gets a 400 saying that this model reads
+    text only, rather than a bare schema error."""
+    schema["properties"]["type"] = {"const": "text", "title": "Type", "type": "string"}
+    schema["properties"]["text"] = {"title": "Text", "type": "string"}
+    schema["required"] = ["type", "text"]
+
+
+def _score_only_needs_echo(schema: dict) -> None:
+    """Publish the completion handler's rule: ``max_tokens`` 0 (score the prompt, generate
+    nothing) needs ``echo`` true and no ``stream``."""
+    schema["if"] = {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]}
+    schema["then"] = {"properties": {"echo": {"const": True}, "stream": {"const": False}}, "required": ["echo"]}
 
 
 class _Body(BaseModel):
@@ -75,6 +98,8 @@ class NamedToolChoice(_Body):
 
 
 class ContentPart(_Body):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_text_parts_only)
+
     type: str
     text: Optional[str] = None
 
@@ -90,7 +115,7 @@ class ChatMessage(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JSONSchemaFormat(_Body):
@@ -119,21 +144,24 @@ class _OpenAISampling(_Body):
     """Sampling fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
-    max_tokens: Optional[Int] = Field(default=None, ge=1)
+    max_tokens: Optional[integer(ge=1)] = None
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(default=0, ge=-1)
+    top_k: integer(ge=-1) = 0
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
-    n: Int = Field(default=1, ge=1, le=MAX_CHOICES)
+    n: integer(ge=1, le=MAX_CHOICES) = 1
     stop: Union[str, list[str], None] = None
     seed: Optional[Seed] = None
     presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: Float = Field(default=1.0, gt=0.0)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    ignore_eos: bool = False  # an extension (as in vLLM): generate to max_tokens even past end tokens
+    # token id (as a string) -> bias; the engine applies none yet, so the handlers refuse a map that asks for any
+    logit_bias: Optional[dict[str, Annotated[Float, Field(ge=-100, le=100)]]] = Field(
+        default=None, json_schema_extra={"maxProperties": 0})
+    ignore_eos: StrictBool = False  # an extension (as in vLLM): generate to max_tokens even past end tokens
     response_format: Optional[ResponseFormat] = None
 
     @field_validator("stop")
@@ -150,9 +178,9 @@ class ChatCompletionRequest(_OpenAISampling):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[Int] = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Int = Field(default=0, ge=0, le=20)
+    max_completion_tokens: Optional[integer(ge=1)] = None
+    logprobs: StrictBool = False
+    top_logprobs: integer(ge=0, le=20) = 0
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
 
@@ -160,26 +188,34 @@ class ChatCompletionRequest(_OpenAISampling):
 class CompletionRequest(_OpenAISampling):
     """Body of ``POST /v1/completions``: a prompt string, several, or token ids."""
 
-    prompt: Union[str, list[str], list[Int], list[list[Int]]]
-    max_tokens: Optional[Int] = Field(default=None, ge=0)  # 0 with echo: score the prompt only (as vLLM allows)
-    logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_score_only_needs_echo)
+
+    prompt: Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[Int], Field(min_length=1)],
+                  Annotated[list[Annotated[list[Int], Field(min_length=1)]], Field(min_length=1)]]
+    max_tokens: Optional[integer(ge=0)] = None  # 0 with echo: score the prompt only (as vLLM allows)
+    logprobs: Optional[integer(ge=0, le=20)] = None
+    echo: StrictBool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, value):
         """One sentence for a prompt of the wrong shape, instead of one per union member."""
         def token_ids(items) -> bool:
-            return isinstance(items, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+            return isinstance(items, list) and all(isinstance(_json_integer(t), int) and not isinstance(t, bool)
+                                                   for t in items)
 
-        if isinstance(value, str) or (isinstance(value, list) and (
-                all(isinstance(p, str) for p in value) or token_ids(value) or all(token_ids(p) for p in value))):
-            return value
-        raise ValueError("expected a string, a list of strings, a list of token ids (integers, not booleans) "
-                         "or a list of token-id lists")
+        if not (isinstance(value, str) or (isinstance(value, list) and (
+                all(isinstance(p, str) for p in value) or token_ids(value) or all(token_ids(p) for p in value)))):
+            raise ValueError("expected a string, a list of strings, a list of token ids (integers, not booleans) "
+                             "or a list of token-id lists")
+        if not value or (not isinstance(value, str) and any(isinstance(p, (str, list)) and not p for p in value)):
+            raise ValueError("a prompt must not be empty: give at least one character or token id")
+        return value
 
 
 class AnthropicContentBlock(_Body):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_text_parts_only)
+
     type: str
     text: Optional[str] = None
 
@@ -216,13 +252,13 @@ class MessagesRequest(_Body):
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: Int = Field(ge=1)
+    max_tokens: integer(ge=1)
     system: Union[str, list[AnthropicContentBlock], None] = None
     temperature: Float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(default=0, ge=0)
+    top_k: integer(ge=0) = 0
     stop_sequences: Optional[list[str]] = None
-    stream: bool = False
+    stream: StrictBool = False
     seed: Optional[Seed] = None  # an astrai extension: reproducible sampling, as in the OpenAI protocol
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[AnthropicToolChoice] = None
@@ -237,4 +273,4 @@ class MessagesRequest(_Body):
 class CountTokensRequest(MessagesRequest):
     """Body of ``POST /v1/messages/count_tokens``: a message request whose ``max_tokens`` is optional."""
 
-    max_tokens: Optional[Int] = Field(default=None, ge=1)
+    max_tokens: Optional[integer(ge=1)] = None

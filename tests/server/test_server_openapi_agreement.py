@@ -1,0 +1,142 @@
+"""The OpenAPI document and the server agree: what the document allows the server takes,
+what it forbids the server refuses; and the operations routes sit behind the API key."""
+
+from __future__ import annotations
+
+import pytest
+from server_helpers import MODEL_NAME
+from starlette.testclient import TestClient
+
+from astrai.cli import build_parser, main
+from astrai.inference.server import create_app
+
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+PYDANTIC_KEYWORDS = {"ge", "gt", "le", "lt", "min_length", "max_length", "multiple_of"}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine):
+    with TestClient(create_app(tiny_engine, model_name=MODEL_NAME), base_url="http://localhost") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def schemas(client) -> dict:
+    return client.get("/openapi.json").json()["components"]["schemas"]
+
+
+def keywords(node) -> set[str]:
+    """Every key of every schema object below ``node`` (property names excepted)."""
+    found, pending = set(), [(node, False)]
+    while pending:
+        value, named = pending.pop()
+        if isinstance(value, dict):
+            found |= set() if named else set(value)
+            pending.extend((item, key == "properties" and not named) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend((item, False) for item in value)
+    return found
+
+
+def option(schema: dict) -> dict:
+    """The non-null branch of an optional field."""
+    return next(branch for branch in schema["anyOf"] if branch.get("type") != "null")
+
+
+def test_limits_are_published_as_json_schema_keywords(schemas):
+    assert not keywords(schemas) & PYDANTIC_KEYWORDS
+    chat, completion = schemas["ChatCompletionRequest"]["properties"], schemas["CompletionRequest"]["properties"]
+    assert option(chat["max_tokens"])["minimum"] == 1 and option(chat["max_completion_tokens"])["minimum"] == 1
+    assert option(completion["logprobs"]) == {"type": "integer", "minimum": 0, "maximum": 20}
+    assert option(chat["seed"])["minimum"] == -(2**63) and option(chat["seed"])["maximum"] == 2**63 - 1
+
+
+def test_the_document_names_the_served_model_and_the_vocabulary(schemas, tokenizer):
+    assert schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] == [MODEL_NAME]
+    token_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]["items"]
+    assert token_ids == {"type": "integer", "minimum": 0, "maximum": tokenizer.vocab_size - 1}
+
+
+@pytest.mark.parametrize("field,value", [("stream", "yes"), ("logprobs", "on"), ("n", "2"), ("temperature", "0.5"),
+                                         ("n", 1.5), ("stream_options", {"include_usage": "true"})])
+def test_strings_and_fractions_are_not_booleans_or_integers(client, field, value):
+    resp = client.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert resp.status_code == 422 and field in resp.json()["error"]["message"], resp.text
+
+
+def test_an_integral_float_is_an_integer_as_json_schema_says(client):
+    resp = client.post("/v1/chat/completions", json={**CHAT, "n": 2.0, "max_tokens": 1.0})
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 2, resp.text
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], ["a", ""]])
+def test_an_empty_prompt_breaks_the_schema(client, schemas, prompt):
+    resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1})
+    assert resp.status_code == 422 and "must not be empty" in resp.json()["error"]["message"], resp.text
+    shapes = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert shapes[0]["minLength"] == 1 and all(shape["minItems"] == 1 for shape in shapes[1:])
+
+
+def test_scoring_only_is_published_with_the_echo_it_needs(client, schemas):
+    rule = schemas["CompletionRequest"]
+    assert rule["if"]["properties"]["max_tokens"] == {"const": 0}
+    assert rule["then"]["properties"]["echo"] == {"const": True} and rule["then"]["required"] == ["echo"]
+    resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0})
+    assert resp.status_code == 400
+
+
+def test_content_parts_are_published_as_text_parts(client, schemas):
+    for name in ("ContentPart", "AnthropicContentBlock"):
+        assert schemas[name]["properties"]["type"]["const"] == "text" and schemas[name]["required"] == ["type", "text"]
+    image = {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}
+    assert client.post("/v1/chat/completions", json=image).status_code == 400
+    empty = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    assert client.post("/v1/chat/completions", json=empty).status_code == 400
+
+
+def test_count_tokens_takes_max_tokens_null_as_its_document_says(client, schemas):
+    assert {"type": "null"} in schemas["CountTokensRequest"]["properties"]["max_tokens"]["anyOf"]
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({}, {"max_tokens": None}):
+        resp = client.post("/v1/messages/count_tokens", json={**body, **extra})
+        assert resp.status_code == 200 and resp.json()["input_tokens"] > 0, resp.text
+
+
+def test_405_names_the_allowed_methods(client):
+    resp = client.get("/v1/chat/completions")
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    assert client.post("/health").headers["allow"] == "GET"
+
+
+@pytest.mark.parametrize("bias,words", [({"not-a-token": 5}, "'not-a-token'"), ({"-1": 5}, "'-1'"),
+                                        ({"999999": 1}, "'999999'"), ({"5": 10}, "not supported")])
+def test_logit_bias_is_refused_never_ignored(client, schemas, bias, words):
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi"})):
+        resp = client.post(path, json={**body, "logit_bias": bias})
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.text
+    score_only = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0, "echo": True, "logit_bias": bias}
+    assert client.post("/v1/completions", json=score_only).status_code == 400
+    assert client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {}}).status_code == 200
+    assert schemas["ChatCompletionRequest"]["properties"]["logit_bias"]["maxProperties"] == 0
+
+
+@pytest.mark.parametrize("path", ["/stats", "/metrics"])
+def test_stats_and_metrics_need_the_key_unless_made_public(tiny_engine, path):
+    app = create_app(tiny_engine, model_name=MODEL_NAME, api_key="sk-test")
+    with TestClient(app, base_url="http://localhost") as client:
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer sk-test"}).status_code == 200
+        assert client.get(path, headers={"x-api-key": "sk-test"}).status_code == 200
+        assert client.get("/health").status_code == 200
+    public = create_app(tiny_engine, model_name=MODEL_NAME, api_key="sk-test", metrics_public=True)
+    with TestClient(public, base_url="http://localhost") as client:
+        assert client.get(path).status_code == 200
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 401
+
+
+def test_serve_takes_metrics_public(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("astrai.inference.server.runner.run_server", lambda model, **kw: seen.update(kw))
+    assert build_parser("serve").parse_args(["serve", "--model", "m"]).metrics_public is False
+    assert main(["serve", "--model", "m", "--metrics-public"]) == 0 and seen["metrics_public"] is True
