@@ -46,6 +46,10 @@ def test_an_imported_mixed_gguf_directory_quantizes_again_from_its_blocks(target
     imported = tmp_path / "imported"
     assert main(["model", "import", str(path), "--out", str(imported)]) == 0
     assert json.loads((imported / "config.json").read_text())["quantization"]["format"] == "mixed"
+    captured = capsys.readouterr()
+    n_tensors = len(gguf.GGUFReader(str(path)).tensors)
+    assert any(line.startswith(f"read {path}: done ({n_tensors} tensor, ") for line in captured.err.splitlines())
+    assert captured.out.splitlines()[-1].startswith(f"wrote {imported}: ")
     out = tmp_path / target
     assert main(["model", "quantize", str(imported), "--to", target, "--out", str(out), "--calibration", "none"]) == 0
     assert "requantized from its mixed blocks" in capsys.readouterr().out
