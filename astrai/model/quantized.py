@@ -271,7 +271,9 @@ def quantize_model(model: nn.Module, format: str, importance: Optional[dict[str,
 
 
 def _tied(model: nn.Module) -> bool:
-    return bool(getattr(getattr(model, "config", None), "tie_weight", False)) and hasattr(model, "embed_tokens")
+    """Whether ``model``'s head and token embedding share one table (a Transformer whose config ties them)."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_weight", False))
+    return tied and hasattr(model, "embed_tokens") and hasattr(model, "lm_head")
 
 
 def tie_quantized_head(embedding: nn.Embedding, head: QuantizedLinear) -> None:
