@@ -177,6 +177,7 @@ class MaskWriter:
         return self._pool.submit(self.compute, list(constraints))
 
     def compute(self, constraints: Sequence[Optional[TokenConstraint]]) -> Optional[RowMasks]:
+        """The masks of the constrained rows, written now (None when every row is free)."""
         rows = [i for i, c in enumerate(constraints) if c is not None]
         if not rows:
             return None
@@ -193,7 +194,3 @@ class MaskWriter:
         for k in stuck.nonzero().flatten().tolist():  # a matcher in error allows nothing: let the row end
             allowed[k, constraints[rows[k]].stop_ids] = True
         return RowMasks(rows, allowed)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)

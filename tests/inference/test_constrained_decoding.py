@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams
@@ -102,6 +103,18 @@ def test_a_lone_greedy_constrained_request_is_not_run_past_its_mask(engine, toke
     result = engine.submit(tokenizer.encode("x"), SamplingParams(max_tokens=80, temperature=0,
                                                                  regex=r"a(b|c){20}d")).result()
     assert re.fullmatch(r"a[bc]{20}d", result.text) and result.finish_reason == "stop"
+
+
+def test_model_ids_past_the_tokenizers_vocabulary_are_never_drawn(tokenizer):
+    """A model's vocabulary may be padded past its tokenizer's; those ids are no text."""
+    model = make_model("tiny", vocab_size=tokenizer.vocab_size + 40, max_len=256)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.vocab_size:] *= 50  # padded ids would win every argmax
+    with InferenceEngine(model, tokenizer, max_batch_size=4, max_seq_len=256) as engine:
+        free = engine.submit(tokenizer.encode("x"), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).result()
+        held = engine.submit(tokenizer.encode("x"), SamplingParams(max_tokens=40, temperature=0, regex=r"[a-z]{5}")).result()
+    assert max(free.token_ids) >= tokenizer.vocab_size
+    assert max(held.token_ids) < tokenizer.vocab_size and re.fullmatch(r"[a-z]{5}", held.text)
 
 
 @pytest.mark.parametrize("params, words", [
