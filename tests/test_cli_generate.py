@@ -103,3 +103,13 @@ def test_chat_is_greedy_without_generation_config(model_dir, monkeypatch):
         reply = engine.generate([{"role": "user", "content": "hi"}], max_tokens=10, temperature=0.0)
     assert out.getvalue() == f"assistant> {reply}\n"
 
+
+
+@pytest.mark.timeout(120)
+def test_output_writes_the_json_lines_and_says_where(model_dir, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "out.jsonl"
+    out = run_cli(["--model", str(model_dir), "--prompt", PROMPT, "--prompt", "hello", "--max-tokens", "4",
+                   "--output", str(path)], monkeypatch)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert out.getvalue() == "" and [r["index"] for r in rows] == [0, 1]
+    assert capsys.readouterr().err.splitlines()[-1] == f"wrote {path}: 2 completion(s) as JSON lines"

@@ -30,6 +30,7 @@ from astrai.inference.handle import RequestHandle
 from astrai.inference.placement import resolve_placement
 from astrai.inference.types import SamplingParams
 from astrai.jsonl import iter_jsonl
+from astrai.progress import on_terminal
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "frequency_penalty", "presence_penalty", "seed")
@@ -113,7 +114,7 @@ def stream_text(handle: RequestHandle, out: TextIO) -> int:
 
 def write_json_lines(requests: list[dict], handles: list[RequestHandle], out: TextIO, verbose: bool) -> None:
     for i, (record, handle) in enumerate(tqdm(list(zip(requests, handles)), desc="generate", file=sys.stderr,
-                                               disable=len(handles) < 2)):
+                                               disable=len(handles) < 2 or not on_terminal(sys.stderr))):
         result = handle.result()
         row = {"index": i, **{k: record[k] for k in ("prompt", "messages") if k in record},
                "text": result.text, "finish_reason": result.finish_reason,
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             with open(args.output, "w", encoding="utf-8") as out:
                 write_json_lines(requests, handles, out, args.verbose)
+            print(f"wrote {args.output}: {len(handles)} completion(s) as JSON lines", file=sys.stderr)
         elif args.json:
             write_json_lines(requests, handles, sys.stdout, args.verbose)
         else:
