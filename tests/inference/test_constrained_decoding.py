@@ -130,6 +130,12 @@ def test_a_language_the_library_cannot_compile_is_refused_naming_what(engine, to
         engine.submit(tokenizer.encode("x"), SamplingParams(max_tokens=8, **params))
 
 
+def test_a_gbnf_grammar_is_read_as_well_as_lark(engine):
+    text = engine.generate("Answer:", max_tokens=20, temperature=1.0, seed=2,
+                           grammar='root ::= answer "."\nanswer ::= "yes" | "no" | "maybe"')
+    assert text in ("yes.", "no.", "maybe.")
+
+
 def test_the_text_api_takes_a_schema(engine):
     text = engine.generate("Give a number:", max_tokens=30, temperature=0,
                            json_schema={"type": "integer", "minimum": 10, "maximum": 99})
