@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import shlex
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
@@ -226,8 +227,11 @@ def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str 
     if saved is None:
         model = quantize_model(model, quantize)
     elif saved["format"] != quantize:
-        raise ConfigError(f"{model_dir} holds {saved['format']} weights; it cannot be served as {quantize} "
-                          f"(quantize the float model instead, or leave out the quantize option)")
+        command = f"astrai model quantize {shlex.quote(str(model_dir))} --to {quantize} --out NEW_DIR"
+        raise ConfigError(f"{model_dir} holds {saved['format']} weights; it cannot be served as {quantize}. "
+                          f"Requantize it once with `{command}` "
+                          f"(it rounds twice: quantize the float model where there is one), "
+                          f"or leave out the quantize option")
     if _linear_weights_only(dtype, device):
         return cast_linear_weights(model.to(device), dtype)
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 
 import pytest
 import torch
@@ -118,3 +119,17 @@ def test_bf16_on_the_cpu_casts_linear_weights_only_and_decodes_fused(model_dir):
         assert norms and all(p.dtype == torch.float32 for p in norms)
         engine.submit(list(range(3, 12)), SamplingParams(max_tokens=6, **GREEDY)).result(timeout=60)
         assert engine.get_stats()["decode_paths"]["fused"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_another_format_for_a_quantized_directory_names_the_command_that_requantizes_it(model_dir, tmp_path, capsys):
+    quantized = tmp_path / "int8 copy"
+    assert main(["model", "quantize", str(model_dir), "--to", "int8", "--out", str(quantized)]) == 0
+    with pytest.raises(AstraiError) as refused:
+        InferenceEngine.from_pretrained(quantized, quantize="int4")
+    command = f"astrai model quantize '{quantized}' --to int4 --out NEW_DIR"
+    assert f"Requantize it once with `{command}`" in str(refused.value)
+    requantized = tmp_path / "int4"
+    assert main(shlex.split(command.replace("NEW_DIR", shlex.quote(str(requantized))))[1:]) == 0
+    with InferenceEngine.from_pretrained(requantized, quantize="int4", max_batch_size=1, num_pages=16) as engine:
+        assert engine.model.quantization["format"] == "int4"
