@@ -140,3 +140,16 @@ def test_serve_takes_metrics_public(monkeypatch):
     monkeypatch.setattr("astrai.inference.server.runner.run_server", lambda model, **kw: seen.update(kw))
     assert build_parser("serve").parse_args(["serve", "--model", "m"]).metrics_public is False
     assert main(["serve", "--model", "m", "--metrics-public"]) == 0 and seen["metrics_public"] is True
+
+
+def test_checks_across_fields_and_stop_strings_are_published(client, schemas):
+    response_format, tool_choice = schemas["ResponseFormat"], schemas["AnthropicToolChoice"]
+    assert response_format["if"]["properties"]["type"] == {"const": "json_schema"}
+    assert response_format["then"]["required"] == ["json_schema"]
+    assert tool_choice["if"]["properties"]["type"] == {"const": "tool"} and tool_choice["then"]["required"] == ["name"]
+    stop_shapes = schemas["ChatCompletionRequest"]["properties"]["stop"]["anyOf"]
+    assert stop_shapes[0] == {"type": "string", "minLength": 1}
+    assert stop_shapes[1]["maxItems"] == 16 and stop_shapes[1]["items"]["minLength"] == 1
+    assert schemas["MessagesRequest"]["properties"]["stop_sequences"]["anyOf"][0]["maxItems"] == 16
+    for stop in ("", [""], ["x"] * 17):
+        assert client.post("/v1/chat/completions", json={**CHAT, "stop": stop}).status_code == 422

@@ -60,6 +60,18 @@ def test_scoring_refuses_a_prompt_over_max_prompt_len_before_any_forward(limited
     assert forwards == []  # the short first prompt was not scored either
 
 
+def test_a_generation_the_engine_refuses_is_never_scored(tiny_model_dir, monkeypatch):
+    """The KV cache (one page of 16 tokens) cannot hold 3 + 30 tokens: the engine refuses at
+    submission, which comes before the prompt's scoring forward."""
+    with InferenceEngine.from_pretrained(str(tiny_model_dir), max_seq_len=64, page_size=16, num_pages=1) as engine:
+        forwards = []
+        monkeypatch.setattr(engine, "prompt_logits", lambda *args: forwards.append(args))
+        with client_for(engine) as client:
+            resp = score(client, [5, 6, 7], max_tokens=30)
+    assert resp.status_code == 400 and "KV pages" in resp.json()["error"]["message"], resp.text
+    assert forwards == []
+
+
 def test_scoring_refuses_a_prompt_longer_than_the_model_reads(tiny_model_dir, tokenizer, tmp_path):
     """``--max-seq-len`` may pass the model's ``max_len``; its plain forward may not."""
     cfg = preset("tiny", vocab_size=tokenizer.vocab_size, n_layers=1, dim=32, n_heads=2, n_kv_heads=1, dim_ffn=64,

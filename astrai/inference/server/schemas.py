@@ -34,6 +34,7 @@ Int = integer()
 Float = Annotated[float, Strict()]  # an integer is still a number here
 Seed = integer(ge=SEED_RANGE[0], le=SEED_RANGE[1])
 Text = Annotated[str, Field(min_length=1)]
+StopStrings = Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)]
 
 
 def _text_parts_only(schema: dict) -> None:
@@ -45,26 +46,16 @@ def _text_parts_only(schema: dict) -> None:
     schema["required"] = ["type", "text"]
 
 
-def _score_only_needs_echo(schema: dict) -> None:
-    """Publish the completion handler's rule: ``max_tokens`` 0 (score the prompt, generate
-    nothing) needs ``echo`` true and no ``stream``."""
-    schema["if"] = {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]}
-    schema["then"] = {"properties": {"echo": {"const": True}, "stream": {"const": False}}, "required": ["echo"]}
+def _rule(condition: dict, consequence: dict):
+    """A ``json_schema_extra`` that publishes a check across fields (a validator's, or a
+    handler's) as JSON Schema's if/then, so the document does not allow what is refused."""
+    def publish(schema: dict) -> None:
+        schema["if"], schema["then"] = condition, consequence
+    return publish
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-def _stop_list(value: Union[str, list[str], None]) -> list[str]:
-    if value is None:
-        return []
-    stops = [value] if isinstance(value, str) else list(value)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-    if any(s == "" for s in stops):
-        raise ValueError("stop strings must not be empty")
-    return stops
 
 
 class FunctionCall(_Body):
@@ -130,6 +121,10 @@ class JSONSchemaFormat(_Body):
 class ResponseFormat(_Body):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON valid against a schema."""
 
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rule(
+        {"properties": {"type": {"const": "json_schema"}}},
+        {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}))
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
@@ -150,7 +145,7 @@ class _OpenAISampling(_Body):
     top_k: integer(ge=-1) = 0
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
     n: integer(ge=1, le=MAX_CHOICES) = 1
-    stop: Union[str, list[str], None] = None
+    stop: Union[Text, StopStrings, None] = None
     seed: Optional[Seed] = None
     presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -164,14 +159,8 @@ class _OpenAISampling(_Body):
     ignore_eos: StrictBool = False  # an extension (as in vLLM): generate to max_tokens even past end tokens
     response_format: Optional[ResponseFormat] = None
 
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value):
-        _stop_list(value)
-        return value
-
     def stop_list(self) -> list[str]:
-        return _stop_list(self.stop)
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -188,7 +177,10 @@ class ChatCompletionRequest(_OpenAISampling):
 class CompletionRequest(_OpenAISampling):
     """Body of ``POST /v1/completions``: a prompt string, several, or token ids."""
 
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_score_only_needs_echo)
+    # max_tokens 0 scores the prompt and generates nothing: it needs echo, and no stream (the handler checks)
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rule(
+        {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+        {"properties": {"echo": {"const": True}, "stream": {"const": False}}, "required": ["echo"]}))
 
     prompt: Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[Int], Field(min_length=1)],
                   Annotated[list[Annotated[list[Int], Field(min_length=1)]], Field(min_length=1)]]
@@ -236,6 +228,10 @@ class AnthropicTool(_Body):
 class AnthropicToolChoice(_Body):
     """``auto`` (the model decides), ``any`` (some tool), ``tool`` (the one named), ``none``."""
 
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rule(
+        {"properties": {"type": {"const": "tool"}}},
+        {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}))
+
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[StrictBool] = None
@@ -257,17 +253,11 @@ class MessagesRequest(_Body):
     temperature: Float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: integer(ge=0) = 0
-    stop_sequences: Optional[list[str]] = None
+    stop_sequences: Optional[StopStrings] = None
     stream: StrictBool = False
     seed: Optional[Seed] = None  # an astrai extension: reproducible sampling, as in the OpenAI protocol
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[AnthropicToolChoice] = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _check_stop(cls, value):
-        _stop_list(value)
-        return value
 
 
 class CountTokensRequest(MessagesRequest):
