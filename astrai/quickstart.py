@@ -89,6 +89,7 @@ class Settings:
     pretrain_arithmetic: int = 20_000     # worked problems from the training pool mixed into the pre-training text
     sft_replay: float = SFT_REPLAY        # share of SFT batches that are pre-training text
     eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
+    eval_max_new_tokens: int = 8          # the task's answers: a number and the stop token
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
     cpu_products: Optional[dict] = None   # pinned: the planning run's fp32 CPU products decision (else measured)
@@ -578,28 +579,34 @@ class Quickstart:
         """The window held-out text is scored in: the one the model was trained with."""
         return self.s.window_size
 
-    def eval_command(self, astrai: str, model_path: str) -> str:
-        """The ``astrai eval`` command that scores held-out text as this report does, so that it
-        gives the report's perplexity and bits per byte (both go through ``evaluate``)."""
-        limit = f" --ppl-max-tokens {self.s.ppl_max_tokens}" if self.s.ppl_max_tokens is not None else ""
-        return f"{astrai} eval --model {model_path} --ppl-window {self.ppl_window()}{limit}"
+    def eval_settings(self) -> dict:
+        """How this run scores a model, as ``eval_config.json`` records it beside the weights:
+        ``astrai eval --model DIR`` takes these as its defaults and repeats the report's
+        perplexity, bits per byte and task accuracy (astrai/eval/recorded.py)."""
+        return {"ppl_window": self.ppl_window(), "ppl_max_tokens": self.s.ppl_max_tokens,
+                "task_problems": self.s.eval_problems, "task_max_new_tokens": self.s.eval_max_new_tokens,
+                "max_new_tokens": self.s.sample_max_new_tokens}
 
     def evaluate(self, name: str) -> dict:
         """Held-out perplexity, arithmetic accuracy and sample answers after every stage: the
         perplexity shows what each fine-tuning stage costs the plain-text skill (a few
-        seconds per stage for the quick start's model)."""
+        seconds per stage for the quick start's model). The settings go into the model's
+        directory first, so that they travel with it."""
+        from astrai.eval.recorded import save_eval_config
         from astrai.eval.runner import evaluate
         from astrai.eval.task import arithmetic_task
         from astrai.model import AutoModel
 
         log(f"evaluating {name}: perplexity, arithmetic accuracy, sample answers")
+        settings = self.eval_settings()
+        save_eval_config(self.model_dir(name), settings)
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
         chat = name != "pretrain"
-        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=self.ppl_window(),
-                           ppl_max_tokens=self.s.ppl_max_tokens, task=arithmetic_task(self.s.eval_problems),
-                           max_new_tokens=8)
+        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=settings["ppl_window"],
+                           ppl_max_tokens=settings["ppl_max_tokens"], task=arithmetic_task(settings["task_problems"]),
+                           task_max_new_tokens=settings["task_max_new_tokens"])
         results.update(evaluate(model, self.tokenizer, samples=True, chat=chat,
-                                max_new_tokens=self.s.sample_max_new_tokens))
+                                max_new_tokens=settings["max_new_tokens"]))
         results["samples_chat"] = chat
         return results
 
@@ -657,7 +664,7 @@ class Quickstart:
             "commands": {
                 "serve": f"{astrai} serve --model {model_path} --port 8000",
                 "chat": f"{astrai} chat --model {model_path}",
-                "eval": self.eval_command(astrai, model_path),
+                "eval": f"{astrai} eval --model {model_path}",
                 "rerun": f"{astrai} quickstart {self.rerun_arguments()} --out NEW_DIR",
             },
         }

@@ -307,20 +307,29 @@ class BaseQuickstart(Quickstart):
     def ppl_window(self) -> int:
         return self.s.ppl_window
 
+    def eval_settings(self) -> dict:
+        """The held-out scoring only: this run asks the task with an instruction, checks the
+        last integer and decodes through the engine, none of which ``astrai eval`` does, so
+        recorded task settings would not repeat the report's accuracy."""
+        return {"ppl_window": self.ppl_window(), "ppl_max_tokens": self.s.ppl_max_tokens}
+
     def evaluate(self, name: str) -> dict:
         """Held-out bits per byte, held-out task accuracy (this run's prompt and checker) and
         sample answers, generated with the inference engine (a KV cache: a 100M-parameter
         model is too slow to decode by recomputing the whole sequence)."""
         from astrai.eval.generation import engine_generator
+        from astrai.eval.recorded import save_eval_config
         from astrai.eval.runner import evaluate
         from astrai.inference import InferenceEngine
         from astrai.model import AutoModel
 
         log(f"evaluating {name}: bits per byte, held-out arithmetic accuracy, sample answers")
         s = self.s
+        settings = self.eval_settings()
+        save_eval_config(self.model_dir(name), settings)
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
-        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=self.ppl_window(),
-                           ppl_max_tokens=s.ppl_max_tokens)
+        results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=settings["ppl_window"],
+                           ppl_max_tokens=settings["ppl_max_tokens"])
         # a cache sized for these short prompts and answers, around the model itself (it is not used again)
         with InferenceEngine(model, self.tokenizer, max_batch_size=32, max_seq_len=EVAL_MAX_SEQ_LEN,
                              in_place=True) as engine:

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from astrai.errors import DataError
+from astrai.eval.recorded import EVAL_CONFIG, LEAST, load_eval_config
+
+DEFAULT_MAX_NEW_TOKENS = 48
 
 
 def parse_heldout(values: list[str] | None) -> dict[str, Path]:
@@ -24,9 +27,25 @@ def parse_heldout(values: list[str] | None) -> dict[str, Path]:
     return heldout
 
 
+def eval_settings(args: argparse.Namespace) -> dict:
+    """Each evaluation setting (the names of ``recorded.LEAST``): its flag when given, else what
+    the model directory's eval_config.json recorded, else None (the built-in default). Says on
+    stderr which ones came from the file."""
+    for name, least in LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise DataError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    recorded = load_eval_config(args.model)
+    taken = {name: value for name, value in recorded.items() if getattr(args, name) is None}
+    if taken:
+        listed = ", ".join(f"{name}={value}" for name, value in taken.items())
+        print(f"{Path(args.model) / EVAL_CONFIG}: {listed} (the settings the model was evaluated with; "
+              f"a flag overrides each)", file=sys.stderr)
+    return {name: getattr(args, name) if getattr(args, name) is not None else recorded.get(name) for name in LEAST}
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.task_problems is not None and args.task_problems < 0:
-        raise DataError(f"--task-problems must be >= 0, got {args.task_problems}")
+    settings = eval_settings(args)
     from astrai.eval.runner import evaluate
     from astrai.eval.task import arithmetic_task
     from astrai.inference.placement import resolve_device
@@ -38,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
     results = evaluate(
         model, tokenizer,
         heldout=None if args.no_perplexity else parse_heldout(args.heldout),
-        ppl_window=args.ppl_window, ppl_stride=args.ppl_stride, ppl_max_tokens=args.ppl_max_tokens,
-        task=None if args.task_problems == 0 else arithmetic_task(args.task_problems),
+        ppl_window=settings["ppl_window"], ppl_stride=settings["ppl_stride"], ppl_max_tokens=settings["ppl_max_tokens"],
+        task=None if settings["task_problems"] == 0 else arithmetic_task(settings["task_problems"]),
         samples=not args.no_samples, mmlu=args.mmlu, rouge=args.rouge, instructions=args.instructions,
-        chat=not args.no_chat, max_new_tokens=args.max_new_tokens, progress=True,
+        chat=not args.no_chat, max_new_tokens=settings["max_new_tokens"] or DEFAULT_MAX_NEW_TOKENS,
+        task_max_new_tokens=settings["task_max_new_tokens"], progress=True,
     )
     text = json.dumps(results, indent=2, ensure_ascii=False)
     sys.stdout.write(text + "\n")

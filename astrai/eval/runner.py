@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from astrai.errors import ConfigError
 from astrai.eval.generation import Generator, chat_prompt, model_generator
 from astrai.eval.instructions import load_instructions, score_instructions
 from astrai.eval.multiple_choice import evaluate_multiple_choice, load_questions
@@ -30,16 +31,24 @@ def evaluate(model, tokenizer, *, heldout: Optional[dict[str, str | Path]] = Non
              task: Optional[tuple[Sequence, Callable, Callable]] = None, samples: bool = False,
              mmlu: Sequence[str | Path] = (), rouge: Optional[str | Path] = None,
              instructions: Optional[str | Path] = None, chat: bool = True, max_new_tokens: int = 32,
-             generator: Optional[Generator] = None, progress: bool = False) -> dict:
+             task_max_new_tokens: Optional[int] = None, generator: Optional[Generator] = None,
+             progress: bool = False) -> dict:
     """Run the evaluations given and return their results.
 
     ``heldout`` maps a name (``en``, ``zh``) to a held-out text file, scored in windows of
     ``ppl_window`` tokens (default the model's ``max_len``) every ``ppl_stride`` (default
     ``default_stride``); ``task`` is ``(problems, prompt_of, check)``; ``chat`` says whether
     prompts go through the chat template (False for a pre-trained model that never saw it).
+    Answers are greedy, up to ``max_new_tokens``; the task's up to ``task_max_new_tokens``
+    when given (its answers are a number, the samples' are sentences). A ``generator``
+    decodes everything instead, with its own length.
     ``progress`` shows each evaluation as a phase on stderr (astrai/progress.py).
     """
+    if generator is not None and task_max_new_tokens is not None:
+        raise ConfigError("evaluate: task_max_new_tokens applies to the built-in greedy decoding; "
+                          "a generator decides its own answer length")
     generate = generator or model_generator(model, tokenizer, max_new_tokens)
+    solve = model_generator(model, tokenizer, task_max_new_tokens) if task_max_new_tokens is not None else generate
     results: dict = {}
     started = time.perf_counter()
     phase = partial(Phase, show=progress)
@@ -52,7 +61,7 @@ def evaluate(model, tokenizer, *, heldout: Optional[dict[str, str | Path]] = Non
     if task is not None:
         problems, prompt_of, check = task
         with phase("task", total=len(problems), unit="problem") as step:
-            results["task"] = task_accuracy(generate, tokenizer, problems, prompt_of, check, chat=chat)
+            results["task"] = task_accuracy(solve, tokenizer, problems, prompt_of, check, chat=chat)
             step(len(problems))
     if samples:
         with phase("samples"):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from astrai.cli import main as astrai_main
 from astrai.dataset.arithmetic import task_pools
 from astrai.errors import ConfigError
+from astrai.eval.recorded import load_eval_config
 from astrai.inference import InferenceEngine
 from astrai.quickstart_base import (arithmetic_reward, ask, check_final_answer, heldout_task, resolve_base,
                                     run_base_quickstart)
@@ -117,6 +118,12 @@ def assert_complete_run(out, summary, base_weights=None):
     assert any(not torch.equal(served[k], base[k]) for k in served)
     with InferenceEngine.from_pretrained(out / "model") as engine:
         assert isinstance(engine.generate([{"role": "user", "content": "What is 2+3?"}], max_tokens=3), str)
+    # the model records how the report scored held-out text, so plain astrai eval repeats its bits per byte
+    assert load_eval_config(out / "model") == {"ppl_window": MINI["ppl_window"], "ppl_max_tokens": MINI["ppl_max_tokens"]}
+    results = out / "eval.json"
+    assert astrai_main(["eval", "--model", str(out / "model"), "--task-problems", "0", "--no-samples",
+                        "--out", str(results)]) == 0
+    assert json.loads(results.read_text())["perplexity"] == summary["stages"][-1]["eval"]["perplexity"]
 
 
 def test_base_run_from_a_hugging_face_directory(hf_dir, tmp_path):

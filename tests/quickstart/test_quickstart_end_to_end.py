@@ -136,6 +136,24 @@ def test_chat_command_opens_the_model_directory(run, monkeypatch, capsys):
     assert "assistant>" in capsys.readouterr().out
 
 
+def test_the_reports_eval_command_prints_the_reports_figures(run, capsys):
+    """The command the report prints, with no flags: the final model's eval_config.json
+    makes astrai eval score and ask as the report's last row did."""
+    import shlex
+
+    from astrai.cli import main
+
+    _, summary = run
+    command = shlex.split(summary["commands"]["eval"])
+    assert command[1:] == ["eval", "--model", str(Path(summary["model_dir"]).resolve())]
+    capsys.readouterr()
+    assert main(command[1:]) == 0
+    results = json.loads(capsys.readouterr().out)
+    grpo = stage(summary, "grpo")["eval"]
+    assert results["perplexity"] == grpo["perplexity"] and results["task"] == grpo["task"]
+    assert results["samples"] == grpo["samples"]
+
+
 def test_report_has_the_numbers_and_valid_plots(run):
     import matplotlib.image
 
