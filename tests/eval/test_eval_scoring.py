@@ -123,3 +123,12 @@ def test_bad_multiple_choice_files_name_the_line(tmp_path, capsys):
         load_questions(bad_jsonl)
     assert main(["eval", "--model", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_the_task_answer_length_applies_to_the_built_in_decoding_only(tiny_model, tokenizer):
+    from astrai.errors import ConfigError
+    from astrai.eval.task import arithmetic_task
+
+    with pytest.raises(ConfigError, match="a generator decides its own answer length"):
+        evaluate(tiny_model, tokenizer, task=arithmetic_task(1), task_max_new_tokens=4,
+                 generator=lambda prompts: ["1" for _ in prompts])
