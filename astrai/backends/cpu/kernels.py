@@ -322,9 +322,9 @@ class TypedWeight:
         ok = ok and (data.stride(1) == 1 or data.shape[1] == 1) and data.stride(0) >= data.shape[1]
         if self.kind in (Q8, Q4, Q41):
             # Q4_1: the row's d's, then its minimums, which the kernels find right after the d's
-            width_ok = scales is not None and (scales.shape[1] == 2 * blocks if self.kind == Q41
-                                               else scales.shape[1] >= blocks)
-            ok = ok and (width_ok and scales.dtype == torch.float16 and scales.dim() == 2
+            width_ok = scales is not None and scales.dim() == 2 and (scales.shape[1] == 2 * blocks if self.kind == Q41
+                                                                     else scales.shape[1] >= blocks)
+            ok = ok and (width_ok and scales.dtype == torch.float16
                          and scales.shape[0] == data.shape[0]
                          and (scales.stride(1) == 1 or scales.shape[1] == 1))
         if not ok:

@@ -1,7 +1,9 @@
 """Every entry point into the C kernels checks, in Python, each size, stride and dtype the C
-code trusts: a bias shorter than the output, a weight narrower than ``in_features``, key and
-value buffers of other batch, width or length than the query, a token or position past the
-decode plan. C would read past the end of such a tensor and answer with whatever lies there."""
+code trusts: a bias shorter than the output, a weight narrower than ``in_features`` or of
+another layout, key and value buffers of other batch, width or length than the query, a
+token or position past the decode plan, a plan's tables of the wrong shape. C would read
+past the end of such a tensor and answer with whatever lies there. Each check here was
+removed in turn (a hand mutation pass) to see a test fail."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import pytest
 import torch
 
 from astrai.backends.cpu import dense_product as dense
-from astrai.backends.cpu.kernels import (BF16, F32, Q4, Q8, Q41, TypedWeight, decode_attention, decode_step,
-                                        decode_steps, kernels_available, row_product, rows_product, typed_product)
-from astrai.model.quantized import quantize_weight
+from astrai.backends.cpu.kernels import (BF16, COLUMNS, F32, Q4, Q8, Q41, TypedWeight, decode_attention, decode_plan,
+                                        decode_step, decode_steps, kernels_available, rounded_activations, row_major,
+                                        row_product, row_product_argmax, rows_product, typed_product)
+from astrai.model.quantized import quantize_activations, quantize_weight
 from inference_helpers import make_model
 from test_fused_decode import _runner
 
@@ -85,12 +88,59 @@ def test_block_scales_that_do_not_cover_the_rows_are_refused(kind):
         TypedWeight(weight.data, None, kind, 64).check()
 
 
+OVERLAPPING = torch.randn(100).as_strided((8, 64), (4, 1))  # each row starts 4 values after the last
+SKIPPING = torch.randn(8, 128)[:, ::2]  # rows apart, but every other value of them
+
+
 def test_weight_rows_must_be_contiguous_and_apart():
     weight = torch.randn(8, 64)
+    for data in (weight.t().contiguous().t(), OVERLAPPING, SKIPPING, weight[None], weight[0]):
+        with pytest.raises(ValueError, match="typed weight"):
+            TypedWeight(data, None, F32, 64).check()
     with pytest.raises(ValueError, match="typed weight"):
-        TypedWeight(weight.t().contiguous().t(), None, F32, 64).check()  # columns, not rows, contiguous
-    with pytest.raises(ValueError, match="typed weight"):
-        TypedWeight(torch.randn(100).as_strided((8, 64), (4, 1)), None, F32, 64).check()  # overlapping rows
+        TypedWeight(weight, None, 7, 64).check()  # no such type
+    x = torch.randn(64)
+    for data in (OVERLAPPING, SKIPPING, weight.t().contiguous().t()):
+        with pytest.raises(ValueError, match="row_product"):
+            row_product(x, data)
+        with pytest.raises(ValueError, match="row_product"):
+            row_product_argmax(x, data)
+        with pytest.raises(ValueError, match="rows_product"):
+            rows_product(torch.randn(3, 64), data)
+    assert not row_major(torch.randn(2, 3, 4)) and not row_major(torch.randn(4)) and row_major(weight)
+
+
+@pytest.mark.parametrize("kind", [Q8, Q4, Q41])
+def test_block_scales_of_another_shape_or_layout_are_refused(kind):
+    weight = blocks(kind)
+    spread = torch.zeros(weight.scales.shape[0], 2 * weight.scales.shape[1], dtype=torch.float16)[:, ::2]
+    for scales in (weight.scales[..., None], weight.scales.reshape(-1), spread):
+        with pytest.raises(ValueError, match="typed weight"):
+            TypedWeight(weight.data, scales, kind, 64).check()
+
+
+def test_typed_product_refuses_rows_it_cannot_read():
+    weight = blocks(Q8)
+    for x in (torch.randn(1, 128)[:, ::2], torch.randn(2, 32), torch.randn(0, 64)):
+        with pytest.raises(ValueError, match="typed_product"):
+            typed_product(x, weight)
+    with pytest.raises(ValueError, match="row_product"):
+        row_product(torch.randn(128)[::2], torch.randn(8, 64))
+
+
+def test_prompt_products_refuse_rows_of_another_dtype_or_width():
+    for x in (torch.randn(5, 64).double(), torch.randn(5, 32), torch.randn(5, 64).bfloat16()):
+        with pytest.raises(ValueError, match="integer_product"):
+            dense.integer_product(x, blocks(Q4))
+        with pytest.raises(ValueError, match="dense_product"):
+            dense.dense_product(x, blocks(Q8))
+
+
+def test_rounded_activations_leaves_what_c_cannot_read_to_torch():
+    """The native rounding reads contiguous fp32 only; anything else takes torch's, with the same numbers."""
+    x = torch.randn(3, 70)
+    for other in (x.double(), torch.randn(3, 140)[:, ::2]):
+        assert torch.equal(rounded_activations(other), quantize_activations(other))
 
 
 def test_decode_attention_refuses_key_and_value_buffers_that_do_not_match_the_query():
@@ -102,6 +152,15 @@ def test_decode_attention_refuses_key_and_value_buffers_that_do_not_match_the_qu
             decode_attention(q, bad_k, bad_v, lens, 1.0)
     with pytest.raises(ValueError, match="layout or dtype"):
         decode_attention(torch.randn(2, 2, 4, 8), k, v, lens, 1.0)  # two queries a row
+    with pytest.raises(ValueError, match="layout or dtype"):
+        decode_attention(torch.randn(2, 1, 4, 16)[..., ::2], k, v, lens, 1.0)  # q not contiguous
+    for strided in (torch.randn(2, 10, 2, 16)[..., ::2],):
+        with pytest.raises(ValueError, match="layout or dtype"):
+            decode_attention(q, strided, v, lens, 1.0)
+        with pytest.raises(ValueError, match="layout or dtype"):
+            decode_attention(q, k, strided, lens, 1.0)
+    with pytest.raises(ValueError, match="layout or dtype"):  # 4 query heads do not share 3 key heads
+        decode_attention(q, torch.randn(2, 10, 3, 8), torch.randn(2, 10, 3, 8), lens, 1.0)
     with pytest.raises(ValueError, match="layout or dtype"):
         decode_attention(q, k, v, torch.tensor([3]), 1.0)
 
@@ -124,3 +183,25 @@ def test_the_decode_step_refuses_a_token_or_position_outside_its_plan():
         decode_steps(plan, 5, capacity - 1, [offsets, offsets], [], vocab)
     with pytest.raises(ValueError, match="outside the plan"):
         decode_steps(plan, 5, 3, [offsets], [], vocab + 1)
+
+
+def plan_parts(vocab=16, dim=64, heads=4, kv_heads=2, head_dim=16, ffn=96, capacity=8):
+    """decode_plan's arguments for a model of those sizes (the plan reads none of their values)."""
+    return dict(embedding=torch.randn(vocab, dim), layers=torch.zeros(2, COLUMNS, dtype=torch.int64),
+                dims=(dim, heads, kv_heads, head_dim, ffn), cos=torch.randn(capacity, head_dim),
+                sin=torch.randn(capacity, head_dim), capacity=capacity, eps=1e-5, scale=0.25,
+                final_norm=torch.ones(dim), head=TypedWeight(torch.randn(vocab, dim), None, F32, dim), threads=2)
+
+
+@pytest.mark.parametrize("change", [
+    dict(cos=torch.randn(7, 16)), dict(sin=torch.randn(8, 8)), dict(cos=torch.randn(16, 8).t()),
+    dict(layers=torch.zeros(2, COLUMNS)), dict(layers=torch.zeros(2, COLUMNS - 1, dtype=torch.int64)),
+    dict(layers=torch.zeros(COLUMNS, 2, dtype=torch.int64).t()),
+    dict(head=TypedWeight(torch.randn(16, 32), None, F32, 32)), dict(embedding=torch.randn(16, 64).double()),
+    dict(head=TypedWeight(torch.randn(16, 32), None, F32, 64))],
+    ids=["cos-rows", "sin-width", "cos-layout", "table-dtype", "table-width", "table-layout", "head-width",
+         "embedding-dtype", "head-narrow"])
+def test_a_decode_plan_of_the_wrong_shapes_is_refused(change):
+    decode_plan(**plan_parts())
+    with pytest.raises(ValueError, match="decode_plan|typed weight"):
+        decode_plan(**{**plan_parts(), **change})
