@@ -206,7 +206,7 @@ def _read_generation_config(directory: Path) -> SamplingParams:
     for src, dst in mapping.items():
         if raw.get(src) is not None:
             setattr(params, dst, raw[src])
-    if raw.get("do_sample") is False:
+    if not raw.get("do_sample", False):  # Hugging Face decodes greedily unless do_sample is true
         params.temperature = 0.0
     return params
 
