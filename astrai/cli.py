@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb is not None and verb not in VERBS:
+        guess = difflib.get_close_matches(verb, list(VERBS), n=1)
+        if guess:
+            build_parser().error(f"unknown verb {verb!r} (did you mean {guess[0]}?)")
         verb = None
     parser = build_parser(verb)
     args = parse_command_line(parser, either_spelling(argv, known_options(parser)))

@@ -75,3 +75,11 @@ def test_a_word_far_from_every_flag_gets_no_guess(capsys):
         main(["serve", "--model", "m", "--zzzzzz"])
     err = capsys.readouterr().err
     assert err.startswith("usage: astrai serve") and "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+
+
+def test_a_mistyped_verb_gets_the_closest_verb(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generat", "--model", "m"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("usage: astrai")
+    assert "unknown verb 'generat' (did you mean generate?)" in err
