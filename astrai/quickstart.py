@@ -463,13 +463,7 @@ class Quickstart:
         elif name == "dpo":
             steps, kw = self.dpo_plan(seconds)
         else:
-            # an update over group·prompts sequences of ~32 tokens (policy, behaviour and reference passes)
-            # plus one decoding step of all sequences per answer token (a forward costs ~1/3 of training)
-            # The learning rate is constant, so erring towards too many steps costs nothing: the
-            # deadline guard ends the stage on time.
-            sequences = s.grpo_prompts_per_step * s.grpo_group_size
-            step_seconds = 1.5 * sequences * 32 / tps + s.grpo_max_new_tokens * (sequences / (3 * tps) + 0.004)
-            steps = 2 * seconds / step_seconds
+            steps = seconds / self.grpo_step_seconds()
             kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
                       batch_per_device=s.grpo_prompts_per_step, window_size=64, max_lr=s.lr["grpo"], warmup_ratio=0.0,
                       schedule="constant", max_grad_norm=1.0,
@@ -478,6 +472,15 @@ class Quickstart:
                                        "sync_interval": 0, "seed": s.seed})
         steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
+
+    def grpo_step_seconds(self) -> float:
+        """One GRPO step's estimated time: an update over group·prompts sequences of ~32 tokens
+        (policy, behaviour and reference passes) plus one decoding step of all sequences per
+        answer token (a forward costs ~1/3 of training). A default 15-minute run did 797 steps in the
+        time this gives 625 for, so the stage completes the steps it plans."""
+        s = self.s
+        sequences = s.grpo_prompts_per_step * s.grpo_group_size
+        return 1.5 * sequences * 32 / self.tps + s.grpo_max_new_tokens * (sequences / (3 * self.tps) + 0.004)
 
     def dpo_plan(self, seconds: float) -> tuple[float, dict]:
         """DPO's step count for ``seconds`` and its TrainConfig fields. Chosen + rejected go
@@ -621,6 +624,7 @@ class Quickstart:
         return " ".join(shlex.quote(flag) for flag in flags)
 
     def finish(self, records: list[dict]) -> dict:
+        from astrai.eval.changes import headline, stage_changes
         from astrai.eval.report import STAGE_TITLES, plot_curves, write_report
 
         final_dir = self.out / "model"
@@ -641,6 +645,8 @@ class Quickstart:
             if plot is not None:
                 plots.append(plot)
         summary = self.summary(records, final_dir)
+        summary["changes"] = stage_changes(summary["stages"])
+        summary["headline"] = headline(summary)
         write_json(self.out / PLAN_FILE, summary["plan"])
         write_json(self.summary_path, summary)
         md, html = write_report(self.out, summary, plots)

@@ -366,8 +366,7 @@ class BaseQuickstart(Quickstart):
             f"{self.tokenizer.vocab_size}, from {self.source}); {self.s.finetune} fine-tuning. Budget "
             f"{self.s.minutes:g} min, took {summary['total_seconds'] / 60:.1f} min on {summary['device']} "
             f"(SFT's measured training throughput: {summary['measured_tokens_per_s']:.0f} "
-            f"tokens/s, which sized DPO and GRPO). Seed {self.s.seed}; stage plan {summary['plan']['source']}. Held-out accuracy after GRPO "
-            f"minus the base model's: {summary['gain_over_base'].get('grpo', 0):+.1f} points.")
+            f"tokens/s, which sized DPO and GRPO). Seed {self.s.seed}; stage plan {summary['plan']['source']}.")
         summary["eval_note"] = (
             "The base row is the pretrained model before any training here. Bits per byte is the held-out documents' "
             "likelihood per UTF-8 byte (comparable across tokenizers). The task accuracy is on the first "

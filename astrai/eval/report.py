@@ -14,13 +14,17 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from astrai.eval.changes import STAGE_TITLES, headline, stage_changes
+
 SAMPLES_NOTE = ("Greedy answers to fixed prompts: after pre-training the prompt is continued as plain text "
                 "(the model has not seen the chat template yet); after SFT, DPO and GRPO it goes through the template.")
-STAGE_TITLES = {"pretrain": "pre-training", "sft": "SFT", "dpo": "DPO", "grpo": "GRPO"}
 EVAL_NOTE = ("Perplexity is per token of this run's tokenizer; bits per byte is the same likelihood per UTF-8 byte "
              "of the held-out documents, comparable across tokenizers. The task accuracy is on the arithmetic task's "
              "held-out pool (two-digit addition and subtraction asked as `23+45=`, in English and in Chinese; no "
              "stage trains on these problems), greedy answers, exact match, with its 95% Wilson interval.")
+CHANGES_NOTE = ("Each stage against the stage before it, not against the first: bits per byte as a relative change "
+                "(lower is better), task accuracy as a difference in points with a 95% interval (Newcombe's, from "
+                "the two Wilson intervals); an interval that holds 0 is a change within noise.")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -116,6 +120,23 @@ def training_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def changes_table(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: what each stage changed against the stage before it (``summary["changes"]``)."""
+    changes = summary.get("changes") or stage_changes(summary["stages"])
+    names = sorted({n for c in changes for n in c["bits_per_byte"]}, key=lambda n: (n.startswith("corpus-"), n))
+    header = (["stage", "against"] + [f"bits/byte {n}" for n in names]
+              + ["task accuracy change, points [95% interval]", "task mean reward"])
+    rows = []
+    for c in changes:
+        bpb = [c["bits_per_byte"].get(n) for n in names]
+        accuracy, reward = c.get("accuracy"), c.get("mean_reward")
+        rows.append([STAGE_TITLES.get(c["stage"], c["stage"]), STAGE_TITLES.get(c["against"], c["against"])]
+                    + [f"{b['before']:.3f} → {b['after']:.3f} ({b['relative']:+.1%})" if b else "–" for b in bpb]
+                    + ["{:+.1f} [{:+.1f}, {:+.1f}]".format(accuracy["points"], *accuracy["interval"]) if accuracy else "–",
+                       f"{reward['before']:.3f} → {reward['after']:.3f}" if reward else "–"])
+    return header, rows
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -147,6 +168,8 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
     out_dir = Path(out_dir)
     train_h, train_rows = training_table(summary)
     eval_h, eval_rows = eval_table(summary)
+    change_h, change_rows = changes_table(summary)
+    story = summary.get("headline") or headline(summary)
     samples = _samples(summary)
     commands = summary["commands"]
     intro = summary.get("intro") or (f"Model: `{summary['model']['preset']}` preset, {summary['model']['parameters']:,} parameters, "
@@ -159,8 +182,9 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
     rerun = (f"The stage plan is in `plan.json`; the same seed and plan give the same numbers: "
              f"`{commands['rerun']}`")
 
-    md = ["# astrai quick start report", "", intro, "", "## Training", "", _md_table(train_h, train_rows), "",
-          rerun, "", "## Evaluation", "", _md_table(eval_h, eval_rows), "", eval_note, "", "## Loss curves", ""]
+    md = ["# astrai quick start report", "", story, "", intro, "", "## Training", "", _md_table(train_h, train_rows), "",
+          rerun, "", "## Evaluation", "", _md_table(eval_h, eval_rows), "", eval_note, "",
+          "## What each stage changed", "", CHANGES_NOTE, "", _md_table(change_h, change_rows), "", "## Loss curves", ""]
     md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix() if p.is_relative_to(out_dir) else p})" for p in plots]
     md += ["", "## Sample generations", "", samples_note, "", _md_table(["stage", "prompt", "answer"],
                                                        [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
@@ -181,11 +205,13 @@ th {{ background: #f3f3f3; }} pre {{ background: #f6f6f6; padding: .8rem; overfl
 figure {{ display: inline-block; margin: .5rem; }} td {{ white-space: pre-wrap; }}
 </style></head><body>
 <h1>astrai quick start report</h1>
+<p><strong>{html.escape(story.replace('`', ''))}</strong></p>
 <p>{html.escape(intro.replace('`', ''))}</p>
 <h2>Training</h2>{_html_table(train_h, train_rows)}
 <p>{html.escape(rerun.replace('`', ''))}</p>
 <h2>Evaluation</h2>{_html_table(eval_h, eval_rows)}
 <p>{html.escape(eval_note.replace('`', ''))}</p>
+<h2>What each stage changed</h2><p>{html.escape(CHANGES_NOTE)}</p>{_html_table(change_h, change_rows)}
 <h2>Loss curves</h2>{images}
 <h2>Sample generations</h2><p>{html.escape(samples_note)}</p>{_html_table(["stage", "prompt", "answer"], sample_rows)}
 <h2>Use the model</h2><pre>{html.escape(chr(10).join(commands[k] for k in ("serve", "chat", "eval")))}</pre>

@@ -70,7 +70,11 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
     plain = planner(tmp_path / "plain", tokens_per_s=4000.0)
     plain.s.sft_replay = 0.0
     assert plain.train_config(1, "sft", seconds=1e6).data_root_path.endswith("sft")
-    assert qs.train_config(3, "grpo", 60.0).strategy_kwargs["reward"] == "arithmetic"
+    grpo = qs.train_config(3, "grpo", 60.0)
+    assert grpo.strategy_kwargs["reward"] == "arithmetic"
+    # GRPO plans the steps its estimate fits in its share, not more: it runs at a constant rate,
+    # and a plan the guard cuts short reads as an unfinished stage
+    assert grpo.max_steps == int(60.0 / qs.grpo_step_seconds())
 
 
 def test_pretraining_warms_up_then_decays_linearly_to_zero(tmp_path):

@@ -198,3 +198,32 @@ def test_rerun_skips_finished_stages_and_resumes_an_unfinished_one(run, tmp_path
     steps_logged = [r["step"] for r in map(json.loads, (grpo / "ckpt" / "metrics.jsonl").read_text().splitlines())]
     assert steps_logged == list(range(1, MINI["steps"]["grpo"] + 1))
     assert (copy / "model" / "model.safetensors").is_file()
+
+
+def test_report_headline_and_changes_come_from_the_runs_own_figures(run):
+    """Each stage is set against the stage before it (not the first), from the evaluations
+    in summary.json, and the report leads with a headline written from those figures."""
+    out, summary = run
+    names = [s["name"] for s in summary["stages"]]
+    assert [(c["against"], c["stage"]) for c in summary["changes"]] == list(zip(names, names[1:]))
+    for change in summary["changes"]:
+        before, after = stage(summary, change["against"])["eval"], stage(summary, change["stage"])["eval"]
+        points = 100 * (after["task"]["accuracy"] - before["task"]["accuracy"])
+        assert change["accuracy"]["points"] == pytest.approx(points)
+        low, high = change["accuracy"]["interval"]
+        assert low <= points <= high and high - low > 0
+        for language in ("en", "zh"):
+            bpb = after["perplexity"][language]["bits_per_byte"] / before["perplexity"][language]["bits_per_byte"] - 1
+            assert change["bits_per_byte"][language]["relative"] == pytest.approx(bpb)
+    grpo = summary["changes"][-1]
+    md = (out / "report.md").read_text(encoding="utf-8")
+    html = (out / "report.html").read_text(encoding="utf-8")
+    assert md.splitlines()[2] == summary["headline"]  # right under the title
+    pretrain_en = stage(summary, "pretrain")["eval"]["perplexity"]["en"]
+    assert f"en {pretrain_en['bits_per_byte']:.3f} (unigram baseline" in summary["headline"]
+    assert f"GRPO against DPO: bits/byte en {grpo['bits_per_byte']['en']['relative']:+.1%}" in summary["headline"]
+    assert f"({grpo['accuracy']['points']:+.1f} points" in summary["headline"]
+    row = "| GRPO | DPO | " + "{:.3f} → {:.3f} ({:+.1%})".format(*(grpo["bits_per_byte"]["en"][k] for k in
+                                                                       ("before", "after", "relative")))
+    assert row in md and "What each stage changed" in html
+    assert "{:+.1f} [{:+.1f}, {:+.1f}]".format(grpo["accuracy"]["points"], *grpo["accuracy"]["interval"]) in md
