@@ -113,8 +113,10 @@ def build_case(family: str, tensor_type: Q, vocab, seed: int = 0, shape=SHAPE):
 
 
 def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="gpt-2", skip_keys=(), tokenizer_model="gpt2",
-               kinds=None, rope_freqs=None, add_bos=False, extra_keys=None):
-    """A GGUF file as llama.cpp's converter lays it out: metadata, tokenizer, tensors (Q/K interleaved for llama)."""
+               kinds=None, rope_freqs=None, add_bos=False, extra_keys=None, raw_keys=None, extra_tensors=None):
+    """A GGUF file as llama.cpp's converter lays it out: metadata, tokenizer, tensors (Q/K interleaved for llama);
+    ``raw_keys`` ({key: value}) are written as they are (strings, arrays) under the file's architecture,
+    ``extra_tensors`` ({llama.cpp name: F32 array}) after the model's."""
     config = reference.config
     arch = arch or config.model_type
     writer = gguf.GGUFWriter(str(path), arch)
@@ -129,6 +131,8 @@ def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="
     for key, value in {**keys, **(extra_keys or {})}.items():
         if key not in skip_keys:
             getattr(writer, f"add_{key}")(value)
+    for key, value in (raw_keys or {}).items():
+        (writer.add_array if isinstance(value, list) else writer.add_string)(f"{arch}.{key}", value)
     tokens, merges, types = vocab
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
@@ -150,6 +154,8 @@ def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="
         writer.add_tensor(gguf_tensor_name(name), data, **raw)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, data in (extra_tensors or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -228,6 +234,10 @@ def test_llama3_rope_divisors_import_as_llama3_rope_scaling(vocab, tmp_path):
                      rope_freqs=np.linspace(1, 3, reference.config.head_dim // 2, dtype=np.float32))
     with pytest.raises(AstraiError, match="rope_freqs does not match Llama 3's rope scaling"):
         AutoModel.from_pretrained(odd)
+    short = write_gguf(tmp_path / "short.gguf", reference, tensors, Q.Q8_0, vocab, arch="llama",
+                       rope_freqs=np.ones(5, dtype=np.float32))
+    with pytest.raises(AstraiError, match="rope_freqs has 5 values for heads of size"):
+        AutoModel.from_pretrained(short)
 
 
 def test_gguf_opens_in_the_requested_dtype(vocab, tmp_path):
@@ -347,7 +357,7 @@ def test_a_gguf_cut_short_in_its_tensors_names_the_tensor_and_the_missing_bytes(
     path = tmp_path / "cut.gguf"
     path.write_bytes(whole[:int(len(whole) * cut)])
     for keep in (False, True):
-        with pytest.raises(AstraiError, match=r"cut.gguf: the GGUF file is truncated \(tensor '[a-z0-9_.]+' ends at "
+        with pytest.raises(AstraiError, match=r"^\S*cut.gguf: the GGUF file is truncated \(tensor '[a-z0-9_.]+' ends at "
                                               r"byte \d+, past the file's end .* bytes are missing\)"):
             astrai_gguf.load_gguf_model(path, keep_quantized=keep)
 
@@ -376,6 +386,56 @@ def test_unsupported_architecture_tensor_type_and_metadata_are_named(vocab, tmp_
     path = write_gguf(tmp_path / "c.gguf", reference, odd, Q.F32, vocab, kinds={name: Q.IQ4_NL})
     with pytest.raises(AstraiError, match="'blk.0.ffn_up.weight' has type IQ4_NL"):
         AutoModel.from_pretrained(path)
+
+
+@pytest.mark.parametrize("skip,raw,message", [
+    ("head_count", {"attention.head_count": [4, 4]}, r"'llama.attention.head_count' is \[4, 4\]; astrai needs one integer"),
+    ("block_count", {"block_count": "2"}, "'llama.block_count' is '2'; astrai needs one integer"),
+    ("layer_norm_rms_eps", {"attention.layer_norm_rms_epsilon": [1e-5, 1e-5]}, "astrai needs one number"),
+    ("layer_norm_rms_eps", {"attention.layer_norm_rms_epsilon": "1e-5"}, "'1e-5'; astrai needs one number")])
+def test_metadata_of_another_type_or_per_layer_values_are_named(skip, raw, message, vocab, tmp_path):
+    reference, tensors = build_case("llama", Q.F32, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.F32, vocab, skip_keys=(skip,), raw_keys=raw)
+    with pytest.raises(AstraiError, match=message):
+        AutoModel.from_pretrained(path)
+
+
+@pytest.mark.parametrize("extra,raw,message", [
+    ({"expert_count": 8}, {}, "mixture-of-experts GGUF files are not supported"),
+    ({"value_length": 8}, {}, "key and value head sizes differ"),
+    ({"rope_dimension_count": 8}, {}, "rotary embedding covers part of each head"),
+    ({}, {"rope.scaling.type": "longrope"}, "rope scaling 'longrope' is not supported")])
+def test_models_astrai_cannot_represent_are_refused_naming_why(extra, raw, message, vocab, tmp_path):
+    reference, tensors = build_case("llama", Q.F32, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.F32, vocab, extra_keys=extra, raw_keys=raw)
+    with pytest.raises(AstraiError, match=message):
+        AutoModel.from_pretrained(path)
+
+
+def test_tensors_astrai_has_no_place_for_or_lacks_are_named(vocab, tmp_path):
+    reference, tensors = build_case("llama", Q.F32, vocab)
+    sinks = write_gguf(tmp_path / "sinks.gguf", reference, tensors, Q.F32, vocab,
+                       extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
+    with pytest.raises(AstraiError, match="tensor 'blk.0.attn_sinks.weight' has no astrai counterpart"):
+        AutoModel.from_pretrained(sinks)
+    headless = {k: v for k, v in tensors.items() if k != "model.embed_tokens.weight"}
+    with pytest.raises(AstraiError, match="has no token_embd.weight tensor"):
+        AutoModel.from_pretrained(write_gguf(tmp_path / "e.gguf", reference, headless, Q.F32, vocab))
+    both = write_gguf(tmp_path / "both.gguf", reference, tensors, Q.F32, vocab, extra_keys={"rope_scaling_factor": 2.0},
+                      raw_keys={"rope.scaling.type": "linear"}, rope_freqs=np.ones(8, np.float32))
+    with pytest.raises(AstraiError, match="has both rope_freqs.weight and rope scaling metadata"):
+        AutoModel.from_pretrained(both)
+
+
+def test_a_quantized_vector_is_dequantized_when_the_matrices_are_kept(vocab, tmp_path):
+    """Only matrices keep their blocks: a norm stored as Q8_0 (a 1-d tensor) is read as floats."""
+    reference, tensors = build_case("llama", Q.Q8_0, vocab)
+    norm = reference.model.norm.weight.detach().numpy()
+    blocks = gguf.quants.quantize(norm, Q.Q8_0)
+    path = write_gguf(tmp_path / "m.gguf", reference, {**tensors, "model.norm.weight": blocks}, Q.Q8_0, vocab,
+                      kinds={"model.norm.weight": Q.Q8_0})
+    model = astrai_gguf.load_gguf_model(path, keep_quantized=True)
+    assert torch.equal(model.norm.weight, torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q8_0)))
 
 
 @pytest.mark.parametrize("change,message", [
