@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 from server_helpers import MODEL_NAME
@@ -125,3 +127,22 @@ def test_metrics_are_prometheus_text_with_engine_gauges(server_url):
             name_labels, value = line.rsplit(" ", 1)
             float(value)
             assert name_labels.startswith("astrai_")
+
+
+def test_a_declared_oversized_body_is_refused_before_it_is_read(server_url):
+    """Content-Length over the limit: 413 naming the declared size, without reading the body."""
+    host, port = server_url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {10**9}\r\n\r\n{{}}".encode())
+        reply = b""
+        while b"}}" not in reply and (chunk := conn.recv(65536)):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413") and b"is 1000000000 bytes" in reply, reply
+
+
+def test_json_nested_past_the_depth_limit_but_within_python_recursion_gets_400(server_url):
+    nested = b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x", "name": ' \
+             + b"[" * 80 + b"]" * 80 + b"}]}"
+    resp = raw_post(server_url, CHAT, nested)
+    assert resp.status_code == 400 and "nested more than 64 levels" in resp.json()["error"]["message"]

@@ -92,6 +92,11 @@ def test_content_parts_are_published_as_text_parts(client, schemas):
     assert client.post("/v1/chat/completions", json=image).status_code == 400
     empty = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
     assert client.post("/v1/chat/completions", json=empty).status_code == 400
+    for blocks in ([{"type": "image", "source": {}}], [{"type": "text"}]):
+        resp = client.post("/v1/messages", json={**CHAT, "messages": [{"role": "user", "content": blocks}]})
+        assert resp.status_code == 400 and "text blocks only" in resp.json()["error"]["message"], resp.text
+    resp = client.post("/v1/messages", json={**CHAT, "system": [{"type": "image"}]})
+    assert resp.status_code == 400 and "system.0" in resp.json()["error"]["message"]
 
 
 def test_count_tokens_takes_max_tokens_null_as_its_document_says(client, schemas):
@@ -153,3 +158,52 @@ def test_checks_across_fields_and_stop_strings_are_published(client, schemas):
     assert schemas["MessagesRequest"]["properties"]["stop_sequences"]["anyOf"][0]["maxItems"] == 16
     for stop in ("", [""], ["x"] * 17):
         assert client.post("/v1/chat/completions", json={**CHAT, "stop": stop}).status_code == 422
+
+
+def test_token_ids_are_checked_against_the_tokenizer_the_echo_decodes_with(tokenizer, tmp_path):
+    """A model whose embedding is wider than its tokenizer: ids past the tokenizer are refused,
+    as the document's maximum says, though the engine would take them."""
+    from astrai.config import preset
+    from astrai.inference import InferenceEngine
+    from astrai.model import AutoModel
+
+    cfg = preset("tiny", vocab_size=tokenizer.vocab_size + 64, n_layers=1, dim=32, n_heads=2, n_kv_heads=1,
+                 dim_ffn=64, max_len=64)
+    AutoModel.from_config(cfg).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with InferenceEngine.from_pretrained(str(tmp_path), max_seq_len=64, page_size=16) as engine:
+        with TestClient(create_app(engine, model_name=MODEL_NAME), base_url="http://localhost") as client:
+            beyond = tokenizer.vocab_size + 10
+            resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [[5], [6, beyond]],
+                                                        "max_tokens": 1, "echo": True})
+            assert resp.status_code == 400 and f"prompt 1 has token ids outside [0, {tokenizer.vocab_size})" \
+                in resp.json()["error"]["message"], resp.text
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "n", 17), ("/v1/chat/completions", "temperature", 2.5),
+    ("/v1/chat/completions", "top_logprobs", 21), ("/v1/chat/completions", "top_p", 0),
+    ("/v1/chat/completions", "top_k", -2), ("/v1/chat/completions", "min_p", 1.5),
+    ("/v1/chat/completions", "presence_penalty", 2.5), ("/v1/chat/completions", "frequency_penalty", -2.5),
+    ("/v1/chat/completions", "repetition_penalty", 0), ("/v1/chat/completions", "max_completion_tokens", 0),
+    ("/v1/completions", "logprobs", 21), ("/v1/completions", "max_tokens", -1),
+    ("/v1/messages", "temperature", 1.5), ("/v1/messages", "top_k", -1), ("/v1/messages", "max_tokens", 0)])
+def test_every_published_bound_is_enforced(client, path, field, value):
+    body = {**CHAT, "prompt": "hi"} if path == "/v1/completions" else CHAT
+    resp = client.post(path, json={**body, field: value})
+    assert resp.status_code == 422 and field in str(resp.json()), resp.text
+
+
+def test_a_prompt_of_the_wrong_shape_gets_one_sentence(client):
+    resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ["a", 1]})
+    message = resp.json()["error"]["message"]
+    assert resp.status_code == 422 and "expected a string, a list of strings, a list of token ids" in message
+    assert message.count("prompt") == 1
+
+
+def test_streams_are_published_as_server_sent_events(client):
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        event = paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+        assert event["type"] == "object" and event["required"] == ["data"]
+        assert set(event["properties"]) == {"event", "data"}

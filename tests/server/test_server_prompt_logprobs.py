@@ -99,7 +99,8 @@ def test_text_offsets_count_whole_characters_when_tokens_split_them(server_url, 
 
 
 def test_streamed_text_offsets_equal_the_whole_response(server_url):
-    body = {"model": MODEL_NAME, "prompt": "雪🙂", "max_tokens": 12, "temperature": 0, "echo": True, "logprobs": 1}
+    body = {"model": MODEL_NAME, "prompt": "雪🙂", "max_tokens": 12, "temperature": 1, "seed": 3, "echo": True,
+            "logprobs": 1, "ignore_eos": True}
     whole = httpx.post(server_url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
     offsets, text = [], ""
     with httpx.stream("POST", server_url + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
@@ -110,3 +111,4 @@ def test_streamed_text_offsets_equal_the_whole_response(server_url):
                 offsets += (choice["logprobs"] or {}).get("text_offset", [])
     assert text == whole["text"] and offsets == whole["logprobs"]["text_offset"]
     assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    assert len(offsets) == len(whole["logprobs"]["tokens"]) and offsets[-1] > len("雪🙂")  # the completion has text
