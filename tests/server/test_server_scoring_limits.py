@@ -177,3 +177,21 @@ def test_a_scoring_request_past_max_queue_gets_503_while_others_are_scored(limit
         waiting.join()
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
     assert first["resp"].status_code == 200
+
+
+def test_generation_taken_before_scoring_is_aborted_when_scoring_is_refused(tiny_engine, monkeypatch):
+    async def refuse(self, prompts, n_top, capacity):
+        raise APIError("overloaded", "scoring is full")
+
+    monkeypatch.setattr(PromptScorer, "score_all", refuse)
+    aborted = tiny_engine.get_stats()["requests_aborted"]
+    with client_for(tiny_engine) as client:
+        resp = score(client, [[5, 6, 7], [8, 9]], max_tokens=200, n=2, ignore_eos=True)
+    assert resp.status_code == 503
+    assert tiny_engine.get_stats()["requests_aborted"] == aborted + 4  # two prompts, two choices each
+
+
+def test_more_prompts_to_score_than_the_queue_ever_holds_is_the_requests_fault(limited_engine):
+    with client_for(limited_engine) as client:
+        resp = score(client, [[5, 6]] * 5)  # --max-queue 4
+    assert resp.status_code == 400 and "--max-queue" in resp.json()["error"]["message"], resp.text
