@@ -152,6 +152,13 @@ def test_checks_across_fields_and_stop_strings_are_published(client, schemas):
     assert response_format["if"]["properties"]["type"] == {"const": "json_schema"}
     assert response_format["then"]["required"] == ["json_schema"]
     assert tool_choice["if"]["properties"]["type"] == {"const": "tool"} and tool_choice["then"]["required"] == ["name"]
+    for name in ("ChatCompletionRequest", "MessagesRequest"):  # a forced call needs tools
+        assert schemas[name]["then"] == {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    assert "if" not in schemas["CountTokensRequest"]  # counting forces nothing
+    forced = {**CHAT, "tool_choice": "required"}
+    assert "lists no tools" in client.post("/v1/chat/completions", json=forced).json()["error"]["message"]
+    counted = {**CHAT, "tool_choice": {"type": "any"}}
+    assert client.post("/v1/messages/count_tokens", json=counted).status_code == 200
     stop_shapes = schemas["ChatCompletionRequest"]["properties"]["stop"]["anyOf"]
     assert stop_shapes[0] == {"type": "string", "minLength": 1}
     assert stop_shapes[1]["maxItems"] == 16 and stop_shapes[1]["items"]["minLength"] == 1

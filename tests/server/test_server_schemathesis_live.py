@@ -23,11 +23,10 @@ import httpx
 EXAMPLES = int(os.environ.get("ASTRAI_SCHEMATHESIS_EXAMPLES", "4"))
 RUN_CLI = "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())"
 # Refusals of schema-valid requests that depend on more than JSON Schema can say: a prompt's
-# length in tokens, a tool_choice naming one of the request's own tools or forcing a call
-# while the request gives no tools or also a response_format, a JSON Schema the constrained
-# decoder cannot compile.
+# length in tokens, a tool_choice naming one of the request's own tools, or forcing a call
+# while also giving a response_format, a JSON Schema the constrained decoder cannot compile.
 BEYOND_THE_DOCUMENT = ("max_prompt_len", "leaving no room to generate", "not among the request's tools",
-                       "lists no tools", "cannot also shape the reply", "cannot constrain generation")
+                       "cannot also shape the reply", "cannot constrain generation")
 
 
 def free_port() -> int:

@@ -166,6 +166,12 @@ class _OpenAISampling(_Body):
 class ChatCompletionRequest(_OpenAISampling):
     """Body of ``POST /v1/chat/completions``."""
 
+    # a forced call ("required", or a named function) needs tools to call (structured.forced_tools)
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rule(
+        {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                                             {"type": "object"}]}}},
+        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}))
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[integer(ge=1)] = None
     logprobs: StrictBool = False
@@ -246,6 +252,12 @@ class AnthropicToolChoice(_Body):
 class MessagesRequest(_Body):
     """Body of ``POST /v1/messages``."""
 
+    # a forced call (tool_choice "any" or "tool") needs tools to call (structured.forced_tools)
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rule(
+        {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}}},
+        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}))
+
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: integer(ge=1)
@@ -261,6 +273,8 @@ class MessagesRequest(_Body):
 
 
 class CountTokensRequest(MessagesRequest):
-    """Body of ``POST /v1/messages/count_tokens``: a message request whose ``max_tokens`` is optional."""
+    """Body of ``POST /v1/messages/count_tokens``: a message request whose ``max_tokens`` is optional
+    (and whose tool_choice forces nothing: no reply is generated)."""
 
+    model_config = ConfigDict(extra="ignore", json_schema_extra=None)
     max_tokens: Optional[integer(ge=1)] = None
