@@ -266,3 +266,30 @@ def test_the_plan_follows_torchs_thread_count():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], answers[2])
+
+
+def test_runs_on_more_threads_than_cores_beside_a_busy_process_give_the_one_thread_tokens():
+    """With more threads than cores and another process spinning, team members wait at the C
+    step's barriers past their spin and sleep (native/decode_step.c's team_barrier): every
+    wait must still end, and the tokens and logits are those of one thread."""
+    import os
+    import subprocess
+    import sys
+
+    answers = []
+    before = torch.get_num_threads()
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for threads in (1, 3 * (os.cpu_count() or 1)):
+            torch.set_num_threads(threads)
+            runner = _runner(make_model("tiny"))
+            assert runner.cache.task_alloc("a", list(range(1, 25)))
+            assert runner.fused_decode.ready()
+            tokens = runner.fused_decode.greedy_steps(5, runner.decode_target("a", 4, steps=20), stop_ids=[])
+            answers.append((tokens, runner.fused_decode._plan.threads))
+    finally:
+        hog.kill()
+        hog.wait()
+        torch.set_num_threads(before)
+    (one, _), (many, team) = answers
+    assert len(one) == 20 and many == one and team > 1

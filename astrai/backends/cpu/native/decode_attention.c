@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void attend_pair(
 }
 
 #define PAIR_LOOP(G, W, VW) \
-    _Pragma("omp for schedule(dynamic, 1)") \
+    _Pragma("omp for schedule(dynamic, 1) nowait") \
     for (int64_t pair = 0; pair < rows * heads; ++pair) { \
         const int64_t row = pair / heads, head = pair % heads; \
         attend_pair(q + pair * group * width, k + row * k_row_stride + head * k_head_stride, \
@@ -85,9 +85,9 @@ static inline __attribute__((always_inline)) void attend_pair(
     }
 
 /* The pairs shared among the threads of the team running it (all of them on one thread
- * outside a parallel region), each thread's scores in its slice of `workspace`; ends with
- * the worksharing loop's barrier. Exported for decode_step.c, which runs a whole step inside
- * one parallel region. */
+ * outside a parallel region), each thread's scores in its slice of `workspace`. No barrier:
+ * the end of astrai_decode_attention_f32's region is one, and decode_step.c, which runs a
+ * whole step inside one parallel region, puts its own after it. */
 void astrai_decode_attention_team(
     const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,

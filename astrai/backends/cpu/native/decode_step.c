@@ -15,6 +15,14 @@
  * attention are shared out among the team inside it, the arithmetic between them runs on
  * thread 0 between barriers, so no region is opened and closed per product.
  *
+ * Those barriers (some ten a layer) are the team's own, not OpenMP's. libgomp's barrier spins
+ * up to GOMP_SPINCOUNT pauses (300,000 by default: milliseconds) before it sleeps, which suits
+ * a machine whose cores are all the team's; when another process competes for a core, the
+ * thread it displaced arrives a time slice late while the others spin on their cores, and a
+ * decode step of a few milliseconds takes several times that. team_barrier spins for about
+ * SPIN_NS, then yields the core a few times, then sleeps on a futex until the last thread
+ * arrives and wakes it: on an idle machine a wait ends inside the spin, as with libgomp.
+ *
  * Per layer, `layers` holds COLUMNS int64 values:
  *   0 input norm weight   1 post-attention norm weight
  *   2 joint q/k/v bias [q + 2 kv] or 0   3 QK-norm's q weight [head_dim] or 0   4 its k weight or 0
@@ -31,11 +39,17 @@
  * head's product finds as it writes them: a greedy request needs no other pass.
  * Every weight is row-major, nn.Linear's [out][in].
  */
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 enum { COLUMNS = 29, WEIGHT_VALUES = 5, QKV = 9, O = 14, GATE_UP = 19, DOWN = 24 };
 
@@ -70,6 +84,59 @@ void astrai_decode_attention_team(
     int64_t k_row_stride, int64_t k_head_stride, int64_t k_pos_stride,
     int64_t v_row_stride, int64_t v_head_stride, int64_t v_pos_stride,
     float scale, int64_t max_len);
+
+enum { SPIN_NS = 50000, YIELDS = 4 };  /* a wait spins about 50 us, yields 4 times, then sleeps */
+
+/* A barrier of the threads of one team. `generation` counts completed barriers; a thread
+ * arriving waits until it moves on. Sleepers announce themselves before sleeping and the last
+ * arriver wakes them only when there are any; both sides' seq_cst accesses (sleepers, then
+ * generation; generation, then sleepers) make sure that a sleeper either sees the new
+ * generation or is seen and woken. */
+struct team_barrier {
+    atomic_int arrived, generation, sleepers;
+};
+
+static void relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static int64_t nanoseconds_now(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+}
+
+static void team_barrier(struct team_barrier *b, int team)
+{
+    const int generation = atomic_load(&b->generation);
+    if (atomic_fetch_add(&b->arrived, 1) == team - 1) {
+        atomic_store(&b->arrived, 0);
+        atomic_fetch_add(&b->generation, 1);
+        if (atomic_load(&b->sleepers))
+            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        return;
+    }
+    const int64_t until = nanoseconds_now() + SPIN_NS;
+    for (int i = 1;; ++i) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != generation) return;
+        relax();
+        if (i % 64 == 0 && nanoseconds_now() >= until) break;
+    }
+    for (int i = 0; i < YIELDS; ++i) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != generation) return;
+        sched_yield();
+    }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->generation) == generation)
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, generation, NULL, NULL, 0);
+    atomic_fetch_sub(&b->sleepers, 1);
+}
 
 static void rms_norm(const float *x, const float *weight, float *out, int64_t n, float eps)
 {
@@ -135,8 +202,9 @@ static inline void product(const int64_t *w, const float *x, const float *bias, 
  * out, the few hundred floats of arithmetic between them run on thread 0 while the others
  * wait at the barrier. Each thread's stretch of the head leaves its argmax in best/top. */
 static void team_step(const struct astrai_decode_plan *plan, int64_t token, int64_t pos, int64_t k_offset,
-                      int64_t v_offset, float *logits, int64_t *best, float *top)
+                      int64_t v_offset, float *logits, int64_t *best, float *top, struct team_barrier *barrier)
 {
+    const int team = omp_get_num_threads();
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, head_dim = plan->head_dim;
     const int64_t ffn = plan->ffn, capacity = plan->capacity;
     const float eps = plan->eps;
@@ -152,11 +220,11 @@ static void team_step(const struct astrai_decode_plan *plan, int64_t token, int6
         for (int64_t i = 0; i < dim; ++i) x[i] = embedding[i * plan->embedding_col_stride];
         rms_norm(x, f32(plan->layers[0]), h, dim, eps);
     }
-    #pragma omp barrier
+    team_barrier(barrier, team);
     for (int64_t l = 0; l < plan->n_layers; ++l) {
         const int64_t *p = plan->layers + COLUMNS * l;
         product(p + QKV, h, f32(p[2]), qkv, dim, q_width + 2 * kv_width, 0, 0);
-        #pragma omp barrier
+        team_barrier(barrier, team);
         float *k_buffer = (float *)(intptr_t)p[7], *v_buffer = (float *)(intptr_t)p[8];
         if (lead) {
             if (p[3]) {  /* QK-norm: each head's q and k normalised before the rotation */
@@ -172,19 +240,20 @@ static void team_step(const struct astrai_decode_plan *plan, int64_t token, int6
                 memcpy(v_buffer + (g * capacity + pos) * head_dim, v + g * head_dim, sizeof(float) * (size_t)head_dim);
             }
         }
-        #pragma omp barrier
+        team_barrier(barrier, team);
         astrai_decode_attention_team(q, k_buffer, v_buffer, attended, &len, plan->attention_workspace, 1, kv_heads,
                                      heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
                                      0, capacity * head_dim, head_dim, plan->scale, capacity);
+        team_barrier(barrier, team);
         product(p + O, attended, 0, out, q_width, dim, 0, 0);
-        #pragma omp barrier
+        team_barrier(barrier, team);
         if (lead) {
             for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
             rms_norm(x, f32(p[1]), h, dim, eps);
         }
-        #pragma omp barrier
+        team_barrier(barrier, team);
         product(p + GATE_UP, h, 0, gate_up, dim, 2 * ffn, 0, 0);
-        #pragma omp barrier
+        team_barrier(barrier, team);
         if (lead) {
             #pragma omp simd
             for (int64_t j = 0; j < ffn; ++j) {
@@ -192,17 +261,17 @@ static void team_step(const struct astrai_decode_plan *plan, int64_t token, int6
                 gate_up[j] = g / (1.0f + exp_lanes(-g)) * gate_up[ffn + j];
             }
         }
-        #pragma omp barrier
+        team_barrier(barrier, team);
         product(p + DOWN, gate_up, 0, out, ffn, dim, 0, 0);
-        #pragma omp barrier
+        team_barrier(barrier, team);
         if (lead) {  /* the residual, and the next layer's input norm (or the final one) */
             for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
             rms_norm(x, l + 1 < plan->n_layers ? f32(p[COLUMNS]) : plan->final_norm, h, dim, eps);
         }
-        #pragma omp barrier
+        team_barrier(barrier, team);
     }
     product(plan->head, h, 0, logits, dim, plan->vocab, best, top);
-    #pragma omp barrier
+    team_barrier(barrier, team);
 }
 
 static double seconds_now(void)
@@ -222,17 +291,18 @@ static int64_t run_steps(const struct astrai_decode_plan *plan, int64_t token, i
     float top[MAX_TEAM];
     int64_t done = 0;
     int stop = 0;
+    struct team_barrier barrier = {0, 0, 0};
     const int threads = plan->threads < MAX_TEAM ? (int)plan->threads : MAX_TEAM;
     #pragma omp parallel num_threads(threads)
     while (!stop) {
-        team_step(plan, token, pos + done, k_offsets[done], v_offsets[done], logits, best, top);
-        #pragma omp single
-        {
+        team_step(plan, token, pos + done, k_offsets[done], v_offsets[done], logits, best, top, &barrier);
+        if (omp_get_thread_num() == 0) {
             token = astrai_team_argmax(best, top, omp_get_num_threads());
             tokens[done++] = token;
             stop = done >= n_steps || token < 0 || token >= embedding_rows || seconds_now() - start >= max_seconds;
             for (int64_t i = 0; i < n_stop && !stop; ++i) stop = token == stop_ids[i];
-        }  /* its barrier: every thread sees the new token and `stop` */
+        }
+        team_barrier(&barrier, omp_get_num_threads());  /* every thread sees the new token and `stop` */
     }
     return done;
 }
