@@ -56,6 +56,9 @@ PRETRAIN_EMBEDDING_LR_SCALE = 12.0
 # taken while another program holds a core can read half the real rate and halve pre-training.
 PACE_CHECK_STEPS = (5, 25)
 PACE_TOLERANCE = 0.2
+# GRPO times this many of its steps, then plans the steps that fit in its share: its rollouts
+# run the inference engine, whose pace under contention the training throughput does not tell.
+GRPO_TIMED_STEPS = 3
 TRAIN_STAGES = tuple(STAGE_SHARES)
 PLAN_FILE = "plan.json"  # the optimizer steps each stage planned; `--plan` pins a run to it
 # With the large corpus (astrai.dataset.corpus), a run takes this much of its text per minute of
@@ -182,6 +185,33 @@ def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int,
                     context.total_steps = context.step
 
     return PaceCheck()
+
+
+def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, clock=time.perf_counter):
+    """A TrainCallback for a stage at a constant learning rate (GRPO): it times steps 2 to
+    ``timed_steps + 1`` (the first one also starts the inference engine) and, when fewer
+    steps than planned fit in ``seconds``, plans that many instead (kept in ``planned``), so
+    that the stage completes the steps it reports as planned. It never plans more: the
+    estimate it replaces may be pessimistic, and the stage's data and checkpoints are sized
+    by the first plan."""
+    from astrai.trainer import TrainCallback
+
+    class Replan(TrainCallback):
+        planned: Optional[int] = None
+
+        def on_train_begin(self, context) -> None:
+            self.began = clock()
+
+        def on_step_end(self, context) -> None:
+            if context.step == 1:
+                self.first = clock()
+            elif context.step == timed_steps + 1 and not context.done:
+                now = clock()
+                fit = context.step + int((seconds - (now - self.began)) / ((now - self.first) / timed_steps))
+                if fit < context.total_steps:
+                    context.total_steps = self.planned = max(context.step, fit)
+
+    return Replan()
 
 
 # --- the run ------------------------------------------------------------------------
@@ -530,6 +560,10 @@ class Quickstart:
             callbacks = [make_stop_at_step_callback(stop)] if stop else []
         else:
             callbacks = [make_stage_deadline_callback(self.stage_time_limit(name, seconds))]
+        replan = None
+        if name == "grpo" and not self.s.steps:
+            replan = make_replan_callback(seconds)
+            callbacks.append(replan)
         pace = None
         # only a fresh, time-sized pre-training whose checkpoints all come after the timed steps
         if check_pace and name == "pretrain" and callbacks and checkpoint is None and config.ckpt_interval > PACE_CHECK_STEPS[1]:
@@ -551,7 +585,8 @@ class Quickstart:
         train_seconds = time.perf_counter() - start
         metrics = _metrics(self.stage_dir(name) / "ckpt")
         record = {
-            "name": name, "steps": context.step, "planned_steps": config.max_steps, "tokens": context.tokens_seen,
+            "name": name, "steps": context.step, "tokens": context.tokens_seen,
+            "planned_steps": replan.planned if replan is not None and replan.planned else config.max_steps,
             "cpu_products": context.cpu_products,
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),

@@ -66,7 +66,8 @@ def _what_was_trained(summary: dict) -> str:
 
 def _describe(change: dict) -> str:
     title = STAGE_TITLES.get(change["stage"], change["stage"])
-    parts = [f"bits/byte {name} {c['relative']:+.1%}" for name, c in change["bits_per_byte"].items()]
+    bits = [f"{name} {c['relative']:+.1%}" for name, c in change["bits_per_byte"].items()]
+    parts = ["bits/byte " + ", ".join(bits)] if bits else []
     if "accuracy" in change:
         a = change["accuracy"]
         low, high = a["interval"]

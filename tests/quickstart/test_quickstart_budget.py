@@ -12,7 +12,8 @@ import astrai.trainer
 from astrai.cli import main
 from astrai.quickstart import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE, PRETRAIN_STEP_SHARE,
                                SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline, Quickstart, Settings,
-                               make_pace_check_callback, make_stage_deadline_callback, write_json)
+                               make_pace_check_callback, make_replan_callback, make_stage_deadline_callback,
+                               write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -207,3 +208,32 @@ def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, 
     assert saved == {"tokens_per_s": pytest.approx(real_rate), "probed_tokens_per_s": 4000.0}
     saved_plan = json.loads((qs.stage_dir("pretrain") / "train_config.json").read_text())
     assert saved_plan["max_steps"] == runs[1]["planned"]  # a resumed run continues the second plan
+
+
+class _Context:
+    def __init__(self, total_steps):
+        self.step, self.total_steps = 0, total_steps
+
+    @property
+    def done(self):
+        return self.step >= self.total_steps
+
+
+def _run_replan(total_steps, seconds=20.0):
+    """Steps of 2 s after a first one of 5 s (it starts the engine), the callback timing three."""
+    now = [0.0]
+    replan = make_replan_callback(seconds, timed_steps=3, clock=lambda: now[0])
+    context = _Context(total_steps)
+    replan.on_train_begin(context)
+    for step, ends_at in enumerate((5.0, 7.0, 9.0, 11.0), start=1):
+        now[0], context.step = ends_at, step
+        replan.on_step_end(context)
+    return replan, context
+
+
+def test_grpo_plans_again_from_its_own_timed_steps():
+    # at step 4, 11 s in, steps take 2 s: four more fit in the 9 s left
+    replan, context = _run_replan(total_steps=50)
+    assert context.total_steps == replan.planned == 8
+    replan, context = _run_replan(total_steps=6)  # fewer than fit: the plan stands
+    assert context.total_steps == 6 and replan.planned is None
