@@ -20,6 +20,10 @@ from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw, r
 from astrai.inference.task import Task
 from astrai.inference.types import TokenLogprob
 
+# a temperature this small is greedy decoding (vLLM draws the same line): dividing by it would
+# overflow float32 logits, or round to 0 and read as "no temperature"
+GREEDY_BELOW = 1e-5
+
 Sampled = tuple[int, Optional[TokenLogprob]]  # a token id and, when asked for, its log-probability entry
 
 
@@ -109,20 +113,29 @@ class Executor:
         if allowed is None and all(p.temperature == 0 for p in params) and not any(_has_penalty(p) for p in params):
             ids = argmax if argmax is not None else row_argmax(logits).tolist()
         else:
-            logits = logits.clone() if allowed is None else allowed.apply(logits)
-            for i, (t, p) in enumerate(zip(tasks, params)):
-                if _has_penalty(p):
-                    apply_penalties(logits[i], t.context, t.output_ids, p.repetition_penalty,
-                                    p.frequency_penalty, p.presence_penalty)
+            logits = logits.clone()
+            penalised = [i for i, p in enumerate(params) if _has_penalty(p)]
+            for i in penalised:
+                p = params[i]
+                apply_penalties(logits[i], tasks[i].context, tasks[i].output_ids, p.repetition_penalty,
+                                p.frequency_penalty, p.presence_penalty)
+            if penalised:  # an extreme penalty overflows a logit; keep every row finite before masking
+                limit = torch.finfo(logits.dtype).max
+                logits.nan_to_num_(nan=-limit, posinf=limit, neginf=-limit)
+            if allowed is not None:  # after the penalties, so a forbidden token can never come back
+                logits = allowed.apply(logits)
             ids = row_argmax(logits)
-            sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+            sampled = [i for i, p in enumerate(params) if p.temperature > GREEDY_BELOW]
             if sampled:
                 rows = logits[sampled]
                 chosen = [params[i] for i in sampled]
                 pipeline = SamplingPipeline.for_rows([p.temperature for p in chosen], [p.top_k for p in chosen],
                                                      [p.top_p for p in chosen], [p.min_p for p in chosen], rows.device)
                 probs = pipeline.apply(rows).softmax(dim=-1)
-                ids[sampled] = draw(probs, [tasks[i].generator for i in sampled], self.generator)
+                drawn = draw(probs, [tasks[i].generator for i in sampled], self.generator)
+                # logits too large for their temperature leave no distribution: such a row decodes greedily
+                broken = ~probs.isfinite().all(dim=-1)
+                ids[sampled] = torch.where(broken, ids[sampled], drawn)
             ids = ids.tolist()
         if raw_logprobs is None:
             return [(tok, None) for tok in ids]

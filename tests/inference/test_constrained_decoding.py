@@ -140,3 +140,24 @@ def test_the_text_api_takes_a_schema(engine):
     text = engine.generate("Give a number:", max_tokens=30, temperature=0,
                            json_schema={"type": "integer", "minimum": 10, "maximum": 99})
     assert 10 <= json.loads(text) <= 99
+
+
+@pytest.mark.parametrize("extreme", [
+    {"repetition_penalty": 2e-109, "temperature": 1.0},  # divides positive logits past float32's range
+    {"repetition_penalty": 1e300, "temperature": 0.0},  # pushes negative logits to -inf
+    {"temperature": 1e-300},  # rounds to 0 in float32: no distribution to draw from
+])
+def test_extreme_sampling_values_keep_the_constraint(engine, tokenizer, extreme):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    prompt = tokenizer.encode("Describe it as JSON:")
+    result = engine.submit(prompt, SamplingParams(max_tokens=40, seed=3, json_schema=schema, **extreme)).result()
+    assert result.finish_reason == "stop", result.text
+    jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_a_temperature_below_float32_decodes_greedily(engine, tokenizer):
+    prompt = tokenizer.encode("hello")
+    tiny = engine.submit(prompt, SamplingParams(max_tokens=12, temperature=1e-300, seed=1)).result()
+    greedy = engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.0)).result()
+    assert tiny.token_ids == greedy.token_ids
