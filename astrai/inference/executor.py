@@ -117,6 +117,10 @@ class Executor:
             penalised = [i for i, p in enumerate(params) if _has_penalty(p)]
             for i in penalised:
                 p = params[i]
+                if p.logit_bias:
+                    biased = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                    logits[i, biased] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                                      device=logits.device)
                 apply_penalties(logits[i], tasks[i].context, tasks[i].output_ids, p.repetition_penalty,
                                 p.frequency_penalty, p.presence_penalty)
             if penalised:  # an extreme penalty overflows a logit; keep every row finite before masking
@@ -156,4 +160,6 @@ class Executor:
 
 
 def _has_penalty(p) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    """Whether ``p`` moves logits before the filters (a bias or a penalty), so its row needs the full sampler."""
+    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            or bool(p.logit_bias))

@@ -18,6 +18,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 and top_p 1.0 and min_p 0.0 mean "off".
     ``stop`` strings end generation and are not included in the returned text.
     ``seed`` makes sampling reproducible for this request regardless of batch mates.
+    ``logit_bias`` adds a value in [-100, 100] to a token id's logit before anything else
+    (OpenAI's definition: -100 bans a token, 100 all but forces it).
     At most one of ``json_schema`` (a dict or its JSON text), ``regex`` and ``grammar`` (Lark,
     or llama.cpp's GBNF) holds the output to a language (astrai/inference/constraints.py).
     """
@@ -30,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -56,6 +56,13 @@ def check_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -
         value = getattr(p, name)
         if not _is_number(value) or not -2 <= value <= 2:
             raise RequestError(f"{name} must be in [-2, 2], got {value!r}")
+    if not isinstance(p.logit_bias, dict):
+        raise RequestError(f"logit_bias must map token ids to numbers, got {type(p.logit_bias).__name__}")
+    for tok, bias in p.logit_bias.items():
+        if not _is_int(tok) or not 0 <= tok < vocab_size:
+            raise RequestError(f"logit_bias key {tok!r} is not a token id in [0, {vocab_size})")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise RequestError(f"logit_bias of token {tok} must be in [-100, 100], got {bias!r}")
     if p.seed is not None and not _is_int(p.seed):
         raise RequestError(f"seed must be an integer or None, got {p.seed!r}")
     if not _is_int(p.top_logprobs) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:

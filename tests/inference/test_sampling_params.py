@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams, SamplingPipeline
 from astrai.inference.sampling import (FIRST_RANKS, RANKS_GROWTH, MinPStrategy, TopKStrategy, TopPStrategy,
                                       apply_penalties, draw)
-from inference_helpers import greedy_reference
+from inference_helpers import greedy_reference, make_model
 
 
 def _counts(pipeline, logits, n=3000, seed=0):
@@ -246,3 +249,24 @@ def test_unseeded_requests_leave_the_global_random_state_alone(gqa_model):
                    for i in range(4)]
         assert all(len(h.result(timeout=30).token_ids) == 6 for h in handles)
         assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    model = make_model("tiny", vocab_size=64, max_len=64)
+    with InferenceEngine(model, None, max_batch_size=4, max_seq_len=64) as engine:
+        prompt = [1, 2, 3]
+        plain = engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0)).result().token_ids
+        banned = engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                      logit_bias={t: -100 for t in set(plain)})).result().token_ids
+        forced = engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=1,
+                                                      logit_bias={7: 100})).result().token_ids
+    assert not set(banned) & set(plain)
+    assert forced == [7] * 6
+
+
+@pytest.mark.parametrize("bias,words", [({64: 1.0}, "not a token id"), ({"3": 1.0}, "not a token id"),
+                                        ({3: 101}, "[-100, 100]"), ([3], "must map")])
+def test_logit_bias_is_checked(bias, words):
+    with InferenceEngine(make_model("tiny", vocab_size=64, max_len=64), None, max_batch_size=2, max_seq_len=64) as engine:
+        with pytest.raises(RequestError, match=re.escape(words)):
+            engine.submit([1, 2], SamplingParams(max_tokens=2, logit_bias=bias))

@@ -114,15 +114,26 @@ def test_405_names_the_allowed_methods(client):
 
 
 @pytest.mark.parametrize("bias,words", [({"not-a-token": 5}, "'not-a-token'"), ({"-1": 5}, "'-1'"),
-                                        ({"999999": 1}, "'999999'"), ({"5": 10}, "not supported")])
-def test_logit_bias_is_refused_never_ignored(client, schemas, bias, words):
+                                        ({"999999": 1}, "'999999'")])
+def test_logit_bias_keys_that_are_no_token_id_are_refused(client, bias, words):
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi"})):
         resp = client.post(path, json={**body, "logit_bias": bias})
         assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.text
     score_only = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0, "echo": True, "logit_bias": bias}
     assert client.post("/v1/completions", json=score_only).status_code == 400
-    assert client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {}}).status_code == 200
-    assert schemas["ChatCompletionRequest"]["properties"]["logit_bias"]["maxProperties"] == 0
+
+
+def test_logit_bias_steers_the_tokens(client, schemas, tiny_engine):
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+    forced = tiny_engine.tokenizer.encode("x")[-1]
+    steered = client.post("/v1/completions", json={**body, "logit_bias": {str(forced): 100}}).json()
+    assert steered["choices"][0]["logprobs"]["tokens"] == [tiny_engine.tokenizer.decode([forced])] * 4 != plain
+    chat = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True,
+                                                     "logit_bias": {str(forced): 100}}).json()
+    tokens = [t["token"] for t in chat["choices"][0]["logprobs"]["content"]]
+    assert tokens == [tiny_engine.tokenizer.decode([forced])] * 3
+    assert schemas["ChatCompletionRequest"]["properties"]["logit_bias"]["propertyNames"]["pattern"] == "^[0-9]{1,9}$"
 
 
 @pytest.mark.parametrize("path", ["/stats", "/metrics"])

@@ -41,22 +41,18 @@ class _OpenAIBase(ProtocolHandler):
     def logprob_settings(self) -> tuple[bool, int]:
         """(whether to return logprobs, how many alternatives per token)."""
 
-    def check_logit_bias(self) -> None:
-        """``logit_bias`` maps token ids to biases. The engine applies none, so a map that asks for
-        any is refused (naming keys that are no token id first), never silently ignored."""
-        bias = self.body.logit_bias
-        if not bias:
-            return
+    def logit_bias(self) -> dict[int, float]:
+        """``logit_bias`` with its keys as token ids; a key that is no token id is a 400, never ignored."""
+        bias = self.body.logit_bias or {}
         vocab = self.state.tokenizer.vocab_size
         wrong = [key for key in bias if not (key.isascii() and key.isdigit() and int(key) < vocab)]
         if wrong:
             raise APIError("invalid_request", f"logit_bias keys must be token ids in [0, {vocab}) written as "
                            f"strings, got {', '.join(map(repr, wrong[:3]))}", param="logit_bias")
-        raise APIError("invalid_request", "logit_bias is not supported by this server; send the request without it",
-                       param="logit_bias")
+        return {int(key): float(value) for key, value in bias.items()}
 
     async def handle(self) -> Response:
-        self.check_logit_bias()
+        self.logit_bias()
         return await super().handle()
 
     def sampling_params(self, choice: int) -> SamplingParams:
@@ -67,7 +63,8 @@ class _OpenAIBase(ProtocolHandler):
             max_tokens=self.state.max_tokens_for(self.requested_max_tokens()),
             temperature=b.temperature, top_p=b.top_p, top_k=max(b.top_k, 0), min_p=b.min_p,
             repetition_penalty=b.repetition_penalty, frequency_penalty=b.frequency_penalty,
-            presence_penalty=b.presence_penalty, seed=seed, ignore_eos=b.ignore_eos, logprobs=want_logprobs, top_logprobs=top,
+            presence_penalty=b.presence_penalty, logit_bias=self.logit_bias(), seed=seed, ignore_eos=b.ignore_eos,
+            logprobs=want_logprobs, top_logprobs=top,
             json_schema=self.output_schema())
 
     def output_schema(self) -> Optional[dict]:
@@ -270,7 +267,7 @@ class OpenAICompletionHandler(_OpenAIBase):
                            "(with logprobs for the scores) and stream: false", param="max_tokens")
         if not score_only:
             return await super().handle()
-        self.check_logit_bias()
+        self.logit_bias()
         self.check_model()
         prompts = self.build_prompt()
         self.state.check_fits_queue(len(self._prompts))

@@ -153,9 +153,9 @@ class _OpenAISampling(_Body):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # token id (as a string) -> bias; the engine applies none yet, so the handlers refuse a map that asks for any
+    # token id (as a string) -> bias added to its logit before sampling
     logit_bias: Optional[dict[str, Annotated[Float, Field(ge=-100, le=100)]]] = Field(
-        default=None, json_schema_extra={"maxProperties": 0})
+        default=None, json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,9}$"}})
     ignore_eos: StrictBool = False  # an extension (as in vLLM): generate to max_tokens even past end tokens
     response_format: Optional[ResponseFormat] = None
 
