@@ -24,9 +24,10 @@ EXAMPLES = int(os.environ.get("ASTRAI_SCHEMATHESIS_EXAMPLES", "4"))
 RUN_CLI = "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())"
 # Refusals of schema-valid requests that depend on more than JSON Schema can say: a prompt's
 # length in tokens, a tool_choice naming one of the request's own tools, or forcing a call
-# while also giving a response_format, a JSON Schema the constrained decoder cannot compile.
+# while also giving a response_format, a JSON Schema the constrained decoder cannot compile,
+# a logit_bias key (a string of digits) past the vocabulary.
 BEYOND_THE_DOCUMENT = ("max_prompt_len", "leaving no room to generate", "not among the request's tools",
-                       "cannot also shape the reply", "cannot constrain generation")
+                       "cannot also shape the reply", "cannot constrain generation", "logit_bias keys must be token ids")
 
 
 def free_port() -> int:
