@@ -17,17 +17,13 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from astrai.errors import DataError
+from astrai.model.quantized import quantization_targets
 
 CALIBRATION_TOKENS = 4096  # about eight windows of text: enough for a stable mean square per channel
 CALIBRATION_WINDOW = 512
-# the block's signed largest weight lands on these levels (Q4_0's rule is -8), then is refitted
-CANDIDATE_LEVELS = (-9.0, -8.5, -8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, -6.25, -6.0, -5.5,
-                    6.0, 6.5, 7.0, 7.5)
-BLOCK = 32
 
 
 def calibration_ids(tokenizer, path: str | Path, tokens: int = CALIBRATION_TOKENS) -> list[int]:
@@ -76,58 +72,6 @@ def activation_importance(model: nn.Module, token_ids: list[int], names: Iterabl
     return {name: total[0] / max(total[1], 1) for name, total in sums.items()}
 
 
-def quantize_int4_weighted(weight: torch.Tensor, importance: torch.Tensor,
-                           chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qweight, scales) of a float [out, in] weight in Q4_0's layout (astrai.model.quantized),
-    each block's scale the candidate of least importance-weighted squared error."""
-    out_features, in_features = weight.shape
-    if importance.shape != (in_features,):
-        raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({in_features},)")
-    padded = -(-in_features // BLOCK) * BLOCK
-    w = F.pad(weight.detach().float(), (0, padded - in_features))
-    a = importance.float().clamp_min(0)
-    mean = a.mean()
-    # relative to the mean, with a floor so that a channel never seen active still counts a little
-    a = (a / mean if mean > 0 else torch.ones_like(a)) + 1e-6
-    a = F.pad(a, (0, padded - in_features)).reshape(1, padded // BLOCK, BLOCK)
-    levels, scales = [], []
-    for start in range(0, out_features, chunk_rows):
-        blocks = w[start:start + chunk_rows].reshape(-1, padded // BLOCK, BLOCK)
-        q, d = _best_scales(blocks, a)
-        levels.append(q)
-        scales.append(d)
-    q = (torch.cat(levels) + 8).to(torch.uint8)
-    qweight = (q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).reshape(out_features, padded // 2)
-    return qweight.contiguous(), torch.cat(scales).squeeze(-1).to(torch.float16).contiguous()
-
-
-def _round_to_levels(blocks: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    return torch.clamp(torch.round(blocks * inverse), -8, 7)
-
-
-def _best_scales(blocks: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Levels in [-8, 7] and fp16-exact scales [..., 1] for blocks [rows, n, 32]."""
-    largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
-    best_error: Optional[torch.Tensor] = None
-    for level in CANDIDATE_LEVELS:
-        q = _round_to_levels(blocks, largest / level)
-        norm = (a * q * q).sum(-1, keepdim=True)
-        d = torch.where(norm > 0, (a * blocks * q).sum(-1, keepdim=True) / norm.clamp_min(1e-30),
-                        torch.zeros_like(norm))
-        d = d.to(torch.float16).float()  # the scale as stored
-        q = _round_to_levels(blocks, d)
-        error = (a * (blocks - q * d) ** 2).sum(-1, keepdim=True)
-        if best_error is None:
-            best_error, best_q, best_d = error, q, d
-        else:
-            better = error < best_error
-            best_error = torch.where(better, error, best_error)
-            best_q = torch.where(better, q, best_q)
-            best_d = torch.where(better, d, best_d)
-    return best_q, best_d
-
-
 def calibration_windows(model: nn.Module, tokens: int) -> tuple[int, int]:
     """(window, count): windows of CALIBRATION_WINDOW tokens, or of the model's ``max_len`` when
     that is shorter, and how many of them ``tokens`` tokens fill."""
@@ -142,8 +86,6 @@ def calibrate(model: nn.Module, tokenizer, path: str | Path, tokens: int = CALIB
     makes int4, measured on the first ``tokens`` tokens of ``path`` in windows the model takes
     (``calibration_windows``): pass the result to ``quantize_model(..., importance=...)``.
     ``progress`` is called with 1 after each window."""
-    from astrai.model.quantized import quantization_targets
-
     names = [name for name, bits in quantization_targets(model, 4) if bits == 4]
     window, _ = calibration_windows(model, tokens)
     was_training = model.training

@@ -37,6 +37,7 @@ from torch import nn
 
 from astrai.errors import CheckpointError, ConfigError
 from astrai.model.components.layers import Linear
+from astrai.model.int4_scales import quantize_int4_weighted
 
 GROUP_SIZE = 32
 FORMATS = {"int8": 8, "int4": 4, "int4-asym": 4}
@@ -186,8 +187,6 @@ class QuantizedLinear(nn.Module):
         if asymmetric:
             module.qweight, module.scales = quantize_weight(linear.weight, bits, asymmetric=True)
         elif bits == 4 and importance is not None:
-            from astrai.model.calibration import quantize_int4_weighted
-
             module.qweight, module.scales = (t.to(linear.weight.device) for t in
                                              quantize_int4_weighted(linear.weight.cpu(), importance.cpu()))
         else:

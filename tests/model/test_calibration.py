@@ -5,7 +5,8 @@ import torch
 
 from astrai.config import preset
 from astrai.model import AutoModel
-from astrai.model.calibration import activation_importance, quantize_int4_weighted
+from astrai.model.calibration import activation_importance
+from astrai.model.int4_scales import quantize_int4_weighted
 from astrai.model.quantized import dequantize_weight, quantize_weight
 
 
