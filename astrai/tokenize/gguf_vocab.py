@@ -1,4 +1,4 @@
-"""An AutoTokenizer from a GGUF file's metadata: byte-level BPE vocabulary, merges, special tokens, chat template.
+"""The tokenizer of a GGUF file's metadata: byte-level BPE vocabulary, merges, special tokens, chat template.
 
 llama.cpp stores the tokenizer as lists (``tokenizer.ggml.tokens``/``merges``/``token_type``)
 plus the name of the pre-tokenizer its merges were learned with (``tokenizer.ggml.pre``).
@@ -18,7 +18,6 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from astrai.errors import CheckpointError
 from astrai.model.gguf import GGUFMetadata, read_gguf
-from astrai.tokenize.tokenizer import AutoTokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types that are matched whole in text
 
@@ -63,8 +62,9 @@ def _token_at(tokens: list[str], meta: GGUFMetadata, key: str) -> str | None:
     return tokens[index]
 
 
-def tokenizer_from_metadata(meta: GGUFMetadata) -> AutoTokenizer:
-    """Build the tokenizer a GGUF file describes; CheckpointError naming what is missing or unsupported."""
+def tokenizer_from_metadata(meta: GGUFMetadata) -> tuple[Tokenizer, dict]:
+    """The ``tokenizers`` backend and AutoTokenizer config a GGUF file describes (AutoTokenizer wraps
+    them: this module stays below it); CheckpointError naming what is missing or unsupported."""
     kind = meta.need("tokenizer.ggml.model")
     if kind != "gpt2":
         raise CheckpointError(f"{meta.source}: tokenizer.ggml.model {kind!r} is not supported; astrai imports "
@@ -106,9 +106,9 @@ def tokenizer_from_metadata(meta: GGUFMetadata) -> AutoTokenizer:
     template = meta.get("tokenizer.chat_template")
     if template is not None:
         config["chat_template"] = template
-    return AutoTokenizer(tokenizer, config)
+    return tokenizer, config
 
 
-def tokenizer_from_gguf(path: str | os.PathLike) -> AutoTokenizer:
-    """The AutoTokenizer stored in a GGUF file (its metadata only; the weights are not read)."""
+def tokenizer_from_gguf(path: str | os.PathLike) -> tuple[Tokenizer, dict]:
+    """The tokenizer stored in a GGUF file as (backend, config) (its metadata only; the weights are not read)."""
     return tokenizer_from_metadata(GGUFMetadata(read_gguf(path), str(path)))

@@ -15,6 +15,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders
 
 from astrai.errors import CheckpointError, DataError
+from astrai.gguf_file import is_gguf
 from astrai.tokenize.chat_template import ChatTemplate, default_template
 from astrai.tokenize.stream import StreamDecoder
 from astrai.tokenize.training import SPECIAL_TOKENS, train_tokenizer
@@ -78,12 +79,10 @@ class AutoTokenizer:
     def from_pretrained(cls, path: str | Path) -> "AutoTokenizer":
         """Load a directory holding tokenizer.json (+ optional tokenizer_config.json), a tokenizer.json file,
         or the tokenizer in a GGUF file's metadata."""
-        from astrai.model.gguf import is_gguf
-
         if is_gguf(path):
-            from astrai.tokenize.gguf_vocab import tokenizer_from_gguf  # it imports this module
+            from astrai.tokenize.gguf_vocab import tokenizer_from_gguf  # defers the GGUF reader (and torch) to GGUF files
 
-            return tokenizer_from_gguf(path)
+            return cls(*tokenizer_from_gguf(path))
         path = Path(path)
         tokenizer_file = path if path.is_file() else path / TOKENIZER_FILE
         if not tokenizer_file.is_file():
