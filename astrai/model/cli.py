@@ -67,7 +67,7 @@ def _calibration(model, args: argparse.Namespace):
 
 def _size(model, out: str) -> str:
     """The summary's sizes: logical parameters (the same at every precision) and the weights' bytes on disk."""
-    from astrai.model.automodel import weight_bytes
+    from astrai.model.weight_files import weight_bytes
 
     return f"{model.num_parameters():,} parameters, {weight_bytes(out) / 1e6:,.1f} MB of weights"
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from astrai.model import AutoModel
-    from astrai.model.automodel import weight_bytes
+    from astrai.model.weight_files import weight_bytes
     from astrai.model.gguf import is_gguf
 
     if args.action == "create":

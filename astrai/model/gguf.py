@@ -31,7 +31,13 @@ import numpy as np
 import torch
 
 from astrai.errors import CheckpointError
-from astrai.gguf_file import GGUF_MAGIC, is_gguf  # noqa: F401 (is_gguf: callers import it from here too)
+from astrai.gguf_file import GGUF_MAGIC, is_gguf
+from astrai.model import hf
+from astrai.model.automodel import FOREIGN_FORMATS
+from astrai.model.components.layers import rope_inv_freq
+from astrai.model.quantized import ASYMMETRIC, GROUP_SIZE, is_asymmetric
+from astrai.model.transformer import Transformer
+from astrai.model.weight_files import build_and_load
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -220,8 +226,6 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, theta: float, sou
     factors 1 and 4) with the largest divisor as the factor; unless those reproduce
     every divisor, the file is refused rather than imported with other frequencies.
     """
-    from astrai.model.components.layers import rope_inv_freq
-
     factors = torch.from_numpy(np.asarray(rope_freqs, dtype=np.float32).reshape(-1))
     if factors.numel() != head_dim // 2:
         raise CheckpointError(f"{source}: rope_freqs has {factors.numel()} values for heads of size {head_dim}")
@@ -337,9 +341,6 @@ def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None
     """An astrai Transformer holding a GGUF file's weights (dequantized to float32, or ``dtype``;
     with ``keep_quantized`` its Q8_0/Q4_0/Q4_1 linears as int8/int4/int4-asym QuantizedLinear layers).
     ``progress`` is called with 1 per tensor read."""
-    from astrai.model import hf
-    from astrai.model.automodel import AutoModel, build_and_load
-
     source = str(path)
     reader = read_gguf(path)
     meta = GGUFMetadata(reader, source)
@@ -362,16 +363,17 @@ def load_gguf_model(path: str | os.PathLike, dtype: Optional[torch.dtype] = None
         state[new_name] = tensor
         origins[new_name] = f"{source} ('{name}')"
     quantization = kept_quantization(state)
-    return build_and_load(AutoModel.get_component_class(config.model_type), config, state, Path(source), dtype, device,
-                          origins=origins, quantization=quantization)
+    return build_and_load(Transformer, config, state, Path(source), dtype, device, origins=origins,
+                          quantization=quantization)
 
 
 def kept_quantization(state: dict[str, torch.Tensor]) -> Optional[dict]:
     """The ``quantization`` entry describing the quantized tensors of ``state`` (None when it has none)."""
-    from astrai.model.quantized import ASYMMETRIC, GROUP_SIZE, is_asymmetric
-
     kinds = {"int8" if t.dtype == torch.int8 else ASYMMETRIC if is_asymmetric(t, state[n[:-len("qweight")] + "scales"])
              else "int4" for n, t in state.items() if n.endswith(".qweight")}
     if not kinds:
         return None
     return {"format": kinds.pop() if len(kinds) == 1 else "mixed", "group_size": GROUP_SIZE}
+
+
+FOREIGN_FORMATS.file_loaders.append((is_gguf, load_gguf_model))

@@ -30,6 +30,10 @@ import torch
 
 from astrai.config import ModelConfig
 from astrai.errors import CheckpointError, ConfigError
+from astrai.model.automodel import FOREIGN_FORMATS
+from astrai.model.transformer import Transformer
+from astrai.model.weight_files import (DEFAULT_SHARD_BYTES, atomic_write_text, build_and_load, read_safetensors_dir,
+                                       write_safetensors)
 
 HF_FAMILIES: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 EXPORT_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -210,8 +214,6 @@ def hf_to_config(raw: dict[str, Any], source: str) -> ModelConfig:
 def load_hf_model(directory: str | os.PathLike, raw_config: dict[str, Any], dtype: Optional[torch.dtype] = None,
                   device: str | torch.device = "cpu"):
     """An astrai Transformer holding the weights of a Hugging Face checkpoint directory."""
-    from astrai.model.automodel import AutoModel, build_and_load, read_safetensors_dir
-
     directory = Path(directory)
     config = hf_to_config(raw_config, str(directory / "config.json"))
     hf_origins: dict[str, Path] = {}
@@ -224,8 +226,7 @@ def load_hf_model(directory: str | os.PathLike, raw_config: dict[str, Any], dtyp
             origins[new_name] = f"{hf_origins[name]} ('{name}')"
     if config.tie_weight:
         state.pop("lm_head.weight", None)
-    return build_and_load(AutoModel.get_component_class(config.model_type), config, state, directory, dtype, device,
-                          origins=origins)
+    return build_and_load(Transformer, config, state, directory, dtype, device, origins=origins)
 
 
 # --- export ------------------------------------------------------------------------
@@ -280,8 +281,6 @@ def export_hf(model, save_directory: str | os.PathLike, family: str = "auto", ma
     qwen3, or q/k/v bias → qwen2). ``token_ids`` may set bos_token_id / eos_token_id /
     pad_token_id in config.json (the tokenizer knows them, the model does not).
     """
-    from astrai.model.automodel import DEFAULT_SHARD_BYTES, _atomic_write_text, write_safetensors
-
     config: ModelConfig = model.config
     family = pick_family(config) if family == "auto" else family
     state = model._unique_state_dict()
@@ -295,10 +294,14 @@ def export_hf(model, save_directory: str | os.PathLike, family: str = "auto", ma
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors({astrai_to_hf_name(k): v for k, v in state.items()}, out,
                       max_shard_bytes or DEFAULT_SHARD_BYTES, {"format": "pt"})
-    _atomic_write_text(out / "config.json", json.dumps(hf, indent=2) + "\n")
+    atomic_write_text(out / "config.json", json.dumps(hf, indent=2) + "\n")
     return out
 
 
 def export_llama(model, save_directory: str | os.PathLike, max_shard_bytes: Optional[int] = None) -> Path:
     """Write ``model`` in the Llama format (LlamaForCausalLM); see ``export_hf``."""
     return export_hf(model, save_directory, family="llama", max_shard_bytes=max_shard_bytes)
+
+
+FOREIGN_FORMATS.family_loaders.update(dict.fromkeys(HF_FAMILIES, load_hf_model))
+FOREIGN_FORMATS.exporter = export_hf

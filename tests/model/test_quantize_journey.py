@@ -15,7 +15,7 @@ from test_gguf_import import SHAPE, build_case, vocab, write_gguf  # noqa: F401 
 from astrai.cli import main
 from astrai.config import preset
 from astrai.model import AutoModel
-from astrai.model.automodel import weight_bytes
+from astrai.model.weight_files import weight_bytes
 from astrai.model.calibration import calibrate
 from astrai.model.quantized import QuantizedLinear, quantize_model, quantize_weight
 from astrai.progress import Phase
