@@ -7,8 +7,8 @@ whatever a backend does to prepare it (re-laid weights, swapped modules) never r
 caller's object; ``in_place=True`` is the caller's consent to prepare that object itself.
 
 This is the device-neutral runner: the plain ``KvcacheView`` (SDPA over the page table)
-for every step. ``create_runner`` picks the CPU backend's runner for a model on the CPU
-(astrai/backends/cpu/runner.py), which adds the hand-written kernels behind the same calls.
+for every step. The CPU backend's runner (astrai/backends/cpu/runner.py) subclasses it and
+adds the hand-written kernels behind the same calls; the scheduler picks one of the two.
 """
 
 from __future__ import annotations
@@ -122,12 +122,3 @@ class ModelRunner:
 
     def release_scratch(self) -> None:
         """Free the scratch memory the calling thread's products keep between calls (none here)."""
-
-
-def create_runner(model: nn.Module, cache: KVCache, in_place: bool = False) -> ModelRunner:
-    """The runner for ``model``'s device: the CPU backend's on the CPU, else the plain one."""
-    if next(model.parameters()).device.type == "cpu":
-        from astrai.backends.cpu.runner import CpuModelRunner
-
-        return CpuModelRunner(model, cache, in_place)
-    return ModelRunner(model, cache, in_place)

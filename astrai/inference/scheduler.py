@@ -38,7 +38,7 @@ from astrai.errors import OverloadedError, RequestError
 from astrai.inference.cache import KVCache
 from astrai.inference.constraints import ConstraintCompiler
 from astrai.inference.executor import Executor
-from astrai.inference.runner import create_runner
+from astrai.inference.runner import ModelRunner
 from astrai.inference.task import Task, TaskManager, TaskStatus
 from astrai.inference.types import SamplingParams, StreamEvent
 from astrai.inference.validation import check_fits, check_params, check_prompt
@@ -58,6 +58,19 @@ def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len:
     wanted = -(-max_batch_size * max_seq_len // page_size)
     affordable = budget_bytes // max(1, kv_bytes_per_token * page_size)
     return max(-(-max_seq_len // page_size), min(wanted, affordable))
+
+
+def create_runner(model: torch.nn.Module, cache: KVCache, in_place: bool = False) -> ModelRunner:
+    """The runner for ``model``'s device: the CPU backend's on the CPU, else the device-neutral one.
+    It lives here, with the runner's one user, so that the runner base never imports its subclass."""
+    if next(model.parameters()).device.type == "cpu":
+        # Imported on first use: the CPU backend still builds on inference's cache and runner base
+        # (an upward import, listed in the import-linter contract), so a module-level import would
+        # make astrai.inference and astrai.backends.cpu each import the other while loading.
+        from astrai.backends.cpu.runner import CpuModelRunner
+
+        return CpuModelRunner(model, cache, in_place)
+    return ModelRunner(model, cache, in_place)
 
 
 class InferenceScheduler:
