@@ -1,13 +1,16 @@
-"""Metric logger (JSONL + PNG plot) and tqdm progress bar, both on rank 0 only."""
+"""Metric logger (JSONL + PNG plot) and progress (a tqdm bar, or plain lines off a terminal), both on rank 0 only."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
+from typing import Callable, TextIO
 
 from tqdm import tqdm
 
+from astrai.progress import on_terminal
 from astrai.trainer.callbacks.base import CallbackFactory, TrainCallback
 
 METRICS_NAME = "metrics.jsonl"
@@ -116,26 +119,47 @@ class MetricLoggerCallback(TrainCallback):
 
 @CallbackFactory.register("progress_bar")
 class ProgressBarCallback(TrainCallback):
-    """tqdm over optimizer steps with loss, lr and tokens/s; tqdm supplies the ETA."""
+    """tqdm over optimizer steps with loss, lr and tokens/s (tqdm supplies the ETA) on a terminal;
+    elsewhere (a pipe, a log file) one plain line every ``line_seconds`` and at the last step,
+    since a bar's carriage returns would pile up in a log as one endless line."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None, line_seconds: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.enabled = enabled
+        self.stream = stream
+        self.line_seconds = line_seconds
+        self.clock = clock
         self.bar = None
+        self.lines = False
+        self.last_line = 0.0
 
     def on_train_begin(self, context) -> None:
-        if self.enabled and context.is_main:
-            self.bar = tqdm(total=context.total_steps, initial=context.step, desc="train", unit="step", dynamic_ncols=True)
+        if not (self.enabled and context.is_main):
+            return
+        stream = self.stream or sys.stderr
+        if on_terminal(stream):
+            self.bar = tqdm(total=context.total_steps, initial=context.step, desc="train", unit="step",
+                            dynamic_ncols=True, file=stream)
+        else:
+            self.lines, self.last_line = True, self.clock()
 
     def on_step_end(self, context) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{context.loss:.4f}", lr=f"{context.lr:.2e}",
-                             tok_s=f"{context.metrics.get('tokens_per_s', 0):.0f}", refresh=False)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{context.loss:.4f}", lr=f"{context.lr:.2e}",
+                                 tok_s=f"{context.metrics.get('tokens_per_s', 0):.0f}", refresh=False)
+        elif self.lines:
+            now = self.clock()
+            if now - self.last_line >= self.line_seconds or context.step >= context.total_steps:
+                self.last_line = now
+                print(f"train: step {context.step}/{context.total_steps}  loss {context.loss:.4f}  "
+                      f"lr {context.lr:.2e}  {context.metrics.get('tokens_per_s', 0):.0f} tokens/s",
+                      file=self.stream or sys.stderr, flush=True)
 
     def on_train_end(self, context) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.lines = False
 
     on_error = on_train_end
