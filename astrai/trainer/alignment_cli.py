@@ -73,7 +73,7 @@ def train(config, resume: Optional[str] = None):
         callbacks.append(LoraSaveCallback(Path(config.ckpt_dir)))
         config.save_final_model = False
     if config.train_type == "kl":
-        from astrai.trainer.strategies.kl import train_kl_stages
+        from astrai.trainer.kl_stages import train_kl_stages
 
         kwargs = dict(config.strategy_kwargs)
         stages = kwargs.get("stages")

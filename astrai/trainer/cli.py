@@ -22,7 +22,7 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
     config = TrainConfig.from_dict({**base, **flags}, source=args.config or "flags")
     resume = None
     if args.resume and config.train_type == "kl":
-        resume = args.resume  # a staged run finds its place itself (astrai/trainer/strategies/kl.py)
+        resume = args.resume  # a staged run finds its place itself (astrai/trainer/kl_stages.py)
     elif args.resume:
         from astrai.serialization import Checkpoint, latest_checkpoint
 
@@ -49,7 +49,7 @@ def kl_run_config(checkpoint: str, saved: dict) -> Path | None:
     """The whole run's train_config.json when ``checkpoint`` is a KL run's stage save or boundary."""
     if saved.get("train_type") != "kl":
         return None
-    from astrai.trainer.strategies.kl import RUN_CONFIG_NAME
+    from astrai.trainer.kl_stages import RUN_CONFIG_NAME  # defers torch: this module builds the flags
 
     path = Path(checkpoint)
     for root in (path.parent, path.parent.parent):

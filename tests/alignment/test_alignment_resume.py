@@ -12,7 +12,8 @@ from astrai.cli import build_parser, main
 from astrai.config import TrainConfig
 from astrai.serialization import Checkpoint
 from astrai.trainer.cli import build_config
-from astrai.trainer.strategies.kl import RUN_CONFIG_NAME, Stage, stage_config_for
+from astrai.trainer.kl_stages import RUN_CONFIG_NAME, stage_config_for
+from astrai.trainer.strategies.kl import Stage
 
 from alignment_helpers import cli_train_args, run_metrics
 

@@ -10,7 +10,8 @@ from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.serialization import Checkpoint
 from astrai.trainer import TrainCallback
-from astrai.trainer.strategies.kl import KLStrategy, Stage, snapshot_reference, train_kl_stages
+from astrai.trainer.kl_stages import train_kl_stages
+from astrai.trainer.strategies.kl import KLStrategy, Stage, snapshot_reference
 from astrai.trainer.strategies.losses import token_kl
 from astrai.trainer.trainer import host_values
 
