@@ -869,25 +869,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from astrai.errors import ConfigError
-
-    if args.minutes <= 0:
-        raise ConfigError(f"--minutes must be positive, got {args.minutes}")
-    if args.base is not None:
-        from astrai.quickstart_base import run_from_args
-
-        return run_from_args(args)
-    if args.finetune is not None:
-        raise ConfigError("--finetune applies to a run from a pretrained model: add --base PATH")
-    plan = load_plan(args.plan) if args.plan else {}
-    out = args.out or Settings.out
-    summary = run_quickstart(out=out, minutes=args.minutes, seed=args.seed, preset=args.preset,
-                             vocab_size=args.vocab_size, corpus=args.corpus, progress=not args.no_progress, **plan)
-    print_outcome(summary, out)
-    return 0
-
-
 def print_outcome(summary: dict, out: str) -> None:
     """The run's last words on stdout: where the model and the report are, and each stage's headline."""
     print(json.dumps({"model_dir": summary["model_dir"], "report": str(Path(out) / "report.html"),
