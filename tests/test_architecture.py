@@ -1,0 +1,85 @@
+"""The import structure holds: the layers contract in pyproject.toml ([tool.importlinter]) is kept,
+and no two astrai modules import each other, directly or round a longer loop.
+
+Both count imports written inside functions too (grimp reads every import statement of a
+module), so a circle cannot hide behind a deferred import. Type-checking-only imports are left
+out, as they never run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grimp
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_circles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative).
+    An import of a package from inside it (its ``__init__`` run first) is no circle and is left out."""
+    edges = {m: {t for t in graph.find_modules_directly_imported_by(m) if not m.startswith(t + ".")}
+             for m in graph.modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_no_import_circles():
+    graph = grimp.build_graph("astrai", exclude_type_checking_imports=True, cache_dir=None)
+    assert import_circles(graph) == []
+
+
+def test_circle_finder_sees_loops_and_skips_package_faces():
+    graph = grimp.ImportGraph()
+    for name in ("p", "p.a", "p.b", "p.c", "p.d"):
+        graph.add_module(name)
+    graph.add_import(importer="p.a", imported="p.b")
+    graph.add_import(importer="p.b", imported="p.c")
+    graph.add_import(importer="p.c", imported="p.a")
+    graph.add_import(importer="p", imported="p.d")
+    graph.add_import(importer="p.d", imported="p")
+    assert import_circles(graph) == [["p.a", "p.b", "p.c"]]
+
+
+def test_layers_contract_is_kept(capsys):
+    code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
+    report = capsys.readouterr().out
+    assert code == 0, report[-4000:]
+    assert "0 broken" in report
