@@ -161,3 +161,17 @@ def test_a_temperature_below_float32_decodes_greedily(engine, tokenizer):
     tiny = engine.submit(prompt, SamplingParams(max_tokens=12, temperature=1e-300, seed=1)).result()
     greedy = engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.0)).result()
     assert tiny.token_ids == greedy.token_ids
+
+
+def test_masks_overlap_the_step_only_beside_a_spare_core(monkeypatch, tokenizer):
+    from astrai.inference import constraints
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    constraint = constraints.ConstraintCompiler(tokenizer, tokenizer.stop_ids).compile(
+        SamplingParams(json_schema=schema))
+    writer = constraints.MaskWriter(tokenizer.vocab_size)
+    monkeypatch.setattr(constraints.os, "cpu_count", lambda: torch.get_num_threads())
+    assert writer.start([constraint]) is None  # every core runs the model: written after the step
+    monkeypatch.setattr(constraints.os, "cpu_count", lambda: torch.get_num_threads() + 1)
+    pending = writer.start([constraint])
+    assert pending is not None and pending.result().allowed.any()
