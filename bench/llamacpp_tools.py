@@ -3,7 +3,7 @@ any OpenAI-compatible server process (``llama-server`` or ``astrai serve``) for 
 
 Failures are returned as data (``{"error": ...}``), not raised: llama.cpp's optional CPU
 paths can crash on some machines, and one crashed configuration should be reported
-beside the others rather than end the sitting.
+beside the others rather than end the run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark: astrai against llama.cpp on the same weights, alternated in one sitting.
+"""Benchmark: astrai against llama.cpp on the same weights, alternated in one benchmark run.
 
 llama.cpp is built from the source that llama-cpp-python's PyPI sdist vendors
 (bench/build_llamacpp.sh); the models are made locally (bench/llamacpp_models.py):
@@ -343,7 +343,7 @@ def run_server(model: str, precision: str, llamacpp, args) -> dict:
 
 
 def print_table(pairs: list[dict], servers: list[dict]) -> None:
-    """The ratios of the whole sitting (astrai / llama.cpp, medians), one line per pair."""
+    """The ratios of the whole benchmark run (astrai / llama.cpp, medians), one line per pair."""
     def ratio(row: dict, key: str) -> str:
         return f"{row[key]:.2f}x" if key in row else "-"
 
@@ -410,7 +410,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tune_process()  # as the CLI verbs do
     llamacpp = locate_llamacpp(Path(args.llamacpp_bin)) if args.llamacpp_bin else build_llamacpp()
-    for model in args.models:  # make everything first, so no conversion lands inside the sitting
+    for model in args.models:  # make everything first, so no conversion lands inside the measured run
         ensure_hf(model)
         for precision in set(args.precisions) | (set(args.server_precisions) if "server" in args.parts else set()):
             ensure_gguf(model, GGUF_TYPES[precision], llamacpp)
@@ -429,12 +429,12 @@ def main() -> None:
         if "server" in args.parts and model == "smollm2":
             servers += [run_server(model, precision, llamacpp, args) for precision in args.server_precisions]
     bandwidths.append(read_bandwidth(args.threads))
-    print(f"streaming-read bandwidth after the sitting: {bandwidths[1] / 1e9:.1f} GB/s", flush=True)
+    print(f"streaming-read bandwidth after the run: {bandwidths[1] / 1e9:.1f} GB/s", flush=True)
     print_table(pairs, servers)
     results = {"threads": args.threads, "quick": args.quick, "new_tokens": args.new_tokens,
                "prompt_tokens": PROMPT_TOKENS, "prefill_tokens": args.prefill_tokens,
                "read_bandwidth_gb_s": [b / 1e9 for b in bandwidths],
-               "bound_note": "bound_tok_s = streaming-read bandwidth before the sitting / weight_bytes_per_token",
+               "bound_note": "bound_tok_s = streaming-read bandwidth before the run / weight_bytes_per_token",
                "seconds": time.perf_counter() - started, "pairs": pairs, "server": servers}
     write_result("vs_llamacpp-quick" if args.quick else "vs_llamacpp", results, args.out)
 
