@@ -151,12 +151,11 @@ class RowMasks:
     rows: list[int]
     allowed: torch.Tensor
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` [B, V] with every token a row's constraint forbids at -inf (a new tensor)."""
-        index = torch.tensor(self.rows, device=logits.device)
-        out = logits.clone()
-        out[index] = logits[index].masked_fill(~self.allowed.to(logits.device), float("-inf"))
-        return out
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Set every token a row's constraint forbids to -inf, in place in ``logits`` [B, V]."""
+        forbidden = ~self.allowed.to(logits.device)
+        for k, row in enumerate(self.rows):
+            logits[row].masked_fill_(forbidden[k], float("-inf"))
 
 
 def spare_core() -> bool:

@@ -127,7 +127,7 @@ class Executor:
                 limit = torch.finfo(logits.dtype).max
                 logits.nan_to_num_(nan=-limit, posinf=limit, neginf=-limit)
             if allowed is not None:  # after the penalties, so a forbidden token can never come back
-                logits = allowed.apply(logits)
+                allowed.apply_(logits)
             ids = row_argmax(logits)
             sampled = [i for i, p in enumerate(params) if p.temperature > GREEDY_BELOW]
             if sampled:
