@@ -262,7 +262,7 @@ def quantize_model(model: nn.Module, format: str, importance: Optional[dict[str,
         if progress is not None:
             progress(1)
     if _tied(model):
-        tie_quantized_head(model.embed_tokens, model.lm_head)
+        model.tie_weights()
     model.quantization = {"format": format, "group_size": GROUP_SIZE}
     if importance is not None and bits == 4:
         model.quantization["calibrated"] = True
@@ -287,16 +287,18 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     for, in place, and return it: the float model a quantized one (an imported GGUF, say) is
     quantized again from. A tied head shares the embedding's tensor again."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tied = _tied(model)
     for name, module in list(model.named_modules()):
         if not isinstance(module, QuantizedLinear):
             continue
         linear = Linear(module.in_features, module.out_features, bias=module.bias is not None,
                         device=module.qweight.device, dtype=dtype)
-        linear.weight.data = module.dequantize().to(dtype)
+        if not (tied and name == "lm_head"):  # a tied head takes the embedding's table, which already holds it
+            linear.weight.data = module.dequantize().to(dtype)
         if module.bias is not None:
             linear.bias.data = module.bias.to(dtype)
         _replace(model, name, linear)
-    if _tied(model):
+    if tied:
         model.tie_weights()
     model.quantization = None
     return model
