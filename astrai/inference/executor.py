@@ -81,7 +81,7 @@ class Executor:
         """Whether ``task``'s decode steps may run several to one call (``execute_greedy_steps``):
         a greedy request without penalties, log-probabilities or a constraint, on a runner that takes such runs."""
         p = task.params
-        return (self.runner.runs_greedy and p.temperature == 0 and not _has_penalty(p)
+        return (self.runner.runs_greedy and p.temperature <= GREEDY_BELOW and not _has_penalty(p)
                 and not p.logprobs and not p.top_logprobs and task.constraint is None)
 
     @torch.inference_mode()
@@ -110,7 +110,7 @@ class Executor:
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         allowed: Optional[RowMasks] = masks.result() if masks is not None else self.masks.compute(
             [t.constraint for t in tasks])
-        if allowed is None and all(p.temperature == 0 for p in params) and not any(_has_penalty(p) for p in params):
+        if allowed is None and all(p.temperature <= GREEDY_BELOW for p in params) and not any(_has_penalty(p) for p in params):
             ids = argmax if argmax is not None else row_argmax(logits).tolist()
         else:
             logits = logits.clone()
@@ -137,9 +137,9 @@ class Executor:
                                                      [p.top_p for p in chosen], [p.min_p for p in chosen], rows.device)
                 probs = pipeline.apply(rows).softmax(dim=-1)
                 drawn = draw(probs, [tasks[i].generator for i in sampled], self.generator)
-                # logits too large for their temperature leave no distribution: such a row decodes greedily
-                broken = ~probs.isfinite().all(dim=-1)
-                ids[sampled] = torch.where(broken, ids[sampled], drawn)
+                if penalised:  # logits a penalty pushed to float32's limit leave no distribution: greedy then
+                    drawn = torch.where(probs.isfinite().all(dim=-1), drawn, ids[sampled])
+                ids[sampled] = drawn
             ids = ids.tolist()
         if raw_logprobs is None:
             return [(tok, None) for tok in ids]

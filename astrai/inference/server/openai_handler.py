@@ -9,6 +9,7 @@ reproducible while the choices still differ.
 
 from __future__ import annotations
 
+import functools
 import time
 from abc import abstractmethod
 from typing import Optional
@@ -41,6 +42,7 @@ class _OpenAIBase(ProtocolHandler):
     def logprob_settings(self) -> tuple[bool, int]:
         """(whether to return logprobs, how many alternatives per token)."""
 
+    @functools.cached_property
     def logit_bias(self) -> dict[int, float]:
         """``logit_bias`` with its keys as token ids; a key that is no token id is a 400, never ignored."""
         bias = self.body.logit_bias or {}
@@ -52,7 +54,7 @@ class _OpenAIBase(ProtocolHandler):
         return {int(key): float(value) for key, value in bias.items()}
 
     async def handle(self) -> Response:
-        self.logit_bias()
+        self.logit_bias  # a key that is no token id is refused before anything runs
         return await super().handle()
 
     def sampling_params(self, choice: int) -> SamplingParams:
@@ -63,7 +65,7 @@ class _OpenAIBase(ProtocolHandler):
             max_tokens=self.state.max_tokens_for(self.requested_max_tokens()),
             temperature=b.temperature, top_p=b.top_p, top_k=max(b.top_k, 0), min_p=b.min_p,
             repetition_penalty=b.repetition_penalty, frequency_penalty=b.frequency_penalty,
-            presence_penalty=b.presence_penalty, logit_bias=self.logit_bias(), seed=seed, ignore_eos=b.ignore_eos,
+            presence_penalty=b.presence_penalty, logit_bias=self.logit_bias, seed=seed, ignore_eos=b.ignore_eos,
             logprobs=want_logprobs, top_logprobs=top,
             json_schema=self.output_schema())
 
@@ -267,7 +269,7 @@ class OpenAICompletionHandler(_OpenAIBase):
                            "(with logprobs for the scores) and stream: false", param="max_tokens")
         if not score_only:
             return await super().handle()
-        self.logit_bias()
+        self.logit_bias  # a key that is no token id is refused before anything runs
         self.check_model()
         prompts = self.build_prompt()
         self.state.check_fits_queue(len(self._prompts))
