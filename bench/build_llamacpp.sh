@@ -16,8 +16,9 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PIP:-}" ]]; then
     if [[ -x "$here/.venv/bin/pip" ]]; then PIP="$here/.venv/bin/pip"; else PIP="pip"; fi
 fi
-# built in this order: the one-stream tools first, so they are usable while the server builds
-targets=(llama-bench llama-quantize llama-server)
+# built in this order: the one-stream tools first, so they are usable while the server builds;
+# llama-lookup and llama-speculative are the speculative-decoding peers (bench/speculative.py)
+targets=(llama-bench llama-quantize llama-server llama-lookup llama-speculative)
 # convert_hf_to_gguf.py imports sentencepiece, which astrai does not need: kept beside the build
 pydeps="$cache/pydeps"
 
