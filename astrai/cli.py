@@ -33,7 +33,7 @@ VERBS: dict[str, Verb] = {
     "tokenizer": Verb("astrai.commands.tokenizer", "astrai.tokenize.cli", "train or inspect a byte-level BPE tokenizer"),
     "preprocess": Verb("astrai.commands.preprocess", "astrai.dataset.cli",
                        "turn raw JSONL into memory-mapped / HDF5 / JSON storage"),
-    "train": Verb("astrai.commands.train", "astrai.trainer.cli",
+    "train": Verb("astrai.commands.train", "astrai.commands.train_run",
                   "pre-train, fine-tune or align a model (seq, sft, dpo, rm, grpo, kl)"),
     "generate": Verb("astrai.commands.generate", "astrai.inference.cli",
                      "generate completions for prompts (command line or JSONL)"),

@@ -602,6 +602,7 @@ class Quickstart:
 
     def trainer(self, config, callbacks: list, extra: Optional[dict]):
         """The Trainer of one stage (a subclass may prepare the model itself, e.g. with LoRA adapters)."""
+        import astrai.alignment  # noqa: F401  registers the dpo and grpo train types of the later stages
         from astrai.trainer import Trainer
 
         return Trainer(config, callbacks=callbacks, strategy_extra=extra, cpu_products=self.s.cpu_products)

@@ -133,7 +133,7 @@ def arithmetic_reward(prompt: str, response: str) -> float:
     """The GRPO reward (``--reward astrai.quickstart_base:arithmetic_reward``): the run's checker
     on the problem read back from the prompt, with the evaluation's credit for a wrong integer."""
     from astrai.eval.task import FORMAT_CREDIT
-    from astrai.trainer.rewards import OPS, PROBLEM_RE
+    from astrai.alignment.rewards import OPS, PROBLEM_RE
 
     problems = PROBLEM_RE.findall(prompt)
     if not problems:
@@ -285,14 +285,15 @@ class BaseQuickstart(Quickstart):
     def trainer(self, config, callbacks: list, extra: Optional[dict]):
         """SFT with LoRA trains adapters on the frozen base and leaves a merged model directory
         (the next stages train every weight of it, at their small learning rates)."""
+        import astrai.alignment  # noqa: F401  registers the dpo and grpo train types of the later stages
         from astrai.trainer import Trainer
 
         if not config.strategy_kwargs.get("lora"):
             return Trainer(config, callbacks=callbacks, strategy_extra=extra, cpu_products=self.s.cpu_products)
         import torch
 
-        from astrai.trainer.alignment_cli import prepare_model
-        from astrai.trainer.lora_callback import LoraSaveCallback
+        from astrai.alignment.lora_callback import LoraSaveCallback
+        from astrai.alignment.run import prepare_model
 
         torch.manual_seed(config.random_seed)
         model = prepare_model(config)

@@ -22,12 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from astrai.alignment.grpo import GRPOStrategy  # noqa: E402
 from astrai.config import preset  # noqa: E402
 from astrai.dataset.arithmetic import make_problems  # noqa: E402
 from astrai.inference import SamplingParams  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.tokenize import AutoTokenizer  # noqa: E402
-from astrai.trainer.strategies.grpo import GRPOStrategy  # noqa: E402
 from results_file import write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 

@@ -1,5 +1,5 @@
 """``astrai train``'s flags: every TrainConfig field, plus the alignment and LoRA settings
-folded into ``strategy_kwargs`` (the run: astrai/trainer/cli.py and alignment_cli.py)."""
+folded into ``strategy_kwargs`` (the run: astrai/commands/train_run.py)."""
 
 from __future__ import annotations
 

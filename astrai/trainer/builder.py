@@ -138,7 +138,8 @@ class TrainContextBuilder:
         self.config.validate(require_data=self.train_dataset is None, require_model=self.model is None)
         if self.config.train_type not in StrategyFactory.list_registered():
             raise ConfigError(f"TrainConfig.train_type: no strategy '{self.config.train_type}' is registered; "
-                              f"known: {', '.join(StrategyFactory.list_registered())}")
+                              f"known: {', '.join(StrategyFactory.list_registered())} (dpo, rm, grpo and kl "
+                              f"register when astrai.alignment is imported)")
 
     def build(self) -> TrainContext:
         config = self.config

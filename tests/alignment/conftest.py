@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+import astrai.alignment  # noqa: F401  registers dpo, rm, grpo and kl with StrategyFactory
 from astrai.cli import main
 
 

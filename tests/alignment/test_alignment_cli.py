@@ -41,7 +41,7 @@ def test_cli_reward_model_and_grpo(prepared, tokenizer_dir):
 def test_trainer_refreshes_the_rollout_policy_after_every_optimizer_step(prepared, tokenizer_dir, monkeypatch):
     """Online GRPO must sample from the updated policy: the Trainer fires the strategy's own
     callback, which runs ``after_optimizer_step`` (engine weights, behaviour copy) once per step."""
-    from astrai.trainer.strategies.grpo import GRPOStrategy
+    from astrai.alignment.grpo import GRPOStrategy
 
     seen = []
     original = GRPOStrategy.after_optimizer_step
@@ -97,3 +97,18 @@ def test_preference_record_without_rejected_is_named(tmp_path, tokenizer_dir, ca
                  "--train_type", "dpo", "--seq_len", "32", "--quiet"]) != 0
     err = capsys.readouterr().err
     assert "rejected" in err and ":2" in err, err
+
+
+def test_train_command_sends_only_alignment_runs_to_alignment(prepared, seq_data, tokenizer_dir, monkeypatch):
+    """Plain pre-training runs a Trainer directly; a reward model (or LoRA, or KL stages) goes
+    through ``astrai.alignment.train``."""
+    import astrai.commands.train_run as train_run
+
+    sent = []
+    original = train_run.train
+    monkeypatch.setattr(train_run, "train", lambda config, resume=None: sent.append(config.train_type) or
+                        original(config, resume))
+    assert main(common(prepared, tokenizer_dir, "plain", "seq", "seq")) == 0
+    assert sent == []
+    assert main(common(prepared, tokenizer_dir, "rm_choice", "rm", "dpo")) == 0
+    assert sent == ["rm"]

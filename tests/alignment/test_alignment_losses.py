@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from astrai.alignment.losses import (dpo_loss, group_advantages, grpo_loss, kl_stage_loss,
+                                     pairwise_reward_loss, token_logprobs)
 from astrai.errors import ConfigError
-from astrai.trainer.strategies.losses import (dpo_loss, group_advantages, grpo_loss, kl_stage_loss,
-                                              pairwise_reward_loss, token_logprobs)
 
 
 def test_dpo_loss_is_ln2_when_policy_equals_reference():

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from astrai.alignment.grpo import GRPOStrategy
+from astrai.alignment.losses import group_advantages
+from astrai.alignment.rollout import pack_sequences
 from astrai.config import preset
 from astrai.errors import DataError
 from astrai.model import AutoModel
 from astrai.model.reward import RewardModel
 from astrai.trainer.strategies import StrategyFactory
-from astrai.trainer.rollout import pack_sequences
-from astrai.trainer.strategies.grpo import GRPOStrategy
-from astrai.trainer.strategies.losses import group_advantages
 
 from alignment_helpers import encode_pairs, tiny_lm
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from astrai.alignment.kl import Stage
+from astrai.alignment.kl_stages import RUN_CONFIG_NAME, stage_config_for
 from astrai.cli import build_parser, main
+from astrai.commands.train_run import build_config
 from astrai.config import TrainConfig
 from astrai.serialization import Checkpoint
-from astrai.trainer.cli import build_config
-from astrai.trainer.kl_stages import RUN_CONFIG_NAME, stage_config_for
-from astrai.trainer.strategies.kl import Stage
 
 from alignment_helpers import cli_train_args, run_metrics
 

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from astrai.alignment.grpo import GRPOScheduleCallback, GRPOStrategy, rollout_dtype
+from astrai.alignment.losses import shifted_token_logprobs
+from astrai.alignment.rewards import arithmetic_reward, resolve_reward
+from astrai.alignment.rollout import pack_sequences
 from astrai.dataset.arithmetic import make_problems
 from astrai.errors import ConfigError, DataError
-from astrai.trainer.rewards import arithmetic_reward, resolve_reward
-from astrai.trainer.rollout import pack_sequences
 from astrai.trainer.strategies import StrategyFactory
-from astrai.trainer.strategies.grpo import GRPOScheduleCallback, GRPOStrategy, rollout_dtype
-from astrai.trainer.strategies.losses import shifted_token_logprobs
 
 from alignment_helpers import tiny_lm
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from astrai.alignment.kl import KLStrategy, Stage, snapshot_reference
+from astrai.alignment.kl_stages import train_kl_stages
+from astrai.alignment.losses import token_kl
 from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.serialization import Checkpoint
 from astrai.trainer import TrainCallback
-from astrai.trainer.kl_stages import train_kl_stages
-from astrai.trainer.strategies.kl import KLStrategy, Stage, snapshot_reference
-from astrai.trainer.strategies.losses import token_kl
 from astrai.trainer.trainer import host_values
 
 from alignment_helpers import tiny_lm

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
+from astrai.alignment.dpo import DPOStrategy
+from astrai.alignment.losses import sequence_logprobs
+from astrai.alignment.preference import stack_pairs
+from astrai.alignment.reward_model import pair_scores
 from astrai.errors import ConfigError, DataError
 from astrai.model.lora import LoraConfig, adapters_disabled, inject_lora
 from astrai.model.reward import RewardModel
 from astrai.trainer.strategies import StrategyFactory
-from astrai.trainer.strategies.dpo import DPOStrategy
-from astrai.trainer.strategies.losses import sequence_logprobs
-from astrai.trainer.strategies.preference import stack_pairs
-from astrai.trainer.strategies.rm import pair_scores
 
 from alignment_helpers import encode_pairs, tiny_lm
 
@@ -140,7 +140,7 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 def test_compute_loss_leaves_metrics_on_the_device(tokenizer, preference_records, train_type, kwargs):
     """The loss and metrics of a micro-batch are not read to the host: the trainer reads
     them once per optimizer step (``host_values``), so micro-batches queue back to back."""
-    from astrai.trainer.strategies.kl import snapshot_reference
+    from astrai.alignment.kl import snapshot_reference
     from astrai.trainer.trainer import host_values
 
     torch.manual_seed(0)

@@ -4,10 +4,10 @@ held-out pool that no training data reaches."""
 import json
 import random
 
+from astrai.alignment.rewards import arithmetic_reward
 from astrai.dataset.arithmetic import (HELDOUT_SIZE, STYLES, check_answer, grpo_record, heldout_problems,
                                        make_problems, preference_pair, problem_key, sft_conversation, task_pools,
                                        training_problems)
-from astrai.trainer.rewards import arithmetic_reward
 
 
 def test_problems_are_deterministic_small_and_correct():

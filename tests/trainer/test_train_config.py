@@ -6,10 +6,10 @@ import pytest
 from trainer_helpers import TokenWindows, config, tiny_model
 
 from astrai.commands.train import add_arguments
+from astrai.commands.train_run import build_config
 from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.trainer import Trainer
-from astrai.trainer.cli import build_config
 
 
 def test_json_round_trip(tmp_path):

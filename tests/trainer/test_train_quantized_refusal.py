@@ -6,10 +6,10 @@ earlier layers, and such a run used to go through all its steps and then fail at
 import pytest
 from trainer_helpers import TokenWindows, config, tiny_model
 
+from astrai.alignment.run import prepare_model
 from astrai.errors import ConfigError
 from astrai.model.quantized import quantize_model
 from astrai.trainer import Trainer
-from astrai.trainer.alignment_cli import prepare_model
 
 REFUSAL = r"the model holds \d+ quantized linear layers \(int\d.*astrai trains float weights only \(LoRA too\)"
 

@@ -1,6 +1,12 @@
-"""``astrai train``: every TrainConfig field is a flag (astrai/commands/train.py); ``--config`` supplies a JSON base.
+"""What ``astrai train`` runs once its flags (astrai/commands/train.py) have parsed: every
+TrainConfig field is a flag, ``--config`` supplies a JSON base.
 
 Precedence: flags > ``--config`` file > the resumed checkpoint's config > defaults.
+
+This module sits above both the generic loop (astrai/trainer) and alignment
+(astrai/alignment), so it is the one place that chooses between them: a config that needs a
+reward head, LoRA adapters or KL stages goes to ``astrai.alignment.train``, every other one
+straight to a Trainer. Importing astrai.alignment here registers its train types.
 """
 
 from __future__ import annotations
@@ -9,9 +15,18 @@ import argparse
 import os
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
+from astrai.alignment import needs_alignment_run, train
+from astrai.alignment.kl_stages import kl_run_config
+from astrai.commands.train import STRATEGY_FLAGS
 from astrai.config import TrainConfig
-from astrai.errors import CheckpointError
+from astrai.errors import CheckpointError, ConfigError
+from astrai.parallel import cleanup_parallel
+from astrai.serialization import Checkpoint, latest_checkpoint
+from astrai.trainer import Trainer
+from astrai.trainer.builder import TrainContextBuilder, check_model_fits, load_model, load_tokenizer, total_steps_for
+from astrai.trainer.data import resolve_data
 
 
 def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
@@ -22,10 +37,8 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
     config = TrainConfig.from_dict({**base, **flags}, source=args.config or "flags")
     resume = None
     if args.resume and config.train_type == "kl":
-        resume = args.resume  # a staged run finds its place itself (astrai/trainer/kl_stages.py)
+        resume = args.resume  # a staged run finds its place itself (astrai/alignment/kl_stages.py)
     elif args.resume:
-        from astrai.serialization import Checkpoint, latest_checkpoint
-
         if args.resume == "latest":
             found = latest_checkpoint(config.ckpt_dir)
             if found is None:
@@ -39,23 +52,31 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, str | None]:
             run_config = kl_run_config(resume, saved)
             if run_config is not None:  # a KL stage's checkpoint: the run's own config drives the stages
                 config = TrainConfig.from_dict({**TrainConfig.load(run_config).to_dict(), **flags}, source=str(run_config))
-    from astrai.trainer.alignment_cli import alignment_strategy_kwargs
-
     config.strategy_kwargs.update(alignment_strategy_kwargs(args))
     return config, resume
 
 
-def kl_run_config(checkpoint: str, saved: dict) -> Path | None:
-    """The whole run's train_config.json when ``checkpoint`` is a KL run's stage save or boundary."""
-    if saved.get("train_type") != "kl":
-        return None
-    from astrai.trainer.kl_stages import RUN_CONFIG_NAME  # defers torch: this module builds the flags
-
-    path = Path(checkpoint)
-    for root in (path.parent, path.parent.parent):
-        if (root / RUN_CONFIG_NAME).is_file():
-            return root / RUN_CONFIG_NAME
-    return None
+def alignment_strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy_kwargs entries given by flags (only the flags actually passed), so they are
+    saved in every checkpoint's meta.json and a resumed run gets them back; LoRA's go under ``lora``."""
+    given = vars(args)
+    kwargs = {name: given[name] for name in STRATEGY_FLAGS if name in given}
+    if "stage_tokens" in given or "stage_datasets" in given:
+        tokens = given.get("stage_tokens")
+        mixtures = given.get("stage_datasets")
+        if tokens is None:
+            raise ConfigError("--stage_datasets needs --stage_tokens (one budget per stage)")
+        if mixtures is not None and len(mixtures) != len(tokens):
+            raise ConfigError(f"--stage_datasets has {len(mixtures)} mixtures for {len(tokens)} stages")
+        kwargs["stages"] = [{"tokens": t, **({"datasets": mixtures[i]} if mixtures else {})} for i, t in enumerate(tokens)]
+    if "lora_rank" in given:
+        rank = given["lora_rank"]
+        kwargs["lora"] = {"rank": rank, "alpha": given.get("lora_alpha", 2.0 * rank)}
+        if "lora_targets" in given:
+            kwargs["lora"]["targets"] = given["lora_targets"]
+    elif "lora_alpha" in given or "lora_targets" in given:
+        raise ConfigError("--lora_alpha/--lora_targets need --lora_rank")
+    return kwargs
 
 
 def estimate_memory_bytes(model_config, config: TrainConfig, n_params: int) -> dict[str, int]:
@@ -70,9 +91,6 @@ def estimate_memory_bytes(model_config, config: TrainConfig, n_params: int) -> d
 
 
 def dry_run(config: TrainConfig) -> int:
-    from astrai.trainer.builder import TrainContextBuilder, check_model_fits, load_model, load_tokenizer, total_steps_for
-    from astrai.trainer.data import resolve_data
-
     TrainContextBuilder(config).validate()
     model = load_model(config)
     check_model_fits(config, model, load_tokenizer(config))
@@ -101,11 +119,8 @@ def run(args: argparse.Namespace) -> int:
     config, resume = build_config(args)
     if args.dry_run:
         return dry_run(config)
-    from astrai.parallel import cleanup_parallel
-    from astrai.trainer.alignment_cli import train
-
     Path(config.ckpt_dir).mkdir(parents=True, exist_ok=True)
-    context = train(config, resume)
+    context = train(config, resume) if needs_alignment_run(config) else Trainer(config).train(resume)
     cleanup_parallel()  # under torchrun the Trainer joined the group: leave it before the interpreter exits
     if context is not None and context.stop_requested:
         print(f"astrai train: interrupted at step {context.step}; resume with --resume --ckpt_dir {config.ckpt_dir}")
@@ -126,4 +141,4 @@ def written_line(config: TrainConfig) -> str:
     return f"wrote {finals[-1].parent}: the trained model{lora} (checkpoints under {root})"
 
 
-__all__ = ["build_config", "dry_run", "run", "written_line"]
+__all__ = ["alignment_strategy_kwargs", "build_config", "dry_run", "run", "written_line"]

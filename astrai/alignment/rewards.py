@@ -22,7 +22,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from astrai.dataset.arithmetic import check_answer
 from astrai.errors import ConfigError, DataError
+from astrai.model import AutoModel
+from astrai.model.reward import RewardModel, last_token_index
 
 PROBLEM_RE = re.compile(r"(-?\d+)\s*([+\-*×x])\s*(-?\d+)")
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "×": lambda a, b: a * b,
@@ -35,8 +38,6 @@ def arithmetic_reward(prompt: str, response: str) -> float:
     The problem is read back from the prompt text (the last ``a op b`` in it), so the
     reward works on raw ("3+4=") and chat-formatted prompts alike.
     """
-    from astrai.dataset.arithmetic import check_answer
-
     problems = PROBLEM_RE.findall(prompt)
     if not problems:
         raise DataError(f"arithmetic reward: no 'a+b' style problem found in prompt {prompt[-80:]!r}")
@@ -80,8 +81,6 @@ class RewardModelReward(Reward):
         self.name = name
 
     def __call__(self, prompts, responses, input_ids, response_mask) -> list[float]:
-        from astrai.model.reward import last_token_index
-
         device = next(self.model.parameters()).device
         ids, mask = input_ids.to(device), response_mask.to(device)
         with torch.no_grad():
@@ -110,9 +109,6 @@ def resolve_reward(spec, device: str | torch.device = "cpu") -> Reward:
     if spec == "arithmetic":
         return FunctionReward(arithmetic_reward, "arithmetic")
     if Path(spec).is_dir():
-        from astrai.model import AutoModel
-        from astrai.model.reward import RewardModel
-
         model = AutoModel.from_pretrained(spec, device=device)
         if not isinstance(model, RewardModel):
             raise ConfigError(f"--reward {spec}: model_type is {model.config.model_type!r}, not a reward model")

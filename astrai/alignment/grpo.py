@@ -22,14 +22,14 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from astrai.alignment.losses import (REDUCTIONS, group_advantages, grpo_loss, keyed_group_advantages,
+                                     shifted_logprobs_and_aux, shifted_token_logprobs)
+from astrai.alignment.reference import ReferenceModel, cpu_weights, frozen, load_weights, unwrap
+from astrai.alignment.rewards import compute_rewards, resolve_reward
+from astrai.alignment.rollout import EngineRollout, RolloutBatch, pack_sequences
 from astrai.errors import ConfigError, DataError
 from astrai.trainer.callbacks.base import TrainCallback
-from astrai.trainer.rewards import compute_rewards, resolve_reward
-from astrai.trainer.rollout import EngineRollout, RolloutBatch, pack_sequences
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
-from astrai.trainer.strategies.losses import (REDUCTIONS, group_advantages, grpo_loss, keyed_group_advantages,
-                                              shifted_logprobs_and_aux, shifted_token_logprobs)
-from astrai.trainer.strategies.reference import ReferenceModel, cpu_weights, frozen, load_weights, unwrap
 
 
 def _rows(ids, mask: Optional[torch.Tensor] = None) -> list[list[int]]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from astrai.errors import ConfigError
+from astrai.inference import InferenceEngine, SamplingParams
 
 
 @dataclass
@@ -72,8 +73,6 @@ class EngineRollout:
                    **engine_kwargs) -> "EngineRollout":
         """Build the engine once, around a detached eval-mode copy of the policy (in ``dtype`` when given:
         the engine runs on its own thread, outside the trainer's thread-local autocast)."""
-        from astrai.inference import InferenceEngine
-
         behaviour = copy.deepcopy(getattr(policy, "module", policy)).eval()
         if dtype is not None:
             behaviour.to(dtype)
@@ -95,8 +94,6 @@ class EngineRollout:
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int,
                  prompt_texts: Optional[Sequence[str]] = None) -> RolloutBatch:
         """Submit every (prompt, sample) pair at once and let the engine batch them."""
-        from astrai.inference import SamplingParams
-
         start = time.perf_counter()
         handles = []
         for prompt in prompts:

@@ -1,7 +1,7 @@
 """A KL-staged run (spec 003): one Trainer per stage, the weights and a frozen reference handed
 from each stage to the next, a checkpoint and validation loss at every boundary.
 
-The loss each stage trains with is KLStrategy's (astrai/trainer/strategies/kl.py); this module is
+The loss each stage trains with is KLStrategy's (astrai/alignment/kl.py); this module is
 the run around it. It sits above the trainer because it builds and runs Trainers, which a
 strategy (a part the trainer runs) cannot do without importing its own caller.
 """
@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
+from astrai.alignment.kl import Stage, snapshot_reference
+from astrai.alignment.reference import ReferenceModel, unwrap
 from astrai.config import TrainConfig
 from astrai.errors import CheckpointError, ConfigError, DataError
 from astrai.parallel.wrap import load_full_model_state
@@ -22,8 +24,6 @@ from astrai.serialization import Checkpoint, latest_checkpoint
 from astrai.trainer.builder import load_model
 from astrai.trainer.callbacks.validation import evaluate
 from astrai.trainer.data import resolve_data
-from astrai.trainer.strategies.kl import Stage, snapshot_reference
-from astrai.trainer.strategies.reference import ReferenceModel, unwrap
 from astrai.trainer.trainer import Trainer
 
 
@@ -80,6 +80,17 @@ def train_kl_stages(config, stages: Sequence[Any], beta: float = 0.1, model: Opt
 
 
 RUN_CONFIG_NAME = "train_config.json"
+
+
+def kl_run_config(checkpoint: str, saved: dict) -> Optional[Path]:
+    """The whole run's train_config.json when ``checkpoint`` is a KL run's stage save or boundary."""
+    if saved.get("train_type") != "kl":
+        return None
+    path = Path(checkpoint)
+    for root in (path.parent, path.parent.parent):
+        if (root / RUN_CONFIG_NAME).is_file():
+            return root / RUN_CONFIG_NAME
+    return None
 
 
 def boundary_name(stage: int) -> str:

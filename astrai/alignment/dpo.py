@@ -7,12 +7,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from astrai.alignment.losses import (REDUCTIONS, dpo_loss, response_sums, sequence_logprobs,
+                                     shifted_logprobs_and_aux)
+from astrai.alignment.preference import check_preference_batch, stack_attention, stack_pairs
+from astrai.alignment.reference import ReferenceModel
 from astrai.errors import ConfigError
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
-from astrai.trainer.strategies.losses import (REDUCTIONS, dpo_loss, response_sums, sequence_logprobs,
-                                              shifted_logprobs_and_aux)
-from astrai.trainer.strategies.preference import check_preference_batch, stack_attention, stack_pairs
-from astrai.trainer.strategies.reference import ReferenceModel
 
 
 @StrategyFactory.register("dpo")

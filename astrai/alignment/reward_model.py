@@ -7,12 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from astrai.alignment.losses import REDUCTIONS, padded_inputs, pairwise_reward_loss
+from astrai.alignment.preference import check_preference_batch, stack_attention, stack_pairs
+from astrai.alignment.reference import unwrap
 from astrai.errors import ConfigError
 from astrai.model.reward import RewardModel, last_token_index
 from astrai.trainer.strategies.base import BaseStrategy, StrategyFactory
-from astrai.trainer.strategies.losses import REDUCTIONS, padded_inputs, pairwise_reward_loss
-from astrai.trainer.strategies.preference import check_preference_batch, stack_attention, stack_pairs
-from astrai.trainer.strategies.reference import unwrap
 
 
 def pair_outputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ learnt. The KL is exact by default (per token, over the vocabulary: both models'
 are at hand). The spec's estimate, policy NLL − stop-grad reference NLL, is offered as
 ``estimate="nll_difference"``: its gradient is the NLL's own, so it does not anchor.
 Each stage has its own token budget and dataset mixture. This module holds the loss and the
-stage plan; the run that drives one Trainer per stage is astrai/trainer/kl_stages.py.
+stage plan; the run that drives one Trainer per stage is astrai/alignment/kl_stages.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from astrai.alignment.losses import kl_stage_loss, token_kl
+from astrai.alignment.reference import ReferenceModel, unwrap
 from astrai.errors import ConfigError
 from astrai.trainer.strategies.base import IGNORE_INDEX, StrategyFactory
-from astrai.trainer.strategies.losses import kl_stage_loss, token_kl
 from astrai.trainer.strategies.masks import model_inputs
-from astrai.trainer.strategies.reference import ReferenceModel, unwrap
 from astrai.trainer.strategies.seq import SEQStrategy, token_cross_entropy
 
 
