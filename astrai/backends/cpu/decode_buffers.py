@@ -62,6 +62,8 @@ class DecodeBuffers:
             if len(ids) > self.rows and self._fits(2 * self.rows, capacity):
                 rows = max(rows, 2 * self.rows)  # doubling: a batch filling up reallocates log(n) times, not n/8
             if not self._fits(rows, capacity):
+                rows = len(ids)  # long contexts: rows for this batch only, none spare
+            if not self._fits(rows, capacity):
                 self.valid, self.task_ids = False, ()
                 return None
             self._allocate(rows, capacity)
@@ -115,15 +117,19 @@ class DecodeBuffers:
         return held
 
     def _allocate(self, rows: int, capacity: int) -> None:
-        """Bigger buffers; the rows already held are copied over, so growing reads nothing from the pages."""
+        """New buffers; the rows already held are copied over (those that still fit: fewer rows
+        but a longer capacity is what a long context may take), so growing reads nothing from
+        the pages."""
         old_k, old_v = (self.k, self.v) if self.valid else ([], [])
+        self.task_ids, self.lens = self.task_ids[:rows], self.lens[:rows]
         self.k = self.v = []
         self._spare = ([], [])  # released; made again when a reorder first needs it
         self.rows, self.capacity = rows, capacity
         self.k, self.v = self._new_set(zeroed=not old_k)
         self.generation += 1
         for new, old in zip(self.k + self.v, old_k + old_v):
-            held_rows, held_len = old.shape[0], old.shape[2]
+            held_rows, held_len = min(old.shape[0], rows), old.shape[2]
+            old = old[:held_rows]
             # zero only what the copy leaves uncovered: the buffers are large, and zeroing them
             # whole before the copy would write most of them twice
             new[:held_rows, :, :held_len].copy_(old)

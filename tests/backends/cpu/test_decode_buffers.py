@@ -132,3 +132,18 @@ def test_decode_buffers_grow_by_doubling_within_their_budget():
             if buffers.rows not in sizes:
                 sizes.append(buffers.rows)
         assert sizes == expected
+
+
+def test_a_long_context_takes_the_buffers_with_no_spare_rows():
+    """A row whose context is too long for the rounded-up group of rows within the budget
+    still gets buffers of its own: rows for the batch only, the held row carried over (a
+    long context must not fall back to gathering its whole context every step)."""
+    cache = KVCache(n_layers=1, cache_shapes=((1, 2), (1, 2)), num_pages=300, page_size=4)
+    per_row = 2 * cache.storage.bytes_per_token()  # both sets, per token of capacity
+    buffers = decode_buffers.DecodeBuffers(cache.storage, budget_bytes=3 * 1000 * per_row)
+    assert buffers.plan(["a"], [3]) == [0]
+    assert buffers.rows == decode_buffers.ROW_STEP
+    buffers.k[0][0, 0, :3] = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    assert buffers.plan(["a"], [900]) is not None  # 900 tokens + headroom: eight rows would not fit
+    assert buffers.rows == 1 and buffers.capacity >= 901
+    assert buffers.k[0][0, 0, :3].tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
