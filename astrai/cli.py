@@ -38,7 +38,7 @@ VERBS: dict[str, Verb] = {
     "generate": Verb("astrai.commands.generate", "astrai.inference.cli",
                      "generate completions for prompts (command line or JSONL)"),
     "chat": Verb("astrai.commands.chat", "astrai.inference.chat_cli", "chat with a model in the terminal"),
-    "serve": Verb("astrai.commands.serve", "astrai.inference.server.cli",
+    "serve": Verb("astrai.commands.serve", "astrai.serving.cli",
                   "serve a model over OpenAI- and Anthropic-compatible HTTP"),
     "eval": Verb("astrai.commands.eval", "astrai.eval.cli", "evaluate a model: perplexity, task accuracy, samples"),
     "model": Verb("astrai.commands.model", "astrai.model.cli", "create, inspect or convert model directories"),

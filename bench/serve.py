@@ -206,7 +206,7 @@ class _InstantHandle:
 def serve_instant(model_dir: str, port: int) -> None:
     import uvicorn
 
-    from astrai.inference.server import create_app
+    from astrai.serving import create_app
     from astrai.tokenize import AutoTokenizer
 
     app = create_app(InstantEngine(AutoTokenizer.from_pretrained(model_dir)), model_name=MODEL_NAME)

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from astrai.cli import main
 from astrai.config import preset
 from astrai.inference import InferenceEngine
-from astrai.inference.server import create_app, runner
-from astrai.inference.server.cli import served_model_name
+from astrai.serving import create_app, launch
+from astrai.serving.cli import served_model_name
 from astrai.model import AutoModel
 
 
@@ -51,7 +51,7 @@ def listed_models(monkeypatch, argv: list[str]) -> list[str]:
         with TestClient(app, base_url="http://localhost") as client:
             listed.extend(m["id"] for m in client.get("/v1/models").json()["data"])
 
-    monkeypatch.setattr(runner, "run_server", serve)
+    monkeypatch.setattr(launch, "run_server", serve)
     assert main(["serve", *argv]) == 0
     return listed
 

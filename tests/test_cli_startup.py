@@ -44,8 +44,8 @@ def test_help_answers_quickly(verb):
 def test_the_flags_spell_out_the_choices_the_code_defines():
     from astrai.commands import engine, serve, tokenizer
     from astrai.inference.placement import DTYPE_CHOICES
-    from astrai.inference.server.application import DEFAULT_MAX_BODY_BYTES
-    from astrai.inference.server.runner import API_KEY_ENV
+    from astrai.serving.application import DEFAULT_MAX_BODY_BYTES
+    from astrai.serving.launch import API_KEY_ENV
     from astrai.model.quantized import FORMATS
     from astrai.tokenize.training import SPECIAL_TOKENS
 

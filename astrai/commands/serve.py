@@ -1,4 +1,4 @@
-"""``astrai serve``'s flags (the run: astrai/inference/server/cli.py)."""
+"""``astrai serve``'s flags (the run: astrai/serving/cli.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 from astrai.commands.engine import add_placement_arguments
 
-# astrai/inference/server/runner.py's API_KEY_ENV and application.py's DEFAULT_MAX_BODY_BYTES
+# astrai/serving/launch.py's API_KEY_ENV and application.py's DEFAULT_MAX_BODY_BYTES
 API_KEY_ENV = "ASTRAI_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 

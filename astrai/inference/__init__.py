@@ -1,6 +1,6 @@
 """Inference: paged KV cache, continuous-batching scheduler, sampling and the engine.
 
-The HTTP server (``astrai.inference.server``) builds on these names and is not
+The HTTP server (``astrai.serving``) builds on these names and is not
 imported here, so using the engine never pulls in web dependencies.
 """
 

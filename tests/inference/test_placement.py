@@ -73,10 +73,10 @@ def test_generate_takes_dtype_and_refuses_a_missing_gpu(tokenizer, tmp_path, cap
 
 
 def test_serve_passes_the_placement_to_the_engine(monkeypatch, tmp_path):
-    from astrai.inference.server import runner
+    from astrai.serving import launch
 
     seen = {}
-    monkeypatch.setattr(runner, "run_server", lambda model_dir, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(launch, "run_server", lambda model_dir, **kwargs: seen.update(kwargs))
     pretend_gpus(monkeypatch, 1, bf16=True)
     assert main(["serve", "--model", str(tmp_path)]) == 0
     assert (seen["device"], seen["dtype"]) == (torch.device("cuda", 0), torch.bfloat16)

@@ -100,10 +100,10 @@ def test_a_quantized_directory_opens_without_the_option(model_dir, tokenizer, tm
 
 
 def test_serve_passes_quantize_and_dtype_to_the_engine(model_dir, monkeypatch):
-    from astrai.inference.server import runner
+    from astrai.serving import launch
 
     seen = {}
-    monkeypatch.setattr(runner, "run_server", lambda model, **kwargs: seen.update(kwargs, model=model))
+    monkeypatch.setattr(launch, "run_server", lambda model, **kwargs: seen.update(kwargs, model=model))
     assert main(["serve", "--model", str(model_dir), "--quantize", "int4", "--dtype", "bfloat16", "--device", "cpu"]) == 0
     assert (seen["quantize"], seen["dtype"]) == ("int4", torch.bfloat16)
 

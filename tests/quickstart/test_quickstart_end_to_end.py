@@ -96,7 +96,7 @@ def test_model_directory_opens_in_automodel_and_the_server(run):
     from fastapi.testclient import TestClient
 
     from astrai.inference import InferenceEngine
-    from astrai.inference.server.application import create_app
+    from astrai.serving.application import create_app
     from astrai.model import AutoModel
     from astrai.tokenize import AutoTokenizer
 

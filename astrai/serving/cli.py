@@ -11,7 +11,7 @@ from typing import Optional
 from astrai.errors import ConfigError
 from astrai.inference.placement import resolve_placement
 
-from . import runner
+from . import launch
 
 # directory names that say where a model sits in a run, not which model it is
 GENERIC_NAME = re.compile(r"(final|model|models|latest|best|last|ckpt|checkpoints?|out|output|weights"
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_model_name(args.model)
     print(f"astrai serve: {args.model} as model {name!r} on http://{args.host}:{args.port} "
           f"(clients send \"model\": \"{name}\"; --served-model-name changes it)", file=sys.stderr, flush=True)
-    runner.run_server(args.model, host=args.host, port=args.port, api_key=api_key, model_name=name,
+    launch.run_server(args.model, host=args.host, port=args.port, api_key=api_key, model_name=name,
                cors_origins=args.cors_origin, allowed_hosts=split_names(args.allowed_hosts), max_body_bytes=args.max_body_bytes,
                metrics_public=args.metrics_public,
                default_max_tokens=args.default_max_tokens, log_level=args.log_level,

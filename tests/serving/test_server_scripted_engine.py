@@ -1,7 +1,7 @@
 """Server behaviour that needs a reply on demand, served from the scripted test engine.
 
 A random-weight model cannot be made to emit a tool call or to stream slowly on
-demand, so these tests put ``ScriptedEngine`` (tests/server/conftest.py) behind the
+demand, so these tests put ``ScriptedEngine`` (tests/serving/conftest.py) behind the
 real app and real uvicorn, and talk to it with the official clients and raw HTTP.
 """
 
@@ -16,7 +16,7 @@ import openai
 import pytest
 from server_helpers import MODEL_NAME, ScriptedEngine, live_server
 
-from astrai.inference.server import create_app
+from astrai.serving import create_app
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                            "parameters": {"type": "object",

@@ -75,7 +75,7 @@ def _check_text(text: str, where: str) -> None:
 
 
 def static_dir() -> str:
-    return str(resources.files("astrai.inference.server").joinpath("static"))
+    return str(resources.files("astrai.serving").joinpath("static"))
 
 
 def _error_response(request: Request, error: APIError) -> JSONResponse:

@@ -10,7 +10,7 @@ import pytest
 from server_helpers import MODEL_NAME, ScriptedEngine, live_server
 
 from astrai.cli import build_parser, main
-from astrai.inference.server import create_app
+from astrai.serving import create_app
 
 
 def test_serve_flags_default_to_loopback_and_engine_limits():
@@ -56,10 +56,10 @@ def test_access_log_is_one_json_line_per_request_with_the_request_id(tokenizer, 
 
 
 def test_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from astrai.inference.server import cli as serve_cli
+    from astrai.serving import cli as serve_cli
 
     seen = {}
-    monkeypatch.setattr("astrai.inference.server.runner.run_server", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr("astrai.serving.launch.run_server", lambda model, **kw: seen.update(kw))
     key_file = tmp_path / "key"
     key_file.write_text("sk-from-file\n", encoding="utf-8")
     assert main(["serve", "--model", "m", "--api-key-file", str(key_file)]) == 0
@@ -71,7 +71,7 @@ def test_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
 
 
 def test_api_key_from_the_environment_guards_the_server(tmp_path, monkeypatch):
-    from astrai.inference.server import runner
+    from astrai.serving import launch
 
     class Built(Exception):
         """Stops run_server once the app's settings are known."""
@@ -79,11 +79,11 @@ def test_api_key_from_the_environment_guards_the_server(tmp_path, monkeypatch):
     def record(**settings):
         raise Built(settings)
 
-    monkeypatch.setenv(runner.API_KEY_ENV, "sk-env")
-    monkeypatch.setattr(runner, "create_app", record)
+    monkeypatch.setenv(launch.API_KEY_ENV, "sk-env")
+    monkeypatch.setattr(launch, "create_app", record)
     (tmp_path / "config.json").write_text("{}", encoding="utf-8")
     with pytest.raises(Built) as built:
-        runner.run_server(str(tmp_path), host="0.0.0.0")
+        launch.run_server(str(tmp_path), host="0.0.0.0")
     settings = built.value.args[0]
     assert settings["api_key"] == "sk-env" and settings["allowed_hosts"] == ["*"]
 
@@ -92,7 +92,7 @@ def test_the_server_takes_a_gguf_file_and_refuses_other_files(tmp_path, monkeypa
     """A .gguf file is served as it is (named after it); a file that is neither a model
     directory nor GGUF gets the message saying what --model takes."""
     from astrai.errors import ConfigError
-    from astrai.inference.server import runner
+    from astrai.serving import launch
 
     class Built(Exception):
         """Stops run_server once the app's settings are known."""
@@ -100,17 +100,17 @@ def test_the_server_takes_a_gguf_file_and_refuses_other_files(tmp_path, monkeypa
     def record(**settings):
         raise Built(settings)
 
-    monkeypatch.setattr(runner, "create_app", record)
+    monkeypatch.setattr(launch, "create_app", record)
     model = tmp_path / "tiny-chat.gguf"
     model.write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(Built) as built:
-        runner.run_server(str(model))
+        launch.run_server(str(model))
     assert built.value.args[0]["model_name"] == "tiny-chat"
     other = tmp_path / "weights.bin"
     other.write_bytes(b"not a model")
     for path in (other, tmp_path / "absent"):
         with pytest.raises(ConfigError, match="not a GGUF file"):
-            runner.run_server(str(path))
+            launch.run_server(str(path))
 
 
 def broken_copies(model_dir, root):

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from astrai.inference.server.errors import APIError, error_body
-from astrai.inference.server.schemas import ChatCompletionRequest, MessagesRequest
-from astrai.inference.server.sse import sse_event
+from astrai.serving.errors import APIError, error_body
+from astrai.serving.schemas import ChatCompletionRequest, MessagesRequest
+from astrai.serving.sse import sse_event
 from astrai.inference.stop import StopChecker
-from astrai.inference.server.toolcalls import ParsedToolCall, ToolCallStreamParser, parse_tool_calls, render_tool_call
+from astrai.serving.toolcalls import ParsedToolCall, ToolCallStreamParser, parse_tool_calls, render_tool_call
 
 
 def feed_all(checker: StopChecker, pieces: list[str]) -> str:

@@ -6,7 +6,7 @@
   Pydantic model). The output is held to the schema whatever ``strict`` says.
 * A forced tool call: OpenAI's ``tool_choice`` ``"required"`` or a named function, Anthropic's
   ``{"type": "any"}`` or ``{"type": "tool", "name": ...}``. The reply is then the call object
-  the chat template asks for (astrai/inference/server/toolcalls.py), ``{"name": ...,
+  the chat template asks for (astrai/serving/toolcalls.py), ``{"name": ...,
   "arguments": {...}}``, its name one of the allowed tools and its arguments valid against
   that tool's parameters.
 

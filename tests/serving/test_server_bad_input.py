@@ -82,7 +82,7 @@ def test_enormous_body_is_refused_with_413_in_both_protocols(server_url):
 def test_json_nested_100000_levels_gets_400_not_a_crash(tiny_engine):
     from starlette.testclient import TestClient
 
-    from astrai.inference.server import create_app
+    from astrai.serving import create_app
 
     deep = b'{"model": "tiny-test", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     with TestClient(create_app(tiny_engine, model_name=MODEL_NAME), base_url="http://localhost",

@@ -12,7 +12,7 @@ from schemathesis.generation import GenerationMode
 from server_helpers import MODEL_NAME
 
 from astrai.inference import InferenceEngine
-from astrai.inference.server import create_app
+from astrai.serving import create_app
 
 ROUTES = {"/health": "get", "/health/ready": "get", "/stats": "get", "/metrics": "get", "/v1/models": "get",
           "/v1/models/{model_id}": "get", "/v1/chat/completions": "post", "/v1/completions": "post",

@@ -19,9 +19,9 @@ from astrai.backends.cpu import dense_product
 from astrai.config import preset
 from astrai.inference import InferenceEngine
 from astrai.inference.engine import load_model
-from astrai.inference.server import create_app
-from astrai.inference.server.errors import APIError
-from astrai.inference.server.scoring import PromptScorer, score_prompt
+from astrai.serving import create_app
+from astrai.serving.errors import APIError
+from astrai.serving.scoring import PromptScorer, score_prompt
 from astrai.model import AutoModel
 
 LONG = list(range(5, 45))  # 40 token ids

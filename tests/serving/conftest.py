@@ -43,7 +43,7 @@ def tiny_engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 def server_url(tiny_engine):
     """A live server around the real engine with the tiny model (shared by the session)."""
-    from astrai.inference.server import create_app
+    from astrai.serving import create_app
 
     with live_server(create_app(tiny_engine, model_name=MODEL_NAME, max_body_bytes=64 * 1024)) as url:
         yield url

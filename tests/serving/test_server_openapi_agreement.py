@@ -8,7 +8,7 @@ from server_helpers import MODEL_NAME
 from starlette.testclient import TestClient
 
 from astrai.cli import build_parser, main
-from astrai.inference.server import create_app
+from astrai.serving import create_app
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 PYDANTIC_KEYWORDS = {"ge", "gt", "le", "lt", "min_length", "max_length", "multiple_of"}
@@ -153,7 +153,7 @@ def test_stats_and_metrics_need_the_key_unless_made_public(tiny_engine, path):
 
 def test_serve_takes_metrics_public(monkeypatch):
     seen = {}
-    monkeypatch.setattr("astrai.inference.server.runner.run_server", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr("astrai.serving.launch.run_server", lambda model, **kw: seen.update(kw))
     assert build_parser("serve").parse_args(["serve", "--model", "m"]).metrics_public is False
     assert main(["serve", "--model", "m", "--metrics-public"]) == 0 and seen["metrics_public"] is True
 

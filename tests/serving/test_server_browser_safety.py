@@ -7,8 +7,8 @@ import httpx
 import pytest
 from server_helpers import MODEL_NAME, live_server
 
-from astrai.inference.server import create_app
-from astrai.inference.server.hosts import default_allowed_hosts
+from astrai.serving import create_app
+from astrai.serving.hosts import default_allowed_hosts
 
 BODY = '{"model": "%s", "prompt": "hi", "max_tokens": 1}' % MODEL_NAME
 

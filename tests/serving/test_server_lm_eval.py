@@ -88,7 +88,7 @@ def by_doc(results: dict, task: str) -> list:
 
 
 def test_lm_eval_scores_through_the_server_equal_the_hf_backend(tiny_engine, hf_dir, offline_tasks):
-    from astrai.inference.server import create_app
+    from astrai.serving import create_app
 
     tasks = offline_tasks
     reference = evaluate("hf", hf_args(hf_dir), tasks)
@@ -114,7 +114,7 @@ def test_lm_eval_scores_through_the_server_equal_the_hf_backend(tiny_engine, hf_
 def test_lm_eval_chat_generation_through_the_server_equals_the_hf_backend(tiny_engine, hf_dir, offline_tasks):
     """local-chat-completions: the server's chat template and the hf backend's (from
     tokenizer_config.json) render the same prompt, so greedy generations agree."""
-    from astrai.inference.server import create_app
+    from astrai.serving import create_app
 
     reference = evaluate("hf", hf_args(hf_dir), offline_tasks, tasks=["astrai_gen"], chat=True)
     with live_server(create_app(tiny_engine, model_name="tiny-eval")) as url:
