@@ -9,6 +9,10 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATION_FORMATS = ("int8", "int4", "int4-asym")
 
 SAMPLING_HELP = "default: the model's generation_config.json, else greedy"
+# astrai/inference/speculative.py's SPECULATIVE_METHODS, DEFAULT_DRAFT_TOKENS and MAX_DRAFT_TOKENS
+SPECULATIVE_METHODS = ("ngram", "draft")
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 7
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +41,19 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                              "a quantized model directory needs no flag")
 
 
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "speculative decoding", "Draft a few tokens cheaply and check them in one step of the model: the output is "
+                                "exactly what decoding without it gives, in fewer steps when the drafts are right.")
+    group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                       help="ngram: draft by prompt lookup (pays when the answer repeats the prompt); "
+                            "draft: with --draft-model (default: off, or draft when --draft-model is given)")
+    group.add_argument("--draft-model", dest="draft_model", metavar="DIR", default=None,
+                       help="a smaller model with the same tokenizer, drafting for --speculative draft")
+    group.add_argument("--draft-tokens", dest="draft_tokens", type=int, default=None,
+                       help=f"tokens drafted per step, 1 to {MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_TOKENS})")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.json) or a GGUF file")
     add_placement_arguments(parser)
@@ -44,3 +61,4 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
     parser.add_argument("--num-pages", dest="num_pages", type=int, default=None)
     parser.add_argument("--page-size", dest="page_size", type=int, default=16)
+    add_speculative_arguments(parser)

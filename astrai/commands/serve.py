@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from astrai.commands.engine import add_placement_arguments
+from astrai.commands.engine import add_placement_arguments, add_speculative_arguments
 
 # astrai/serving/launch.py's API_KEY_ENV and application.py's DEFAULT_MAX_BODY_BYTES
 API_KEY_ENV = "ASTRAI_API_KEY"
@@ -45,4 +45,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (default: sized by the engine)")
     limits.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503 Overloaded")
     limits.add_argument("--no-prefix-cache", action="store_true", help="disable prompt prefix reuse")
+    add_speculative_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -64,13 +64,19 @@ def default_sampling(model: str) -> Optional[SamplingParams]:
     return SamplingParams(temperature=0.0)
 
 
+def speculative_settings(args: argparse.Namespace) -> dict:
+    """The engine settings the speculative decoding flags give (none when they are unset)."""
+    settings = {name: getattr(args, name, None) for name in ("speculative", "draft_model", "draft_tokens")}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
 def build_engine(args: argparse.Namespace) -> InferenceEngine:
     device, dtype = resolve_placement(args.device, args.dtype)
     defaults = default_sampling(args.model)
     return InferenceEngine.from_pretrained(args.model, device=device, dtype=dtype, quantize=getattr(args, "quantize", None),
                                            max_batch_size=args.max_batch_size,
                                            max_seq_len=args.max_seq_len, num_pages=args.num_pages,
-                                           page_size=args.page_size,
+                                           page_size=args.page_size, **speculative_settings(args),
                                            **({"default_params": defaults} if defaults is not None else {}))
 
 

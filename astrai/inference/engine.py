@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import torch
 
 from astrai.errors import ConfigError, RequestError
+from astrai.inference.draft_model import DraftModel
 from astrai.inference.handle import RequestHandle
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
@@ -52,13 +53,16 @@ class InferenceEngine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: Optional[torch.dtype] = None,
                         device: str | torch.device = "cpu", quantize: Optional[str] = None,
-                        **limits: Any) -> "InferenceEngine":
+                        draft_model: Optional[str | Path] = None, **limits: Any) -> "InferenceEngine":
         """Model, tokenizer and (optional) generation_config.json defaults from one directory.
 
         ``quantize`` ("int8" or "int4") quantizes the float weights as they load (see
         ``astrai.model.quantized``); ``dtype`` then applies to what stays float (bfloat16 on the
         CPU to the linear weights only: ``cast_linear_weights``). A directory
         that is already quantized opens as it is, without the argument.
+        ``draft_model``, a smaller model's directory with the same tokenizer, drafts for
+        speculative decoding (``speculative="draft"``, astrai/inference/speculative.py); it loads
+        with the same ``dtype`` and ``quantize``.
         """
         from astrai.tokenize import AutoTokenizer
 
@@ -66,6 +70,13 @@ class InferenceEngine:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         limits.setdefault("default_params", _read_generation_config(Path(model_dir)))
         limits.setdefault("in_place", True)  # the model was loaded for this engine alone
+        if draft_model is not None:
+            if limits.setdefault("speculative", "draft") != "draft":
+                raise RequestError(f"a draft model drafts with speculative='draft', not {limits['speculative']!r}")
+            limits["drafter"] = DraftModel(
+                load_model(draft_model, dtype, device, quantize), model.config.vocab_size,
+                int(limits.get("max_seq_len") or model.config.max_len), limits.get("max_batch_size", 16),
+                limits.get("page_size", 16), in_place=True)
         return cls(model, tokenizer, **limits)
 
     # --- token level ----------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from astrai.inference.constraints import MaskWriter, RowMasks
 from astrai.inference.runner import GreedyRun, ModelRunner, Row
 from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw, row_argmax
+from astrai.inference.speculative import accept_greedy, accept_sampled
 from astrai.inference.task import Task
 from astrai.inference.types import TokenLogprob
 
@@ -96,6 +97,35 @@ class Executor:
             task.num_computed += len(tokens)
             return [(token, None) for token in tokens]
         return self.execute_decode([task])
+
+    def speculates(self, task: Task) -> bool:
+        """Whether ``task``'s decode steps may check drafted tokens (``execute_verify``): a request
+        without penalties, log-probabilities or a constraint, whose tokens the verify step's
+        acceptance rules give exactly (astrai/inference/speculative.py)."""
+        p = task.params
+        return not _has_penalty(p) and not p.logprobs and not p.top_logprobs and task.constraint is None
+
+    @torch.inference_mode()
+    def execute_verify(self, tasks: Sequence[Task], drafts: Sequence[Sequence[int]]) -> list[list[Sampled]]:
+        """One step feeding each task's last token followed by its drafted tokens (none for some
+        rows); each task gets the tokens the acceptance rules keep (speculative.py), 1 to
+        len(draft) + 1, and its ``num_computed`` covers its last token and the kept drafts. The
+        cache past that holds rejected drafts, which the runner is told to forget (``rewind``)."""
+        rows = [Row(t.task_id, [t.context[t.num_computed], *d], t.num_computed) for t, d in zip(tasks, drafts)]
+        logits = self.runner.verify(rows)
+        results = []
+        for task, draft, row_logits in zip(tasks, drafts, logits):
+            p = task.params
+            if p.temperature <= GREEDY_BELOW:
+                kept = accept_greedy(row_logits, draft)
+            else:
+                pipeline = SamplingPipeline.for_rows([p.temperature], [p.top_k], [p.top_p], [p.min_p],
+                                                     row_logits.device)
+                kept = accept_sampled(row_logits, draft, pipeline, task.generator, self.generator)
+            task.num_computed += len(kept)  # the fed last token and the kept drafts; the final token is new
+            self.runner.rewind(task.task_id, task.num_computed)
+            results.append([(token, None) for token in kept])
+        return results
 
     @torch.inference_mode()
     def sample(self, tasks: Sequence[Task], logits: torch.Tensor, argmax: Optional[list[int]] = None,

@@ -39,6 +39,8 @@ from astrai.inference.cache import KVCache
 from astrai.inference.constraints import ConstraintCompiler
 from astrai.inference.executor import Executor
 from astrai.inference.runner import ModelRunner
+from astrai.inference.speculative import (DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SPECULATIVE_METHODS, Drafter,
+                                          PromptLookup, SpeculationControl)
 from astrai.inference.task import Task, TaskManager, TaskStatus
 from astrai.inference.types import SamplingParams, StreamEvent
 from astrai.inference.validation import check_fits, check_params, check_prompt
@@ -84,7 +86,9 @@ class InferenceScheduler:
                  max_prompt_len: Optional[int] = None, page_size: int = 16, num_pages: Optional[int] = None,
                  prefill_chunk_size: int = 512, max_queue: int = 256, prefix_cache: bool = True,
                  stop_ids: Optional[Iterable[int]] = None, greedy_run_steps: int = GREEDY_RUN_STEPS,
-                 greedy_run_seconds: float = GREEDY_RUN_SECONDS, in_place: bool = False):
+                 greedy_run_seconds: float = GREEDY_RUN_SECONDS, in_place: bool = False,
+                 speculative: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                 drafter: Optional[Drafter] = None):
         for name, value in (("max_batch_size", max_batch_size), ("page_size", page_size),
                             ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue),
                             ("greedy_run_steps", greedy_run_steps)):
@@ -94,6 +98,7 @@ class InferenceScheduler:
                 or not greedy_run_seconds >= 0:
             raise RequestError(f"greedy_run_seconds must be a number of seconds >= 0 (inf: no limit), "
                                f"got {greedy_run_seconds!r}")
+        self._drafter, self._speculation = _speculation(speculative, draft_tokens, drafter)
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_batch_size = max_batch_size
@@ -219,6 +224,7 @@ class InferenceScheduler:
                 "preemptions": s["preemptions"],
                 "output_tokens": s["output_tokens"],
                 "decode_paths": self._runner.decode_path_counts(),
+                **({"speculative": self._speculation.stats()} if self._speculation is not None else {}),
             }
 
     def check_prompt(self, prompt_ids: list[int], scoring: bool = False) -> list[int]:
@@ -271,15 +277,17 @@ class InferenceScheduler:
                 if not self._running:
                     return
                 self._admit()
-                kind, batch, n_new = self._plan_step()
+                kind, batch, n_new, drafts = self._plan_step()
             if batch:
-                self._run_step(kind, batch, n_new)
+                self._run_step(kind, batch, n_new, drafts)
 
-    def _run_step(self, kind: str, batch: list[Task], n_new: list[int]) -> None:
+    def _run_step(self, kind: str, batch: list[Task], n_new: list[int], drafts: Optional[list[list[int]]] = None) -> None:
         try:
             with self.model_lock:
                 if kind == "prefill":
                     results = [[] if r is None else [r] for r in self._executor.execute_prefill(batch, n_new)]
+                elif kind == "verify":
+                    results = self._executor.execute_verify(batch, drafts)
                 elif kind == "greedy":
                     stops = self.stop_ids if not batch[0].params.ignore_eos else frozenset()
                     stops = stops.union(batch[0].params.stop_token_ids)
@@ -296,6 +304,10 @@ class InferenceScheduler:
         now = time.monotonic()
         with self._lock:
             produced = 0
+            if kind == "verify":
+                self._speculation.verify_steps += 1
+                for task, draft, sampled in zip(batch, drafts, results):
+                    self._speculation.record(task.task_id, len(draft), len(sampled) - 1, len(sampled))
             for task, sampled in zip(batch, results):
                 if task.done:
                     continue
@@ -314,8 +326,7 @@ class InferenceScheduler:
                 computed = min(task.num_computed, len(task.context))
                 self._page_cache.task_record_hashes(task.task_id, task.context, computed)
                 if task.done:
-                    self._page_cache.task_free(task.task_id)
-                    self._task_mgr.drop(task)
+                    self._release(task)
                     self._stats["requests_finished"] += 1
                 if event is not None:
                     task.emit(event)  # the last event after the pages are released
@@ -358,18 +369,38 @@ class InferenceScheduler:
                 return True
         return False
 
-    def _plan_step(self) -> tuple[str, list[Task], list[int]]:
+    def _plan_step(self) -> tuple[str, list[Task], list[int], Optional[list[list[int]]]]:
+        """The next step: its kind, tasks, tokens each feeds, and (a verify step) each one's drafts."""
         running = self._task_mgr.running
         prefill = [t for t in running if t.remaining > 1]
         if prefill and (self._last_was_prefill is False or all(t.remaining > 1 for t in running)):
             self._last_was_prefill = True
-            return "prefill", *self._plan_prefill(prefill)
+            return "prefill", *self._plan_prefill(prefill), None
         self._last_was_prefill = False
         decode = self._reserve_decode_pages()
+        drafts = self._draft(decode) if self._drafter is not None and decode else None
+        if drafts is not None:
+            return "verify", decode, [1 + len(d) for d in drafts], drafts
         steps = self._greedy_run_steps(decode)
         if steps > 1:
-            return "greedy", decode, [steps]
-        return "decode", decode, [1] * len(decode)
+            return "greedy", decode, [steps], None
+        return "decode", decode, [1] * len(decode), None
+
+    def _draft(self, decode: list[Task]) -> Optional[list[list[int]]]:
+        """Each decoding task's drafted tokens (astrai/inference/speculative.py), with pages
+        reserved for checking them, or None when no task has any (a plain decode step then)."""
+        wanted = []
+        for task in decode:
+            room = min(task.params.max_tokens - len(task.output_ids), self.max_seq_len - len(task.context)) - 1
+            wanted.append(self._speculation.wanted(task, room) if self._executor.speculates(task) else 0)
+        if not any(wanted):
+            return None
+        drafts = self._drafter.propose(decode, wanted)
+        for i, (task, draft) in enumerate(zip(decode, drafts)):
+            del draft[wanted[i]:]
+            if draft and not self._page_cache.task_extend(task.task_id, task.num_computed + 1 + len(draft)):
+                draft.clear()  # no page for the drafts: this row decodes one token
+        return drafts if any(drafts) else None
 
     def _greedy_run_steps(self, decode: list[Task]) -> int:
         """How many decode steps a lone greedy request takes this loop step (1: the usual one);
@@ -427,11 +458,39 @@ class InferenceScheduler:
         self._stats["preemptions"] += 1
         self._task_mgr.requeue_front(task)
 
-    def _abort(self, task: Task, error: Optional[str] = None) -> None:
+    def _release(self, task: Task) -> None:
+        """Free a finished or aborted task's pages and forget it."""
         self._page_cache.task_free(task.task_id)
         self._task_mgr.drop(task)
+        if self._drafter is not None:
+            self._drafter.forget(task.task_id)
+            self._speculation.forget(task.task_id)
+
+    def _abort(self, task: Task, error: Optional[str] = None) -> None:
+        self._release(task)
         task.error = error
         task.finish("abort")
         self._stats["requests_aborted"] += 1
         task.emit(StreamEvent(finished=True, finish_reason="abort", error=error, prompt_tokens=len(task.prompt_ids),
                               completion_tokens=len(task.output_ids)))
+
+
+def _speculation(method: Optional[str], draft_tokens: int,
+                 drafter: Optional[Drafter]) -> tuple[Optional[Drafter], Optional[SpeculationControl]]:
+    """The drafter and its control for ``speculative`` decoding (None, None when off); RequestError
+    for a method, a draft length or a drafter that do not go together."""
+    if method is None:
+        if drafter is not None:
+            raise RequestError("a drafter was given without speculative='draft'")
+        return None, None
+    if method not in SPECULATIVE_METHODS:
+        raise RequestError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} (or None), got {method!r}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise RequestError(f"draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {draft_tokens!r}")
+    if method == "ngram":
+        if drafter is not None:
+            raise RequestError("speculative='ngram' drafts by prompt lookup and takes no drafter")
+        drafter = PromptLookup()
+    elif drafter is None:
+        raise RequestError("speculative='draft' needs a drafter (a draft model or draft head: --draft-model DIR)")
+    return drafter, SpeculationControl(method, draft_tokens)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.errors import ConfigError
+from astrai.inference.cli import speculative_settings
 from astrai.inference.placement import resolve_placement
 
 from . import launch
@@ -64,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,
                page_size=args.page_size, num_pages=args.num_pages, max_queue=args.max_queue,
                prefix_cache=not args.no_prefix_cache, device=device, dtype=dtype,
-               quantize=args.quantize)
+               quantize=args.quantize, **speculative_settings(args))
     return 0

@@ -85,6 +85,14 @@ class DecodeBuffers:
             raise ValueError(f"row {row} holds {self.lens[row]} tokens at most, not {length}")
         self.lens[row] = length
 
+    def rewind(self, task_id: str, length: int) -> None:
+        """``task_id``'s row, if held, counts only its first ``length`` tokens (a speculative
+        step wrote drafted tokens past them that were not accepted)."""
+        if self.valid and task_id in self.task_ids:
+            row = self.task_ids.index(task_id)
+            if length <= self.lens[row]:
+                self.lens[row] = length
+
     def _fits(self, rows: int, capacity: int) -> bool:
         return 2 * rows * capacity * self._storage.bytes_per_token() <= self._budget
 

@@ -26,7 +26,9 @@ made again only when the decode buffers are replaced: the Python of a step is pa
 time. The step also returns the logits' argmax, which a greedy request's sampling takes.
 A lone greedy request takes several steps per call (``greedy_steps``), each step's argmax
 the next one's token, so the checks above and the scheduler's bookkeeping run once per
-run of steps, not once a step.
+run of steps, not once a step. A speculative decoder's check of its drafted tokens
+(``verify``) is one call too: the row's last token and the drafts, each weight read once
+for all of them.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ import torch
 from torch import nn
 
 from astrai.backends.cpu.decode_buffers import RowTarget
-from astrai.backends.cpu.kernels import (COLUMNS, DecodePlan, TypedWeight, decode_plan, decode_step, decode_steps,
-                                         kernels_available)
+from astrai.backends.cpu.kernels import (COLUMNS, MAX_VERIFY_TOKENS, DecodePlan, TypedWeight, decode_plan, decode_step,
+                                         decode_steps, kernels_available, verify_step)
 from astrai.backends.cpu.serving import (ServingGQA, ServingLinear, ServingMLP, ServingQuantizedLinear, typed_weight)
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
 from astrai.model.quantized import QuantizedLinear
@@ -104,6 +106,19 @@ class FusedDecode:
         if len(tokens) < len(target.slots):
             target.ran(len(tokens))
         return tokens
+
+    def verify(self, tokens: Sequence[int], target: RowTarget) -> Optional[torch.Tensor]:
+        """Logits [n, vocab] of ``n`` consecutive tokens of one row in one call (``kernels.verify_step``:
+        the weights read once for all of them), their K/V written where ``target`` says (one slot
+        per token); None when the step does not qualify (the caller runs the usual forward).
+        Call when ``ready()`` has just said True."""
+        if not 1 <= len(tokens) <= MAX_VERIFY_TOKENS or len(tokens) != len(target.slots):
+            return None
+        plan = self._checked_plan(max(tokens), target) if min(tokens) >= 0 else None
+        if plan is None:
+            return None
+        k_stride, v_stride = self._slot_strides
+        return verify_step(plan, tokens, target.pos, [(slot * k_stride, slot * v_stride) for slot in target.slots])
 
     def _checked_plan(self, token: int, target: RowTarget) -> Optional[DecodePlan]:
         """``_plan_for(target)``, or None when the token has no embedding row or a step's position

@@ -175,6 +175,10 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_decode_steps_f32.argtypes = ([ctypes.POINTER(DecodePlan)] + [i64] * 2 + [ptr] * 2 + [i64] + [ptr]
                                                  + [i64] * 2 + [ctypes.c_double] + [ptr] * 2)
     library.astrai_decode_steps_f32.restype = i64
+    library.astrai_verify_step_f32.argtypes = [ctypes.POINTER(DecodePlan), ptr, i64, i64] + [ptr] * 4
+    library.astrai_verify_step_f32.restype = i64
+    library.astrai_step_work_floats.argtypes = [ctypes.POINTER(DecodePlan), i64]
+    library.astrai_step_work_floats.restype = i64
     library.astrai_typed_product.argtypes = ([ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr] + [i64] * 5
                                              + [ctypes.c_int] * 2)
     library.astrai_typed_product.restype = i64
@@ -413,12 +417,13 @@ def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, 
             and head.in_features == dim and embedding.dtype == torch.float32):
         raise ValueError("decode_plan: rotary tables, layer table, head or embedding of the wrong shape")
     head.check()
-    work = torch.empty(4 * dim + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * ffn, dtype=torch.float32)
     workspace = torch.empty(threads, heads // kv_heads, capacity, dtype=torch.float32)  # each thread's scores
     plan = DecodePlan(embedding.data_ptr(), embedding.stride(0), embedding.stride(1), layers.data_ptr(),
                       layers.shape[0], dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(),
                       capacity, eps, scale, final_norm.data_ptr(), (ctypes.c_int64 * WEIGHT_VALUES)(*head.pointers()),
-                      head.out_features, work.data_ptr(), workspace.data_ptr(), threads)
+                      head.out_features, None, workspace.data_ptr(), threads)
+    work = torch.empty(_library().astrai_step_work_floats(plan, 1), dtype=torch.float32)
+    plan.work = work.data_ptr()
     plan.keep = (embedding, layers, cos, sin, final_norm, head, work, workspace)
     plan.embedding_rows = embedding.shape[0]
     return plan
@@ -467,3 +472,29 @@ def decode_steps(plan: DecodePlan, token: int, pos: int, kv_offsets: Sequence[tu
     done = _library().astrai_decode_steps_f32(plan, token, pos, k_offsets, v_offsets, n, stops, len(stop_ids),
                                               embedding_rows, max_seconds, tokens, logits.data_ptr())
     return tokens[:done]
+
+MAX_VERIFY_TOKENS = 8  # decode_step.c's ASTRAI_MAX_VERIFY_ROWS
+
+
+def verify_step(plan: DecodePlan, tokens: Sequence[int], pos: int, kv_offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Logits [n, vocab] of ``n`` consecutive tokens of one row at positions ``pos`` ..
+    ``pos + n - 1`` in one step through ``native/decode_step.c`` (every weight read once for all
+    of them; token i attends to positions up to ``pos + i``): a speculative decoder's check of
+    its drafted tokens. Token i's K/V go to ``kv_offsets[i]`` (as ``decode_step``). 1 <= n <=
+    ``MAX_VERIFY_TOKENS``; positions must lie below the plan's capacity and every token must
+    be a row of the embedding. Call only when ``kernels_available()``.
+    """
+    n = len(tokens)
+    if not 1 <= n <= MAX_VERIFY_TOKENS or len(kv_offsets) != n:
+        raise ValueError(f"verify step: 1 to {MAX_VERIFY_TOKENS} tokens, one K/V offset pair each; "
+                         f"got {n} tokens and {len(kv_offsets)} offsets")
+    for token in tokens:
+        _check_step(plan, token, pos, n, 0)
+    library = _library()
+    ids = (ctypes.c_int64 * n)(*tokens)
+    k_offsets = (ctypes.c_int64 * n)(*(k for k, _ in kv_offsets))
+    v_offsets = (ctypes.c_int64 * n)(*(v for _, v in kv_offsets))
+    work = torch.empty(library.astrai_step_work_floats(plan, n), dtype=torch.float32)
+    logits = torch.empty(n, plan.vocab, dtype=torch.float32)
+    library.astrai_verify_step_f32(plan, ids, n, pos, k_offsets, v_offsets, work.data_ptr(), logits.data_ptr())
+    return logits

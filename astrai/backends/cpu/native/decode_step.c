@@ -65,12 +65,13 @@ struct astrai_decode_plan {
     const float *final_norm;
     int64_t head[WEIGHT_VALUES];  /* the output weight [vocab rows], as a layer's weights */
     int64_t vocab;
-    float *work;                  /* 4 dim + 2 heads*head_dim + 2 kv_heads*head_dim + 2 ffn floats */
+    float *work;                  /* astrai_step_work_floats(plan, 1) floats */
     float *attention_workspace;   /* [threads][heads / kv_heads][capacity] floats */
     int64_t threads;
 };
 
 enum { MAX_TEAM = 256 };  /* threads at most: one argmax slot each, on the stack */
+enum { ASTRAI_MAX_VERIFY_ROWS = 8 };  /* tokens of one verify step at most (typed_product.c's row limit) */
 
 /* typed_product.c, row_product.c and decode_attention.c: the work of one thread of a team, no
  * parallel region of their own */
@@ -190,87 +191,118 @@ static inline float exp_lanes(float x)
 
 static inline const float *f32(int64_t address) { return (const float *)(intptr_t)address; }
 
-/* This thread's share of y = x W^T (+ bias) for one row, W given by its five table values. */
-static inline void product(const int64_t *w, const float *x, const float *bias, float *y, int64_t n_in,
-                           int64_t n_out, int64_t *best, float *top)
+/* This thread's share of y = x W^T (+ bias) for `rows` rows (x and y `x_stride` / `y_stride`
+ * floats apart), W given by its five table values. */
+static inline void product(const int64_t *w, const float *x, int64_t rows, int64_t x_stride, const float *bias,
+                           float *y, int64_t y_stride, int64_t n_in, int64_t n_out, int64_t *best, float *top)
 {
-    astrai_team_typed_product(x, 1, n_in, (const void *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[2], (int)w[4],
-                              bias, y, n_out, n_in, n_out, w[1], w[3], best, top);
+    astrai_team_typed_product(x, rows, x_stride, (const void *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[2],
+                              (int)w[4], bias, y, y_stride, n_in, n_out, w[1], w[3], best, top);
 }
 
-/* One step, run by every thread of the team: the one-row products and attention are shared
- * out, the few hundred floats of arithmetic between them run on thread 0 while the others
- * wait at the barrier. Each thread's stretch of the head leaves its argmax in best/top. */
-static void team_step(const struct astrai_decode_plan *plan, int64_t token, int64_t pos, int64_t k_offset,
-                      int64_t v_offset, float *logits, int64_t *best, float *top, struct team_barrier *barrier)
+/* The scratch floats one token of a step needs (team_step's layout; `plan->work` holds one token's). */
+static int64_t row_floats(const struct astrai_decode_plan *plan)
+{
+    return 3 * plan->dim + 3 * plan->heads * plan->head_dim + 2 * plan->kv_heads * plan->head_dim + 2 * plan->ffn;
+}
+
+/* One step of `n` consecutive tokens of one row (positions pos .. pos + n - 1), run by every
+ * thread of the team: the products of all n rows read each weight once and are shared out,
+ * the few hundred floats of arithmetic between them run on thread 0 while the others wait at
+ * the barrier. Token r attends to positions up to pos + r, so the n tokens see each other
+ * causally, as a prefill chunk would. `work` holds row_floats(plan) floats per token.
+ * With one token, each thread's stretch of the head leaves its argmax in best/top. */
+static void team_step(const struct astrai_decode_plan *plan, const int64_t *tokens, int64_t n, int64_t pos,
+                      const int64_t *k_offsets, const int64_t *v_offsets, float *work, float *logits,
+                      int64_t *best, float *top, struct team_barrier *barrier)
 {
     const int team = omp_get_num_threads();
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, head_dim = plan->head_dim;
     const int64_t ffn = plan->ffn, capacity = plan->capacity;
     const float eps = plan->eps;
     const int lead = omp_get_thread_num() == 0;
-    const float *cos = plan->cos + pos * head_dim, *sin = plan->sin + pos * head_dim;
-    const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-    const int64_t len = pos + 1;
-    float *x = plan->work, *h = x + dim, *qkv = h + dim, *attended = qkv + q_width + 2 * kv_width;
-    float *out = attended + q_width, *gate_up = out + dim;
-    float *q = qkv, *k = qkv + q_width, *v = k + kv_width;
+    const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
+    /* per token: x, h, out [dim]; qkv [qkv_width]; q, attended [q_width]; gate_up [2 ffn] */
+    float *x = work, *h = x + n * dim, *out = h + n * dim, *qkv = out + n * dim, *q = qkv + n * qkv_width;
+    float *attended = q + n * q_width, *gate_up = attended + n * q_width;
+    int64_t lens[ASTRAI_MAX_VERIFY_ROWS];
+    for (int64_t r = 0; r < n; ++r) lens[r] = pos + r + 1;
     if (lead) {
-        const float *embedding = plan->embedding + token * plan->embedding_row_stride;
-        for (int64_t i = 0; i < dim; ++i) x[i] = embedding[i * plan->embedding_col_stride];
-        rms_norm(x, f32(plan->layers[0]), h, dim, eps);
+        for (int64_t r = 0; r < n; ++r) {
+            const float *embedding = plan->embedding + tokens[r] * plan->embedding_row_stride;
+            for (int64_t i = 0; i < dim; ++i) x[r * dim + i] = embedding[i * plan->embedding_col_stride];
+            rms_norm(x + r * dim, f32(plan->layers[0]), h + r * dim, dim, eps);
+        }
     }
     team_barrier(barrier, team);
     for (int64_t l = 0; l < plan->n_layers; ++l) {
         const int64_t *p = plan->layers + COLUMNS * l;
-        product(p + QKV, h, f32(p[2]), qkv, dim, q_width + 2 * kv_width, 0, 0);
+        product(p + QKV, h, n, dim, f32(p[2]), qkv, qkv_width, dim, qkv_width, 0, 0);
         team_barrier(barrier, team);
         float *k_buffer = (float *)(intptr_t)p[7], *v_buffer = (float *)(intptr_t)p[8];
         if (lead) {
-            if (p[3]) {  /* QK-norm: each head's q and k normalised before the rotation */
-                for (int64_t g = 0; g < heads; ++g) rms_norm(q + g * head_dim, f32(p[3]), q + g * head_dim, head_dim, eps);
-                for (int64_t g = 0; g < kv_heads; ++g) rms_norm(k + g * head_dim, f32(p[4]), k + g * head_dim, head_dim, eps);
-            }
-            rotate(q, heads, head_dim, cos, sin);
-            rotate(k, kv_heads, head_dim, cos, sin);
-            memcpy((float *)(intptr_t)p[5] + k_offset, k, sizeof(float) * (size_t)kv_width);
-            memcpy((float *)(intptr_t)p[6] + v_offset, v, sizeof(float) * (size_t)kv_width);
-            for (int64_t g = 0; g < kv_heads; ++g) {
-                memcpy(k_buffer + (g * capacity + pos) * head_dim, k + g * head_dim, sizeof(float) * (size_t)head_dim);
-                memcpy(v_buffer + (g * capacity + pos) * head_dim, v + g * head_dim, sizeof(float) * (size_t)head_dim);
+            for (int64_t r = 0; r < n; ++r) {
+                float *qr = q + r * q_width, *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
+                const float *cos = plan->cos + (pos + r) * head_dim, *sin = plan->sin + (pos + r) * head_dim;
+                memcpy(qr, qkv + r * qkv_width, sizeof(float) * (size_t)q_width);
+                if (p[3]) {  /* QK-norm: each head's q and k normalised before the rotation */
+                    for (int64_t g = 0; g < heads; ++g)
+                        rms_norm(qr + g * head_dim, f32(p[3]), qr + g * head_dim, head_dim, eps);
+                    for (int64_t g = 0; g < kv_heads; ++g)
+                        rms_norm(k + g * head_dim, f32(p[4]), k + g * head_dim, head_dim, eps);
+                }
+                rotate(qr, heads, head_dim, cos, sin);
+                rotate(k, kv_heads, head_dim, cos, sin);
+                memcpy((float *)(intptr_t)p[5] + k_offsets[r], k, sizeof(float) * (size_t)kv_width);
+                memcpy((float *)(intptr_t)p[6] + v_offsets[r], v, sizeof(float) * (size_t)kv_width);
+                for (int64_t g = 0; g < kv_heads; ++g) {
+                    memcpy(k_buffer + (g * capacity + pos + r) * head_dim, k + g * head_dim,
+                           sizeof(float) * (size_t)head_dim);
+                    memcpy(v_buffer + (g * capacity + pos + r) * head_dim, v + g * head_dim,
+                           sizeof(float) * (size_t)head_dim);
+                }
             }
         }
         team_barrier(barrier, team);
-        astrai_decode_attention_team(q, k_buffer, v_buffer, attended, &len, plan->attention_workspace, 1, kv_heads,
+        /* every token reads the same buffers (row stride 0), each up to its own position */
+        astrai_decode_attention_team(q, k_buffer, v_buffer, attended, lens, plan->attention_workspace, n, kv_heads,
                                      heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
                                      0, capacity * head_dim, head_dim, plan->scale, capacity);
         team_barrier(barrier, team);
-        product(p + O, attended, 0, out, q_width, dim, 0, 0);
+        product(p + O, attended, n, q_width, 0, out, dim, q_width, dim, 0, 0);
         team_barrier(barrier, team);
         if (lead) {
-            for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
-            rms_norm(x, f32(p[1]), h, dim, eps);
-        }
-        team_barrier(barrier, team);
-        product(p + GATE_UP, h, 0, gate_up, dim, 2 * ffn, 0, 0);
-        team_barrier(barrier, team);
-        if (lead) {
-            #pragma omp simd
-            for (int64_t j = 0; j < ffn; ++j) {
-                const float g = gate_up[j];
-                gate_up[j] = g / (1.0f + exp_lanes(-g)) * gate_up[ffn + j];
+            for (int64_t r = 0; r < n; ++r) {
+                for (int64_t i = 0; i < dim; ++i) x[r * dim + i] += out[r * dim + i];
+                rms_norm(x + r * dim, f32(p[1]), h + r * dim, dim, eps);
             }
         }
         team_barrier(barrier, team);
-        product(p + DOWN, gate_up, 0, out, ffn, dim, 0, 0);
+        product(p + GATE_UP, h, n, dim, 0, gate_up, 2 * ffn, dim, 2 * ffn, 0, 0);
+        team_barrier(barrier, team);
+        if (lead) {
+            for (int64_t r = 0; r < n; ++r) {
+                float *gu = gate_up + r * 2 * ffn;
+                #pragma omp simd
+                for (int64_t j = 0; j < ffn; ++j) {
+                    const float g = gu[j];
+                    gu[j] = g / (1.0f + exp_lanes(-g)) * gu[ffn + j];
+                }
+            }
+        }
+        team_barrier(barrier, team);
+        product(p + DOWN, gate_up, n, 2 * ffn, 0, out, dim, ffn, dim, 0, 0);
         team_barrier(barrier, team);
         if (lead) {  /* the residual, and the next layer's input norm (or the final one) */
-            for (int64_t i = 0; i < dim; ++i) x[i] += out[i];
-            rms_norm(x, l + 1 < plan->n_layers ? f32(p[COLUMNS]) : plan->final_norm, h, dim, eps);
+            for (int64_t r = 0; r < n; ++r) {
+                for (int64_t i = 0; i < dim; ++i) x[r * dim + i] += out[r * dim + i];
+                rms_norm(x + r * dim, l + 1 < plan->n_layers ? f32(p[COLUMNS]) : plan->final_norm, h + r * dim, dim,
+                         eps);
+            }
         }
         team_barrier(barrier, team);
     }
-    product(plan->head, h, 0, logits, dim, plan->vocab, best, top);
+    product(plan->head, h, n, dim, 0, logits, plan->vocab, dim, plan->vocab, n == 1 ? best : 0, top);
     team_barrier(barrier, team);
 }
 
@@ -295,7 +327,8 @@ static int64_t run_steps(const struct astrai_decode_plan *plan, int64_t token, i
     const int threads = plan->threads < MAX_TEAM ? (int)plan->threads : MAX_TEAM;
     #pragma omp parallel num_threads(threads)
     while (!stop) {
-        team_step(plan, token, pos + done, k_offsets[done], v_offsets[done], logits, best, top, &barrier);
+        team_step(plan, &token, 1, pos + done, k_offsets + done, v_offsets + done, plan->work, logits, best, top,
+                  &barrier);
         if (omp_get_thread_num() == 0) {
             token = astrai_team_argmax(best, top, omp_get_num_threads());
             tokens[done++] = token;
@@ -335,4 +368,29 @@ int64_t astrai_decode_steps_f32(const struct astrai_decode_plan *plan, int64_t t
 {
     return n_steps > 0 ? run_steps(plan, token, pos, k_offsets, v_offsets, n_steps, stop_ids, n_stop, embedding_rows,
                                    max_seconds, tokens, logits) : 0;
+}
+
+/* One step of `n` (1 to ASTRAI_MAX_VERIFY_ROWS) consecutive tokens of one row at positions
+ * pos .. pos + n - 1, as a speculative decoder's verification runs it: the last accepted token
+ * followed by the drafted ones. Every weight is read once for all n tokens, so on a CPU, where
+ * a decode step's time is its weights' reading, checking several drafted tokens costs little
+ * more than one decode step. Token i's K/V go to k_offsets[i] / v_offsets[i] in each layer's
+ * page store and to position pos + i of the decode buffers; `logits` [n][vocab] receives every
+ * token's logits; `work` holds n * row_floats(plan) floats. Returns n, or -1 for an n out of
+ * range. */
+int64_t astrai_verify_step_f32(const struct astrai_decode_plan *plan, const int64_t *tokens, int64_t n, int64_t pos,
+                               const int64_t *k_offsets, const int64_t *v_offsets, float *work, float *logits)
+{
+    if (n < 1 || n > ASTRAI_MAX_VERIFY_ROWS) return -1;
+    struct team_barrier barrier = {0, 0, 0};
+    const int threads = plan->threads < MAX_TEAM ? (int)plan->threads : MAX_TEAM;
+    #pragma omp parallel num_threads(threads)
+    team_step(plan, tokens, n, pos, k_offsets, v_offsets, work, logits, 0, 0, &barrier);
+    return n;
+}
+
+/* Floats of scratch memory a step of `n` tokens needs (`plan->work` is made for n = 1). */
+int64_t astrai_step_work_floats(const struct astrai_decode_plan *plan, int64_t n)
+{
+    return n * row_floats(plan);
 }

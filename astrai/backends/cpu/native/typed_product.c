@@ -10,6 +10,8 @@
  *   ASTRAI_Q41   the same nibbles with a step d and a minimum m per block (GGUF's Q4_1):
  *                w[o][i] = nibble * d[o][i / 32] + m[o][i / 32], the row's d's then its m's
  *                in its scales;
+ *   ASTRAI_F32   fp32, `ld` elements between rows (one row goes to row_product.c's kernel;
+ *                several, a speculative step's drafted tokens, are summed here);
  *
  * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
  * The weight is the decode step's whole cost, so it is read once for all rows. bf16 and int8
@@ -472,6 +474,32 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
+/* The fp32 weight row's products with several rows of x (one row takes row_product.c's kernel):
+ * a speculative step's verification of drafted tokens, each weight element loaded once for all. */
+static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *x, int64_t x_stride, int rows,
+                                                          int64_t n_in, float *out, const uint8_t *end)
+{
+    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    int64_t i = 0;
+#if TYPED_AVX2
+    __m256 acc0[ASTRAI_MAX_TYPED_ROWS], acc1[ASTRAI_MAX_TYPED_ROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (; i + 16 <= n_in; i += 16) {
+        if ((i & 15) == 0) prefetch_ahead((const uint8_t *)(w + i), end);
+        const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+        for (int r = 0; r < rows; ++r) {
+            const float *xi = x + r * x_stride + i;
+            acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc1[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
+#endif
+    for (; i < n_in; ++i)
+        for (int r = 0; r < rows; ++r) sum[r] += w[i] * x[r * x_stride + i];
+    for (int r = 0; r < rows; ++r) out[r] = sum[r];
+}
+
 static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
 
 /* row_product.c: the fp32 weights' one-row product and the team's argmax */
@@ -497,13 +525,16 @@ static inline __attribute__((always_inline)) void typed_dot(int type, const uint
     case ASTRAI_Q41:
         dot_q41(w + j * ld, scales + j * scale_ld, xq, xd, xs, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
+    case ASTRAI_F32:
+        dot_f32((const float *)w + j * ld, x, x_stride, rows, n_in, out, end);
+        break;
     default:
         dot_bf16((const uint16_t *)w + j * ld, x, x_stride, rows, n_in, out, end);
         break;
     }
 }
 
-static int64_t row_bytes(int type, int64_t ld) { return type == ASTRAI_BF16 ? 2 * ld : ld; }
+static int64_t row_bytes(int type, int64_t ld) { return type == ASTRAI_F32 ? 4 * ld : type == ASTRAI_BF16 ? 2 * ld : ld; }
 
 /* This thread's stretch of the product, for every thread of the team running it: the typed
  * counterpart of row_product.c's astrai_team_row_product, which it hands one row of an fp32

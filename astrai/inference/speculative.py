@@ -1,0 +1,199 @@
+"""Speculative decoding: draft a few tokens cheaply, check them all in one step of the model.
+
+On a CPU a decode step's time is the reading of every weight, whether the step computes one
+token or several; so a step that feeds a task's last token followed by k guessed ("drafted")
+tokens costs little more than a plain step, and gives the model's own choice at each of the
+k + 1 positions. The guesses the model agrees with are kept, plus the model's token at the
+first disagreement (or after the last guess): 1 to k + 1 tokens for the price of about one
+step. The output is exactly what decoding without drafts gives:
+
+- a greedy row keeps drafted token i while it equals the argmax at position i;
+- a sampled row keeps drafted token d with probability p(d), p being the row's filtered
+  distribution (temperature, top-k, top-p, min-p) at that position, and on a rejection draws
+  from p with d removed (renormalised). Drafts here are deterministic (a draft distribution
+  q that is all on d), for which that is the standard rejection rule min(1, p/q) with the
+  residual max(p - q, 0): every kept or drawn token has the target's own distribution
+  (Leviathan et al. 2023; Chen et al. 2023).
+
+Drafters (``Drafter``): ``PromptLookup`` finds the last few tokens earlier in the prompt or
+output and proposes what followed them there (no second model: it pays when the answer
+repeats the prompt, as in rewriting, extraction or code editing). ``DraftModel``, a smaller
+model with the same tokenizer, lives in draft_model.py.
+
+``SpeculationControl`` stops drafting for a row whose drafts the model keeps rejecting (each
+rejected guess costs a little of the step) and tries again later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from astrai.inference.sampling import SamplingPipeline, draw
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 7  # a verify step feeds at most 8 tokens (the CPU kernels' row limit)
+
+
+class Drafter(Protocol):
+    """Proposes up to ``k`` tokens to follow each task's context (``[]`` when it has no guess)."""
+
+    def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]: ...
+
+    def forget(self, task_id: str) -> None: ...
+
+
+@dataclass
+class NgramIndex:
+    """Where each n-gram of one context last began, for n in [min_n, max_n], kept up to date
+    as the context grows (so a lookup costs O(max_n), not a scan of the context)."""
+
+    min_n: int
+    max_n: int
+    seen: int = 0  # context tokens indexed so far
+    last: dict = field(default_factory=dict)  # n-gram tuple → the position after its latest earlier occurrence
+
+    def update(self, context: Sequence[int]) -> None:
+        """Index the n-grams ending before the context's last ``max_n`` tokens' final one: an
+        n-gram is recorded once a token follows it, so a lookup never finds the suffix itself."""
+        for end in range(max(self.seen, self.min_n), len(context)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.last[tuple(context[end - n:end])] = end
+        self.seen = max(self.seen, len(context))
+
+    def lookup(self, context: Sequence[int], k: int) -> list[int]:
+        """``k`` tokens that followed the latest earlier occurrence of the context's last n tokens
+        (longest n first), or []. An occurrence close to the end leaves fewer than ``k`` tokens
+        after it; the draft then repeats them, as a loop of period len(context) - occurrence
+        would continue."""
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            follow = self.last.get(tuple(context[len(context) - n:]))
+            if follow is not None:
+                period = len(context) - follow
+                return [context[follow + i % period] for i in range(k)]
+        return []
+
+
+class PromptLookup:
+    """Drafts by prompt lookup: the tokens that followed the latest earlier occurrence of the
+    context's last ``max_n`` (down to ``min_n``) tokens, in the prompt or the output so far."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt lookup n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]:
+        drafts = []
+        for task, wanted in zip(tasks, k):
+            index = self._indexes.get(task.task_id)
+            if index is None:
+                index = self._indexes[task.task_id] = NgramIndex(self.min_n, self.max_n)
+            index.update(task.context)
+            drafts.append(index.lookup(task.context, wanted) if wanted > 0 else [])
+        return drafts
+
+    def forget(self, task_id: str) -> None:
+        self._indexes.pop(task_id, None)
+
+
+def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> list[int]:
+    """The tokens a greedy row keeps from a verify step: the drafted ones while each equals the
+    argmax at its position, then the argmax at the first disagreement (or after the last draft).
+    ``logits`` [len(draft) + 1, V], row i being the model's prediction after draft token i - 1."""
+    choices = logits.argmax(dim=-1).tolist()
+    kept = []
+    for guess, choice in zip(draft, choices):
+        if guess != choice:
+            break
+        kept.append(guess)
+    kept.append(choices[len(kept)])
+    return kept
+
+
+def accept_sampled(logits: torch.Tensor, draft: Sequence[int], pipeline: SamplingPipeline,
+                   generator: Optional[torch.Generator], shared: torch.Generator) -> list[int]:
+    """The tokens a sampled row keeps from a verify step, by rejection sampling against its
+    filtered distribution at each position (the module's docstring): the kept draft tokens,
+    then one token drawn from the residual distribution at the first rejection, or from the
+    distribution after the last draft when all are kept. ``pipeline`` holds the row's filters,
+    one row's worth (it is applied to every position)."""
+    probs = pipeline.apply(logits.float()).softmax(dim=-1)  # [len(draft) + 1, V]
+    rng = generator if generator is not None else shared
+    kept: list[int] = []
+    for i, guess in enumerate(draft):
+        p = probs[i]
+        if float(torch.rand((), generator=rng)) < float(p[guess]):
+            kept.append(guess)
+            continue
+        residual = p.clone()
+        residual[guess] = 0.0
+        if float(residual.sum()) <= 0.0:  # the draft held all the mass: a rejection cannot happen
+            kept.append(guess)
+            continue
+        kept.append(int(draw(residual.unsqueeze(0), [generator], shared)[0]))
+        return kept
+    kept.append(int(draw(probs[len(draft)].unsqueeze(0), [generator], shared)[0]))
+    return kept
+
+
+@dataclass
+class RowRecord:
+    """One task's recent drafting: how often its guesses were kept, and how many steps it pauses."""
+
+    kept: float = 0.5  # moving average of the fraction of drafted tokens kept (from a neutral start)
+    paused: int = 0  # decode steps to skip drafting
+    pauses: int = 0  # pauses so far (each twice as long as the last)
+
+
+class SpeculationControl:
+    """Which rows draft this step, and counts of what speculation did (``stats``).
+
+    A row whose recent drafts were mostly rejected (kept fraction below ``min_kept``) pauses
+    drafting for a while, longer each time, since each rejected guess costs part of a step;
+    prompt lookup finds no guess at all where the output does not repeat, which costs nothing.
+    """
+
+    def __init__(self, method: str, k: int, min_kept: float = 0.3, decay: float = 0.7, pause_steps: int = 8):
+        self.method, self.k = method, k
+        self.min_kept, self.decay, self.pause_steps = min_kept, decay, pause_steps
+        self._rows: dict[str, RowRecord] = {}
+        self.verify_steps = self.drafted = self.accepted = self.rows_verified = self.tokens = 0
+
+    def wanted(self, task, room: int) -> int:
+        """Tokens to draft for ``task`` this step (0: decode it as usual); ``room`` is how many
+        tokens past the next one it may still produce."""
+        record = self._rows.setdefault(task.task_id, RowRecord())
+        if record.paused > 0:
+            record.paused -= 1
+            return 0
+        return max(0, min(self.k, room))
+
+    def record(self, task_id: str, drafted: int, kept_drafts: int, produced: int) -> None:
+        """A verify step's outcome for one row: ``kept_drafts`` of its ``drafted`` guesses kept,
+        ``produced`` tokens in all (kept drafts plus the model's own)."""
+        self.drafted += drafted
+        self.accepted += kept_drafts
+        self.tokens += produced
+        self.rows_verified += 1
+        if drafted == 0:
+            return
+        record = self._rows.setdefault(task_id, RowRecord())
+        record.kept = self.decay * record.kept + (1 - self.decay) * kept_drafts / drafted
+        if record.kept < self.min_kept:
+            record.pauses += 1
+            record.paused = self.pause_steps * 2 ** min(record.pauses - 1, 4)
+            record.kept = 0.5
+
+    def forget(self, task_id: str) -> None:
+        self._rows.pop(task_id, None)
+
+    def stats(self) -> dict:
+        return {"method": self.method, "draft_tokens": self.k, "verify_steps": self.verify_steps,
+                "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "tokens_per_row_step": self.tokens / self.rows_verified if self.rows_verified else 0.0}

@@ -1,0 +1,230 @@
+"""Speculative decoding is exact: greedy output equals decoding without it, token for token, through
+every path a verify step takes (the fused C step for a lone row at every weight type, the model's
+forward for a batch, MLA and MoE models); sampled output keeps the model's own distribution; and
+the drafting machinery (prompt lookup, a draft model, the pause of a row whose drafts fail) does
+what it says, leaking no page."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from astrai.errors import RequestError
+from astrai.inference import InferenceEngine, SamplingParams
+from astrai.inference.draft_model import DraftModel
+from astrai.inference.sampling import SamplingPipeline
+from astrai.inference.speculative import NgramIndex, PromptLookup, SpeculationControl, accept_greedy
+from astrai.model.quantized import cast_linear_weights, quantize_model
+from inference_helpers import greedy_reference, make_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def repeating_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat themselves, so prompt lookup finds drafts, and one that does not."""
+    rng = random.Random(seed)
+    base = [rng.randrange(256) for _ in range(12)]
+    return [base * 3, base + base[:5], [rng.randrange(256) for _ in range(9)]]
+
+
+def run(model, prompts, n: int, batch: int, **settings) -> tuple[list[list[int]], dict]:
+    with InferenceEngine(model, None, max_batch_size=batch, page_size=4, num_pages=256, **settings) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, **GREEDY)) for p in prompts]
+        tokens = [h.result(timeout=60).token_ids for h in handles]
+        return tokens, engine.get_stats()
+
+
+def quantized(kind: str):
+    model = make_model("tiny", seed=1)
+    if kind == "bf16":
+        return cast_linear_weights(model, torch.bfloat16)
+    return model if kind == "fp32" else quantize_model(model, kind)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4", "int4-asym"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prompt_lookup_greedy_output_is_unchanged(weights, batch):
+    model = quantized(weights)
+    prompts = repeating_prompts()
+    expected, _ = run(model, prompts, 40, batch)
+    got, stats = run(model, prompts, 40, batch, speculative="ngram")
+    assert got == expected
+    spec = stats["speculative"]
+    assert spec["verify_steps"] > 0 and spec["accepted_tokens"] > 0  # the drafts were checked, and some kept
+    assert stats["pages_used"] == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["tiny", "tiny-mla", "tiny-moe"])
+def test_every_model_family_matches_full_recomputation(kind):
+    model = make_model(kind)
+    prompts = repeating_prompts(1)
+    expected = [greedy_reference(model, p, 24) for p in prompts]
+    got, stats = run(model, prompts, 24, 2, speculative="ngram")
+    assert got == expected
+    assert stats["speculative"]["accepted_tokens"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_draft_model_greedy_output_is_unchanged(batch):
+    target = make_model("tiny")
+    prompts = [[random.Random(n).randrange(256) for _ in range(n)] for n in (9, 30, 3)]
+    expected = [greedy_reference(target, p, 30) for p in prompts]
+    small = DraftModel(make_model("tiny", seed=5, n_layers=1), 256, 256, batch, page_size=4)
+    got, stats = run(target, prompts, 30, batch, speculative="draft", drafter=small)
+    assert got == expected
+    assert 0 < stats["speculative"]["acceptance_rate"] < 1  # a different model: some drafts kept, some not
+    assert small.cache.stats()["pages_used"] == 0  # the draft cache let go of every finished task
+
+    itself = DraftModel(target, 256, 256, batch, page_size=4)
+    got, stats = run(target, prompts, 30, batch, speculative="draft", drafter=itself, draft_tokens=5)
+    assert got == expected
+    assert stats["speculative"]["acceptance_rate"] == 1.0  # the target drafting for itself is always right
+    assert stats["speculative"]["tokens_per_row_step"] > 4
+
+
+def exact_distribution(model, prompt: list[int], pipeline: SamplingPipeline) -> torch.Tensor:
+    """P(t0, t1, t2) [V, V, V] of the first three sampled tokens, from the model's own logits."""
+    V = model.config.vocab_size
+    with torch.no_grad():
+        p0 = pipeline.apply(model(torch.tensor([prompt]))["logits"][0, -1:]).softmax(-1)[0]
+        ctx1 = torch.tensor([prompt + [a] for a in range(V)])
+        p1 = pipeline.apply(model(ctx1)["logits"][:, -1]).softmax(-1)  # [V, V]
+        ctx2 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p2 = pipeline.apply(model(ctx2)["logits"][:, -1]).softmax(-1).view(V, V, V)
+    return p0[:, None, None] * p1[:, :, None] * p2
+
+
+@pytest.mark.timeout(240)
+def test_sampled_output_keeps_the_models_distribution():
+    """Chi-square goodness of fit of 3,000 sampled (t1, t2) pairs to the target's exact
+    distribution, drafted by the target's own greedy choices (the likeliest token: kept often,
+    rejected often). Keeping drafts without the rejection rule, or drawing the correction from
+    the plain distribution instead of the residual, shifts mass toward the guesses far past the bound."""
+    V = 12
+    target = make_model("tiny", seed=2, vocab_size=V, init_std=0.3)
+    draft = DraftModel(target, V, 256, 16, page_size=4)
+    prompt = [1, 5, 3, 7]
+    temperature, top_k = 0.9, 8
+    joint = exact_distribution(target, prompt, SamplingPipeline.from_params(temperature, top_k))
+    pairs = joint.sum(0).flatten()  # P(t1, t2)
+    n = 3000
+    counts = torch.zeros(V * V)
+    with InferenceEngine(target, None, max_batch_size=16, page_size=4, num_pages=512, max_queue=n,
+                         speculative="draft", drafter=draft, draft_tokens=3) as engine:
+        handles = [engine.submit(prompt, SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k,
+                                                        ignore_eos=True, seed=i)) for i in range(n)]
+        for h in handles:
+            t = h.result(timeout=120).token_ids
+            counts[t[1] * V + t[2]] += 1
+        spec = engine.get_stats()["speculative"]
+    assert spec["verify_steps"] > 100 and 0 < spec["accepted_tokens"] < spec["drafted_tokens"]
+    expected = pairs * n
+    keep = expected >= 5  # the usual validity rule; the rest pooled into one cell
+    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+    chi2 = float(((observed - wanted) ** 2 / wanted.clamp_min(1e-9)).sum())
+    dof = int(keep.sum())  # cells - 1, with the pooled cell counted
+    # the 0.999 quantile of chi-square is below dof + 3.1 sqrt(2 dof) + 10 for these dof (Wilson-Hilferty)
+    assert chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+
+
+def test_ngram_index_finds_the_latest_earlier_occurrence_never_the_suffix_itself():
+    index = NgramIndex(2, 3)
+    context = [1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]
+    index.update(context)
+    assert index.lookup(context, 3) == [7, 1, 2]  # after the latest earlier "1 2 3"
+    assert NgramIndex(2, 3).lookup([4, 5, 6], 2) == []
+    loop = [8, 4, 4, 4]
+    index = NgramIndex(2, 4)
+    index.update(loop)
+    assert index.lookup(loop, 4) == [4, 4, 4, 4]  # a match one back: the loop goes on
+    index.update(loop + [5, 8, 4])  # grows incrementally
+    assert index.lookup(loop + [5, 8, 4], 2) == [4, 4]
+    assert PromptLookup().propose([type("T", (), {"task_id": "a", "context": context})()], [0]) == [[]]
+
+
+def test_accept_greedy_keeps_the_agreeing_prefix_and_the_models_token():
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 4, 6, 2]):
+        logits[row, best] = 1.0
+    assert accept_greedy(logits, [3, 4, 5]) == [3, 4, 6]
+    assert accept_greedy(logits, [3, 4, 6]) == [3, 4, 6, 2]
+    assert accept_greedy(logits[:1], []) == [3]
+
+
+def test_a_row_whose_drafts_fail_pauses_drafting():
+    control = SpeculationControl("ngram", 4)
+    task = type("T", (), {"task_id": "a"})()
+    assert control.wanted(task, room=10) == 4
+    assert control.wanted(task, room=2) == 2  # never past max_tokens or the context limit
+    control.record("a", 4, 3, 4)
+    control.record("a", 4, 0, 1)
+    assert control.wanted(task, 10) == 4  # one failure after a good step: no pause yet
+    control.record("a", 4, 0, 1)
+    assert [control.wanted(task, 10) for _ in range(8)] == [0] * 8  # paused for 8 steps
+    assert control.wanted(task, 10) == 4
+    for _ in range(2):
+        control.record("a", 4, 0, 1)
+    assert [control.wanted(task, 10) for _ in range(16)] == [0] * 16  # the second pause is twice as long
+    assert control.stats()["acceptance_rate"] == 3 / 20
+
+
+class WrongDrafter:
+    """Always drafts a token the model would not pick (one not in the context)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, tasks, k):
+        self.calls += 1
+        return [[255] * n for n in k]
+
+    def forget(self, task_id):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_drafting_stops_for_a_row_when_it_does_not_pay():
+    model = make_model("tiny", seed=4)
+    prompt = [3, 1, 4, 1, 5]
+    expected = greedy_reference(model, prompt, 60)
+    assert 255 not in expected
+    drafter = WrongDrafter()
+    got, stats = run(model, [prompt], 60, 1, speculative="draft", drafter=drafter)
+    assert got == [expected]
+    assert stats["speculative"]["accepted_tokens"] == 0
+    assert drafter.calls < 20  # most of the 60 steps decoded plainly after the row paused
+
+
+@pytest.mark.timeout(60)
+def test_bad_settings_are_refused_with_a_clear_error():
+    model = make_model("tiny")
+    with pytest.raises(RequestError, match="speculative must be one of ngram, draft"):
+        InferenceEngine(model, None, speculative="medusa")
+    with pytest.raises(RequestError, match="draft_tokens must be an integer from 1 to 7"):
+        InferenceEngine(model, None, speculative="ngram", draft_tokens=8)
+    with pytest.raises(RequestError, match="needs a drafter"):
+        InferenceEngine(model, None, speculative="draft")
+    with pytest.raises(RequestError, match="share the target's tokenizer"):
+        DraftModel(make_model("tiny", vocab_size=300), 256, 256, 4)
+
+
+@pytest.mark.timeout(120)
+def test_an_aborted_speculating_request_leaks_no_page():
+    target = make_model("tiny")
+    drafter = DraftModel(target, 256, 256, 2, page_size=4)
+    with InferenceEngine(target, None, max_batch_size=2, page_size=4, num_pages=128, speculative="draft",
+                         drafter=drafter) as engine:
+        handle = engine.submit([1, 2, 3], SamplingParams(max_tokens=200, **GREEDY))
+        events = iter(handle)
+        next(events)
+        next(events)
+        handle.abort()
+        list(events)
+        assert engine.get_stats()["pages_used"] == 0
+        assert drafter.cache.stats()["pages_used"] == 0
