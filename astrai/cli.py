@@ -28,7 +28,7 @@ class Verb(NamedTuple):
 
 
 VERBS: dict[str, Verb] = {
-    "quickstart": Verb("astrai.quickstart", "astrai.quickstart_cli",
+    "quickstart": Verb("astrai.commands.quickstart", "astrai.quickstart.cli",
                        "train a bilingual tiny model end to end (tokenizer → PT → SFT → DPO → GRPO) with a report"),
     "tokenizer": Verb("astrai.commands.tokenizer", "astrai.tokenize.cli", "train or inspect a byte-level BPE tokenizer"),
     "preprocess": Verb("astrai.commands.preprocess", "astrai.dataset.cli",

@@ -144,7 +144,7 @@ class Baseline:
 # --- astrai's side ------------------------------------------------------------------------
 def astrai_pretrain(qs, seconds: float) -> dict:
     """The quick start's pre-training stage, sized for ``seconds`` from its throughput probe."""
-    from astrai.quickstart import make_stage_deadline_callback
+    from astrai.quickstart.from_scratch import make_stage_deadline_callback
     from astrai.trainer import Trainer
 
     config = qs.train_config(0, "pretrain", seconds)
@@ -182,7 +182,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from astrai.model import AutoModel
-    from astrai.quickstart import Deadline, Quickstart, Settings
+    from astrai.quickstart.from_scratch import Deadline, Quickstart, Settings
 
     seconds = args.minutes * 60
     with tempfile.TemporaryDirectory() as scratch:

@@ -19,8 +19,9 @@ from astrai.dataset.arithmetic import task_pools
 from astrai.errors import ConfigError
 from astrai.eval.recorded import load_eval_config
 from astrai.inference import InferenceEngine
-from astrai.quickstart_base import (arithmetic_reward, ask, check_final_answer, heldout_task, resolve_base,
-                                    run_base_quickstart)
+from astrai.quickstart import from_pretrained
+from astrai.quickstart.from_pretrained import (arithmetic_reward, ask, check_final_answer, heldout_task, resolve_base,
+                                               run_base_quickstart)
 from astrai.tokenize import AutoTokenizer
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -157,10 +158,8 @@ def test_the_checker_reads_the_last_integer_for_every_stage_alike():
 
 
 def test_smollm2_resolves_to_the_packaged_gguf(monkeypatch, tokenizer, tmp_path):
-    from astrai.model import gguf as astrai_gguf
-
     path = write_gguf(tmp_path / "SmolLM2.gguf", tokenizer, with_tensors=False)
-    monkeypatch.setattr(astrai_gguf, "packaged_gguf", lambda name: path)
+    monkeypatch.setattr(from_pretrained, "packaged_gguf", lambda name: path)
     assert resolve_base("smollm2") == (path, "llama")
 
 

@@ -7,13 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import astrai.quickstart as quickstart
-import astrai.trainer
+import astrai.quickstart.from_scratch as quickstart
 from astrai.cli import main
-from astrai.quickstart import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE, PRETRAIN_STEP_SHARE,
-                               SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline, Quickstart, Settings,
-                               make_pace_check_callback, make_replan_callback, make_stage_deadline_callback,
-                               write_json)
+from astrai.quickstart.from_scratch import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE,
+                                            PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline,
+                                            Quickstart, Settings, make_pace_check_callback, make_replan_callback,
+                                            make_stage_deadline_callback, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -120,7 +119,7 @@ def test_cli_refuses_a_non_positive_budget(capsys):
 @pytest.mark.parametrize("share", [1.0, -0.1])
 def test_replay_share_outside_0_1_is_refused_before_anything_runs(tmp_path, share):
     from astrai.errors import ConfigError
-    from astrai.quickstart import run_quickstart
+    from astrai.quickstart.from_scratch import run_quickstart
 
     with pytest.raises(ConfigError, match="sft_replay must be in"):
         run_quickstart(out=str(tmp_path / "run"), sft_replay=share)
@@ -185,7 +184,7 @@ def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, 
     qs.evaluate = lambda name: {}
     write_json(qs.out / "throughput.json", {"tokens_per_s": 4000.0})
     StandInTrainer.rate, StandInTrainer.runs = real_rate, []
-    monkeypatch.setattr(astrai.trainer, "Trainer", StandInTrainer)
+    monkeypatch.setattr(quickstart, "Trainer", StandInTrainer)
     real_check = quickstart.make_pace_check_callback
     monkeypatch.setattr(quickstart, "make_pace_check_callback",
                         lambda tps, tokens: real_check(tps, tokens, clock=StandInTrainer.clock))

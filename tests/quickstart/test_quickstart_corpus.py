@@ -7,7 +7,7 @@ import pytest
 
 from astrai.dataset.corpus import BUILD_VERSION
 from astrai.errors import ConfigError
-from astrai.quickstart import CORPUS_BYTES_PER_MINUTE, DATA_DIR, Quickstart, Settings
+from astrai.quickstart.from_scratch import CORPUS_BYTES_PER_MINUTE, DATA_DIR, Quickstart, Settings
 
 
 def fake_corpus(root, documents=400):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from astrai.quickstart import run_quickstart
+from astrai.quickstart.from_scratch import run_quickstart
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MINI = dict(

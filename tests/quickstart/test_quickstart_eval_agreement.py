@@ -11,7 +11,7 @@ from astrai.config import preset
 from astrai.errors import ConfigError
 from astrai.eval.recorded import EVAL_CONFIG, load_eval_config
 from astrai.model import AutoModel
-from astrai.quickstart import Quickstart, Settings
+from astrai.quickstart.from_scratch import Quickstart, Settings
 
 
 def test_plain_astrai_eval_gives_the_reports_figures(tokenizer, tmp_path, capsys):

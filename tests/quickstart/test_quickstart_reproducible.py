@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from astrai.cli import main
 from astrai.errors import ConfigError
-from astrai.quickstart import PLAN_FILE, load_plan, run_quickstart
+from astrai.quickstart.from_scratch import PLAN_FILE, load_plan, run_quickstart
 
 SMALL = dict(
     minutes=5, vocab_size=300, window_size=64, batch_size=4, eval_problems=24, ppl_max_tokens=300,
@@ -60,7 +60,7 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
     import re
 
     from astrai.dataset.arithmetic import heldout_problems, problem_key
-    from astrai.quickstart import Quickstart, Settings
+    from astrai.quickstart.from_scratch import Quickstart, Settings
 
     qs = Quickstart(Settings(out=str(tmp_path), **{**SMALL, "pretrain_arithmetic": 2000}))
     qs.stage_corpus()

@@ -8,7 +8,7 @@ arithmetic task's training pool in the base model's own chat template, aligns wi
 and GRPO on the checkable task, and evaluates the base model and every stage on the
 held-out pool, so the report shows what the recipe added to the model it started from.
 Everything else (the time budget, the stage plan, resuming, the report) is the default
-run's (``astrai.quickstart``).
+run's (astrai/quickstart/from_scratch.py).
 
 A pretrained chat model restates the problem or writes a sentence around its answer,
 so the task is asked with a plain instruction ("Answer with just the number.") and an
@@ -29,9 +29,25 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from astrai.alignment.lora_callback import LoraSaveCallback
+from astrai.alignment.rewards import OPS, PROBLEM_RE
+from astrai.alignment.run import prepare_model
+from astrai.config import TrainConfig
+from astrai.dataset.arithmetic import heldout_problems, preference_pair
 from astrai.errors import ConfigError
-from astrai.quickstart import (DATA_DIR, SFT_MAX_PASSES, Quickstart, Settings, _headline,
-                               load_plan, log, print_outcome, read_json, resumed_settings, write_json)
+from astrai.eval.generation import engine_generator
+from astrai.eval.recorded import save_eval_config
+from astrai.eval.runner import evaluate
+from astrai.eval.task import FORMAT_CREDIT
+from astrai.inference import InferenceEngine
+from astrai.model import AutoModel
+from astrai.model.gguf import PACKAGED_GGUF, GGUFMetadata, is_gguf, packaged_gguf, read_gguf
+from astrai.quickstart.from_scratch import (DATA_DIR, SFT_MAX_PASSES, Quickstart, Settings, _headline, load_plan, log,
+                                            print_outcome, read_json, resumed_settings, write_json)
+from astrai.tokenize import AutoTokenizer
+from astrai.trainer import Trainer
 
 BASE_STAGES = ("sft", "dpo", "grpo")
 # Of the training time left when each stage starts. A pretrained model already writes, so
@@ -81,8 +97,6 @@ class BaseSettings(Settings):
 def resolve_base(spec: str) -> tuple[Path, str]:
     """``(path, family)`` of ``--base``: a packaged model's name, a model directory or a GGUF
     file of a supported family; ConfigError (one line) for anything else."""
-    from astrai.model.gguf import PACKAGED_GGUF, GGUFMetadata, is_gguf, packaged_gguf, read_gguf
-
     if spec in PACKAGED_GGUF:
         path = packaged_gguf(spec)
     else:
@@ -130,11 +144,8 @@ def check_final_answer(problem: dict, text: str, format_reward: float = 0.0) -> 
 
 
 def arithmetic_reward(prompt: str, response: str) -> float:
-    """The GRPO reward (``--reward astrai.quickstart_base:arithmetic_reward``): the run's checker
+    """The GRPO reward (``--reward astrai.quickstart.from_pretrained:arithmetic_reward``): the run's checker
     on the problem read back from the prompt, with the evaluation's credit for a wrong integer."""
-    from astrai.eval.task import FORMAT_CREDIT
-    from astrai.alignment.rewards import OPS, PROBLEM_RE
-
     problems = PROBLEM_RE.findall(prompt)
     if not problems:
         raise ConfigError(f"arithmetic reward: no 'a+b' style problem in prompt {prompt[-80:]!r}")
@@ -144,9 +155,6 @@ def arithmetic_reward(prompt: str, response: str) -> float:
 
 def heldout_task(n: Optional[int]) -> tuple[list[dict], object, object]:
     """The held-out pool's first ``n`` problems with this run's prompt and checker, for ``evaluate``."""
-    from astrai.dataset.arithmetic import heldout_problems
-    from astrai.eval.task import FORMAT_CREDIT
-
     return heldout_problems(n), ask, partial(check_final_answer, format_reward=FORMAT_CREDIT)
 
 
@@ -155,8 +163,6 @@ def _conversation(problem: dict) -> dict:
 
 
 def _pair(problem: dict, rng) -> dict:
-    from astrai.dataset.arithmetic import preference_pair
-
     return {**preference_pair(problem, rng), "prompt": [{"role": "user", "content": ask(problem)}]}
 
 
@@ -191,9 +197,6 @@ class BaseQuickstart(Quickstart):
 
     # --- stage 1: the base model as an astrai model directory ----------------------------------
     def stage_import(self) -> None:
-        from astrai.model import AutoModel
-        from astrai.tokenize import AutoTokenizer
-
         marker = self.done_path("import")
         if not marker.is_file():
             log(f"[1/7] importing the base model {self.source} ({self.family})")
@@ -249,8 +252,6 @@ class BaseQuickstart(Quickstart):
 
     # --- training stages -------------------------------------------------------------------------
     def train_config(self, index: int, name: str, seconds: float):
-        from astrai.config import TrainConfig
-
         s, tps = self.s, self.tps
         steps_planned = None
         common = dict(tokenizer_path=str(self.tokenizer_dir), ckpt_dir=str(self.stage_dir(name) / "ckpt"),
@@ -285,16 +286,8 @@ class BaseQuickstart(Quickstart):
     def trainer(self, config, callbacks: list, extra: Optional[dict]):
         """SFT with LoRA trains adapters on the frozen base and leaves a merged model directory
         (the next stages train every weight of it, at their small learning rates)."""
-        import astrai.alignment  # noqa: F401  registers the dpo and grpo train types of the later stages
-        from astrai.trainer import Trainer
-
         if not config.strategy_kwargs.get("lora"):
             return Trainer(config, callbacks=callbacks, strategy_extra=extra, cpu_products=self.s.cpu_products)
-        import torch
-
-        from astrai.alignment.lora_callback import LoraSaveCallback
-        from astrai.alignment.run import prepare_model
-
         torch.manual_seed(config.random_seed)
         model = prepare_model(config)
         config.save_final_model = False
@@ -318,12 +311,6 @@ class BaseQuickstart(Quickstart):
         """Held-out bits per byte, held-out task accuracy (this run's prompt and checker) and
         sample answers, generated with the inference engine (a KV cache: a 100M-parameter
         model is too slow to decode by recomputing the whole sequence)."""
-        from astrai.eval.generation import engine_generator
-        from astrai.eval.recorded import save_eval_config
-        from astrai.eval.runner import evaluate
-        from astrai.inference import InferenceEngine
-        from astrai.model import AutoModel
-
         log(f"evaluating {name}: bits per byte, held-out arithmetic accuracy, sample answers")
         s = self.s
         settings = self.eval_settings()

@@ -20,8 +20,9 @@ the settings it started with.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
+import random
 import shlex
 import shutil
 import sys
@@ -30,7 +31,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+import torch
+
+import astrai.alignment  # noqa: F401  registers the dpo and grpo train types of the later stages
+from astrai.config import TrainConfig
+from astrai.dataset import PreprocessOptions, run_preprocess
+from astrai.dataset.arithmetic import HELDOUT_SIZE, grpo_record, preference_pair, sft_conversation, training_problems
+from astrai.dataset.corpus import corpus_ready, default_corpus_dir
+from astrai.errors import ConfigError
+from astrai.eval.changes import headline, stage_changes
+from astrai.eval.recorded import save_eval_config
+from astrai.eval.report import STAGE_TITLES, plot_curves, read_metrics, write_report
+from astrai.eval.runner import DEFAULT_HELDOUT, evaluate
+from astrai.eval.task import arithmetic_task
+from astrai.model import AutoModel
+from astrai.serialization import latest_checkpoint
+from astrai.tokenize import AutoTokenizer
+from astrai.trainer import TrainCallback, Trainer
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 # Share of the training time each stage gets (of what is left when it starts).
 STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 # SFT stops after this many passes over its data: more passes memorise the small bundled
@@ -137,8 +156,6 @@ class Deadline:
 def make_stage_deadline_callback(seconds: float):
     """A TrainCallback ending the stage as if its step budget were reached once
     ``seconds`` have passed (a guard for when the throughput estimate was too kind)."""
-    from astrai.trainer import TrainCallback
-
     class StageDeadline(TrainCallback):
         def on_train_begin(self, context) -> None:
             self.until = time.perf_counter() + seconds
@@ -154,8 +171,6 @@ def make_stage_deadline_callback(seconds: float):
 def make_stop_at_step_callback(step: int):
     """A TrainCallback ending the stage at ``step`` exactly as the deadline guard did when it
     ended the planning run's stage there: the schedule still spans the planned steps."""
-    from astrai.trainer import TrainCallback
-
     class StopAtStep(TrainCallback):
         def on_step_end(self, context) -> None:
             if context.step >= step and not context.done:
@@ -167,8 +182,6 @@ def make_stop_at_step_callback(step: int):
 def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int, clock=time.perf_counter):
     """A TrainCallback timing steps PACE_CHECK_STEPS; when their rate is off ``expected`` by
     more than PACE_TOLERANCE it records the rate in ``measured`` and ends the stage there."""
-    from astrai.trainer import TrainCallback
-
     first, last = PACE_CHECK_STEPS
 
     class PaceCheck(TrainCallback):
@@ -194,8 +207,6 @@ def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, cl
     that the stage completes the steps it reports as planned. It never plans more: the
     estimate it replaces may be pessimistic, and the stage's data and checkpoints are sized
     by the first plan."""
-    from astrai.trainer import TrainCallback
-
     class Replan(TrainCallback):
         planned: Optional[int] = None
 
@@ -218,7 +229,7 @@ def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, cl
 class Quickstart:
     # The training stages in order, each one's share of the time left when it starts, and the
     # number the first one has in the progress log; a run that starts from a pretrained model
-    # (astrai.quickstart_base) changes them.
+    # (astrai/quickstart/from_pretrained.py) changes them.
     stages: tuple[str, ...] = TRAIN_STAGES
     shares: dict = STAGE_SHARES
     first_stage_number = 4
@@ -274,9 +285,6 @@ class Quickstart:
         """Choose the pre-training text: the bundled sample, or (when built, see
         astrai.dataset.corpus) the large corpus's first ``minutes × CORPUS_BYTES_PER_MINUTE``
         bytes beside it, with the corpus's own held-out files added to the evaluation."""
-        from astrai.dataset.corpus import corpus_ready, default_corpus_dir
-        from astrai.errors import ConfigError
-
         marker = self.done_path("corpus")
         if marker.is_file():
             self.corpus = read_json(marker)
@@ -309,8 +317,6 @@ class Quickstart:
         """Worked problems from the task's training pool as plain documents ("23+45=68", one
         per line, fifty to a document): the sums are learnt during pre-training, when the
         model sees the most tokens, and SFT has only the answer format left to teach."""
-        from astrai.dataset.arithmetic import training_problems
-
         problems = training_problems(self.s.pretrain_arithmetic, seed=5000 + self.s.seed)
         lines = [p["prompt"] + (" " if p["style"] != "short" else "") + p["answer"] for p in problems]
         path = self.out / "data" / "arithmetic_pretrain.jsonl"
@@ -320,14 +326,10 @@ class Quickstart:
         return path
 
     def heldout(self) -> dict:
-        from astrai.eval.runner import DEFAULT_HELDOUT
-
         return {**DEFAULT_HELDOUT, **self.corpus["heldout"]}
 
     # --- stage 0: tokenizer -------------------------------------------------------------
     def stage_tokenizer(self) -> None:
-        from astrai.tokenize import AutoTokenizer
-
         marker = self.done_path("tokenizer")
         if marker.is_file():
             log(f"tokenizer: done already ({self.tokenizer_dir})")
@@ -345,8 +347,6 @@ class Quickstart:
         return self.out / "data" / kind
 
     def stage_data(self) -> None:
-        from astrai.dataset import PreprocessOptions, run_preprocess
-
         marker = self.done_path("data")
         if marker.is_file():
             log("datasets: done already")
@@ -378,8 +378,6 @@ class Quickstart:
         its training pool (never from the held-out problems the evaluation asks), each set
         from its own seed derived from the run's: the bundled conversations alone teach the
         format but are too few for a tiny model to learn the sums in a few minutes."""
-        from astrai.dataset.arithmetic import grpo_record, preference_pair, sft_conversation
-
         paths = {}
         for kind, records in self.arithmetic_sets(sft_conversation, preference_pair, grpo_record).items():
             paths[kind] = self.out / "data" / f"arithmetic_{kind}.jsonl"
@@ -390,10 +388,6 @@ class Quickstart:
     def arithmetic_sets(self, conversation, pair, grpo) -> dict[str, list[dict]]:
         """The SFT, DPO and GRPO records made by ``conversation(problem)``, ``pair(problem, rng)``
         and ``grpo(problem)`` from training-pool problems drawn with seeds derived from the run's."""
-        import random
-
-        from astrai.dataset.arithmetic import training_problems
-
         s = self.s
         rng = random.Random(3000 + s.seed)
         return {
@@ -415,9 +409,6 @@ class Quickstart:
         path = self.out / "throughput.json"
         if path.is_file():
             return read_json(path)["tokens_per_s"]
-        from astrai.config import TrainConfig
-        from astrai.trainer import Trainer
-
         log("[3/7] measuring training throughput to size the stages")
         probe_dir = self.stage_dir("throughput")
         config = TrainConfig(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=self.s.preset,
@@ -458,15 +449,11 @@ class Quickstart:
         """Before the first evaluation has been timed: forward passes cost about a third of
         a training step per token; generations are short."""
         ppl_tokens = len(self.heldout()) * (self.s.ppl_max_tokens or 20_000) * 4 / 3  # windows overlap by 1/4
-        from astrai.dataset.arithmetic import HELDOUT_SIZE
-
         problems = self.s.eval_problems if self.s.eval_problems is not None else HELDOUT_SIZE
         generated = (problems * 4 + 6 * self.s.sample_max_new_tokens) * 64
         return (ppl_tokens + generated) / (3 * self.tps) + 2.0
 
     def train_config(self, index: int, name: str, seconds: float):
-        from astrai.config import TrainConfig
-
         s, tps = self.s, self.tps
         ckpt = self.stage_dir(name) / "ckpt"
         common = dict(tokenizer_path=str(self.tokenizer_dir), ckpt_dir=str(ckpt), random_seed=s.seed + index,
@@ -525,9 +512,6 @@ class Quickstart:
                            window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1, strategy_kwargs={"beta": 0.1})
 
     def train_stage(self, index: int, name: str, check_pace: bool = True) -> dict:
-        from astrai.config import TrainConfig
-        from astrai.serialization import latest_checkpoint
-
         marker = self.done_path(name)
         if marker.is_file():
             record = read_json(marker)
@@ -602,9 +586,6 @@ class Quickstart:
 
     def trainer(self, config, callbacks: list, extra: Optional[dict]):
         """The Trainer of one stage (a subclass may prepare the model itself, e.g. with LoRA adapters)."""
-        import astrai.alignment  # noqa: F401  registers the dpo and grpo train types of the later stages
-        from astrai.trainer import Trainer
-
         return Trainer(config, callbacks=callbacks, strategy_extra=extra, cpu_products=self.s.cpu_products)
 
     def follow_throughput(self, record: dict) -> None:
@@ -631,11 +612,6 @@ class Quickstart:
         perplexity shows what each fine-tuning stage costs the plain-text skill (a few
         seconds per stage for the quick start's model). The settings go into the model's
         directory first, so that they travel with it."""
-        from astrai.eval.recorded import save_eval_config
-        from astrai.eval.runner import evaluate
-        from astrai.eval.task import arithmetic_task
-        from astrai.model import AutoModel
-
         log(f"evaluating {name}: perplexity, arithmetic accuracy, sample answers")
         settings = self.eval_settings()
         save_eval_config(self.model_dir(name), settings)
@@ -660,9 +636,6 @@ class Quickstart:
         return " ".join(shlex.quote(flag) for flag in flags)
 
     def finish(self, records: list[dict]) -> dict:
-        from astrai.eval.changes import headline, stage_changes
-        from astrai.eval.report import STAGE_TITLES, plot_curves, write_report
-
         final_dir = self.out / "model"
         if final_dir.exists():
             shutil.rmtree(final_dir)
@@ -714,8 +687,6 @@ class Quickstart:
 
 # --- module helpers -------------------------------------------------------------------
 def _metrics(log_dir: Path) -> list[dict]:
-    from astrai.eval.report import read_metrics
-
     return read_metrics(Path(log_dir) / "metrics.jsonl")
 
 
@@ -739,8 +710,6 @@ def _median(values: list) -> Optional[float]:
 
 def _parameters(model_dir: Path) -> int:
     """The logical parameter count, as ``astrai model info`` gives it."""
-    from astrai.model import AutoModel
-
     return AutoModel.from_pretrained(model_dir).num_parameters()
 
 
@@ -753,10 +722,6 @@ def _astrai_command() -> str:
 
 
 def _device_name() -> str:
-    import os
-
-    import torch
-
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return f"CPU ({torch.get_num_threads()} threads, {os.cpu_count()} cores)"
@@ -774,8 +739,6 @@ def run_quickstart(**settings: Any) -> dict:
     """Python entry point: ``run_quickstart(out="runs/qs", minutes=15)``; returns the summary."""
     s = Settings(**settings)
     if not 0 <= s.sft_replay < 1:
-        from astrai.errors import ConfigError
-
         raise ConfigError(f"sft_replay must be in [0, 1), got {s.sft_replay}")
     return Quickstart(resumed_settings(s)).run()
 
@@ -788,8 +751,6 @@ def resumed_settings(s: Settings) -> Settings:
         try:
             saved = type(s)(**read_json(path))
         except (TypeError, json.JSONDecodeError) as exc:
-            from astrai.errors import ConfigError
-
             raise ConfigError(f"{path}: not the settings of a quick start run ({exc}); use a new --out") from None
         if (saved.minutes, saved.preset, saved.vocab_size) != (s.minutes, s.preset, s.vocab_size):
             log(f"{path}: resuming a run started with other settings; keeping those ({saved.minutes:g} min, "
@@ -822,8 +783,6 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
     100, "dpo": 10, "grpo": 20}}``) as Settings fields: ``steps`` (optimizer steps per stage),
     ``stop_at`` (where stages ended early, optional) and ``cpu_products`` (the fp32 products
     decision, optional); ``stages`` are the run's training stages."""
-    from astrai.errors import ConfigError
-
     try:
         plan = read_json(Path(path))
         steps, stop_at, products = plan["steps"], plan.get("stop_at", {}), plan.get("cpu_products")
@@ -845,29 +804,6 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
         raise ConfigError(f"--plan {path}: 'cpu_products' must be {{\"forward\": true|false, \"weight_grad\": "
                           f"true|false}}, got {products!r}")
     return {"steps": dict(steps), "stop_at": dict(stop_at), "cpu_products": products}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=None,
-                        help="output directory (default: runs/quickstart, with --base runs/quickstart-base)")
-    parser.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run (default 15)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the data order, initial weights and generated task data (default 0)")
-    parser.add_argument("--plan", default=None, metavar="FILE",
-                        help="pin the optimizer steps of each stage to this file (an earlier run's plan.json): "
-                             "the same seed and plan give the same numbers (default: sized from measured throughput)")
-    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default 4096)")
-    parser.add_argument("--corpus", default="auto",
-                        help="pre-training text: auto (the large corpus when built, else the bundled sample), "
-                             "bundled, or a corpus directory (default auto)")
-    parser.add_argument("--base", default=None, metavar="PATH",
-                        help="start from a pretrained model instead of from scratch: a Hugging Face model directory, "
-                             "a GGUF file (Llama/Qwen2/Qwen3/Mistral) or 'smollm2' (installed by scripts/setup.sh); "
-                             "skips the tokenizer and pre-training (docs/quickstart.md)")
-    parser.add_argument("--finetune", default=None, choices=("full", "lora"),
-                        help="with --base: fine-tune every weight or train LoRA adapters (default full)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
 
 
 def print_outcome(summary: dict, out: str) -> None:

@@ -1,14 +1,14 @@
-"""``astrai quickstart``'s run: from scratch (astrai/quickstart.py) or, with ``--base``, from a
-pretrained model (astrai/quickstart_base.py, which builds on the first). The flags stay in
-astrai/quickstart.py, which imports nothing heavy."""
+"""``astrai quickstart``'s run: from scratch (from_scratch.py) or, with ``--base``, from a
+pretrained model (from_pretrained.py, which builds on the first). Its flags:
+astrai/commands/quickstart.py."""
 
 from __future__ import annotations
 
 import argparse
 
 from astrai.errors import ConfigError
-from astrai.quickstart import Settings, load_plan, print_outcome, run_quickstart
-from astrai.quickstart_base import run_from_args
+from astrai.quickstart.from_pretrained import run_from_args
+from astrai.quickstart.from_scratch import Settings, load_plan, print_outcome, run_quickstart
 
 
 def run(args: argparse.Namespace) -> int:
