@@ -150,19 +150,68 @@ class RowRecord:
     pauses: int = 0  # pauses so far (each twice as long as the last)
 
 
+@dataclass
+class StepTimes:
+    """Moving averages of one batch size's steps: seconds per plain decode token, and per verify
+    step with the tokens each row got from it."""
+
+    decode_s: Optional[float] = None
+    verify_s: Optional[float] = None
+    verify_tokens: float = 0.0
+    verifies: int = 0  # verify steps averaged since the last pause
+    pause: int = 0  # decode steps left without drafting
+    pauses: int = 0
+
+
 class SpeculationControl:
     """Which rows draft this step, and counts of what speculation did (``stats``).
 
-    A row whose recent drafts were mostly rejected (kept fraction below ``min_kept``) pauses
-    drafting for a while, longer each time, since each rejected guess costs part of a step;
-    prompt lookup finds no guess at all where the output does not repeat, which costs nothing.
+    Two switches, since a verify step costs more than a plain one (each drafted token is one
+    more row of every product; on int8 weights that is arithmetic, not only reading):
+    - per row: a row whose recent drafts were mostly rejected (kept fraction below
+      ``min_kept``) pauses drafting for a while, longer each time; prompt lookup finds no
+      guess at all where the output does not repeat, which costs nothing;
+    - per batch size: the measured tokens per second of verify steps (tokens each row got,
+      over the step's time) against plain decode steps of the same batch size; when drafting
+      loses, the batch decodes plainly for a while (longer each time), then measures again.
     """
 
-    def __init__(self, method: str, k: int, min_kept: float = 0.3, decay: float = 0.7, pause_steps: int = 8):
+    def __init__(self, method: str, k: int, min_kept: float = 0.3, decay: float = 0.7, pause_steps: int = 8,
+                 warmup: int = 3):
         self.method, self.k = method, k
-        self.min_kept, self.decay, self.pause_steps = min_kept, decay, pause_steps
+        self.min_kept, self.decay, self.pause_steps, self.warmup = min_kept, decay, pause_steps, warmup
         self._rows: dict[str, RowRecord] = {}
+        self._times: dict[int, StepTimes] = {}
         self.verify_steps = self.drafted = self.accepted = self.rows_verified = self.tokens = 0
+        self.paused_steps = 0
+
+    def batch_wanted(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows drafts at all (see the class docstring)."""
+        times = self._times.setdefault(rows, StepTimes())
+        if times.pause > 0:
+            times.pause -= 1
+            self.paused_steps += 1
+            return False
+        if times.decode_s is None or times.verify_s is None or times.verifies < self.warmup:
+            return True
+        if times.verify_tokens * times.decode_s >= times.verify_s:
+            return True
+        times.pauses += 1
+        times.pause = self.pause_steps * 2 ** min(times.pauses - 1, 4) - 1  # this step is the pause's first
+        times.verifies = 0
+        self.paused_steps += 1
+        return False
+
+    def timed(self, kind: str, rows: int, seconds: float, tokens_per_row: float) -> None:
+        """A step's wall time: ``kind`` "verify", or a plain "decode" step (or run of greedy steps)
+        that gave each of its ``rows`` rows ``tokens_per_row`` tokens."""
+        times = self._times.setdefault(rows, StepTimes())
+        if kind == "verify":
+            times.verify_s = _average(times.verify_s, seconds, self.decay)
+            times.verify_tokens = _average(times.verify_tokens if times.verifies else None, tokens_per_row, self.decay)
+            times.verifies += 1
+        elif tokens_per_row > 0:
+            times.decode_s = _average(times.decode_s, seconds / tokens_per_row, self.decay)
 
     def wanted(self, task, room: int) -> int:
         """Tokens to draft for ``task`` this step (0: decode it as usual); ``room`` is how many
@@ -196,4 +245,9 @@ class SpeculationControl:
         return {"method": self.method, "draft_tokens": self.k, "verify_steps": self.verify_steps,
                 "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "tokens_per_row_step": self.tokens / self.rows_verified if self.rows_verified else 0.0}
+                "tokens_per_row_step": self.tokens / self.rows_verified if self.rows_verified else 0.0,
+                "paused_steps": self.paused_steps}
+
+
+def _average(old: Optional[float], new: float, decay: float) -> float:
+    return new if old is None else decay * old + (1 - decay) * new

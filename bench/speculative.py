@@ -1,0 +1,163 @@
+"""Speculative decoding: astrai with and without it, and against llama.cpp's own, one stream.
+
+Workloads (SmolLM2-135M-Instruct, greedy, the chat template applied):
+- ``rewrite``: "repeat this passage" over held-out bundled English text (data/pretrain/valid_en.jsonl),
+  the case prompt lookup is for: the answer repeats much of the prompt;
+- ``chat``: the bundled SFT conversations' held-out user turns (data/sft/valid.jsonl), where the
+  answer repeats little.
+
+For each prompt, in one run and alternating: astrai without speculation, astrai with prompt
+lookup (``--speculative ngram``), optionally a draft model or head (``--draft DIR``), and
+llama.cpp's ``llama-lookup`` on the same weights (GGUF of the same type) with the same draft
+length. Decode tokens/s is (tokens - 1) / (time after the first token) for astrai, and
+llama-lookup's own "decoded ... t/s" line. Prints the ratios, writes dated JSON to bench/results/.
+
+Usage: .venv/bin/python bench/speculative.py [--precision int8] [--workloads rewrite,chat]
+       [--prompts 4] [--new-tokens 192] [--draft-tokens 4] [--draft DIR] [--no-llamacpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from llamacpp_models import GGUF_TYPES, build_llamacpp, ensure_gguf, ensure_hf  # noqa: E402
+from results_file import write_result  # noqa: E402
+
+from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
+
+PASSAGE_CHARS = 900
+
+
+def rewrite_prompts(n: int) -> list[list[dict]]:
+    texts = [json.loads(line)["text"] for line in (ROOT / "data/pretrain/valid_en.jsonl").open(encoding="utf-8")]
+    passages = []
+    for text in texts:
+        for start in range(0, len(text) - PASSAGE_CHARS, 4 * PASSAGE_CHARS):
+            cut = text[start:start + PASSAGE_CHARS]
+            passages.append(cut[:cut.rfind(". ") + 1] if ". " in cut else cut)
+    return [[{"role": "user", "content": f"Repeat the following text exactly, word for word.\n\n{p}"}]
+            for p in passages[:n]]
+
+
+def chat_prompts(n: int) -> list[list[dict]]:
+    rows = [json.loads(line) for line in (ROOT / "data/sft/valid.jsonl").open(encoding="utf-8")]
+    prompts = [r["messages"][:1] for r in rows if r.get("source", "").startswith("chatterbot-corpus/english")]
+    return prompts[:n]
+
+
+WORKLOADS = {"rewrite": rewrite_prompts, "chat": chat_prompts}
+
+
+def astrai_decode(engine: InferenceEngine, ids: list[int], n_new: int) -> dict:
+    engine.scheduler.clear_prefix_cache()
+    before = engine.get_stats().get("speculative", {})
+    start = time.perf_counter()
+    handle = engine.submit(ids, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
+    tokens = handle.result().token_ids
+    seconds = time.perf_counter() - start
+    after = engine.get_stats().get("speculative", {})
+    out = {"tok_s": (len(tokens) - 1) / (seconds - handle.time_to_first_token), "tokens": tokens}
+    if after:
+        drafted = after["drafted_tokens"] - before.get("drafted_tokens", 0)
+        out["acceptance"] = (after["accepted_tokens"] - before.get("accepted_tokens", 0)) / drafted if drafted else 0.0
+    return out
+
+
+def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens: int, threads: int) -> dict:
+    cmd = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(n_new), "--draft-max", str(draft_tokens),
+           "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096", "--ignore-eos", "--no-warmup"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    log = done.stdout + done.stderr
+    speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
+    accept = re.search(r"accept\s+=\s+([\d.]+)%", log)
+    if done.returncode != 0 or speed is None:
+        raise RuntimeError(f"llama-lookup failed ({done.returncode}): {log[-2000:]}")
+    return {"tok_s": float(speed.group(3)), "tokens": int(speed.group(1)),
+            "acceptance": float(accept.group(1)) / 100 if accept else None}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precision", default="int8", choices=sorted(GGUF_TYPES))
+    parser.add_argument("--workloads", default="rewrite,chat")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--new-tokens", type=int, default=192)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--draft", default=None, metavar="DIR", help="also run --speculative draft with this draft model")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--out", default=None)
+    return parser.parse_args()
+
+
+def open_engine(model_dir: Path, precision: str, **settings) -> InferenceEngine:
+    placement = {"dtype": torch.bfloat16} if precision == "bf16" else {} if precision == "fp32" else {"quantize": precision}
+    return InferenceEngine.from_pretrained(model_dir, max_batch_size=1, max_seq_len=2048, **placement, **settings)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_hf("smollm2")
+    llamacpp = None if args.no_llamacpp else build_llamacpp()
+    gguf = None if llamacpp is None else ensure_gguf("smollm2", GGUF_TYPES[args.precision], llamacpp)
+    systems = {"plain": open_engine(model_dir, args.precision),
+               "ngram": open_engine(model_dir, args.precision, speculative="ngram", draft_tokens=args.draft_tokens)}
+    if args.draft:
+        systems["draft"] = open_engine(model_dir, args.precision, draft_model=args.draft, draft_tokens=args.draft_tokens)
+    tokenizer = systems["plain"].tokenizer
+    warm = tokenizer.apply_chat_template(chat_prompts(1)[0], tokenize=True, add_generation_prompt=True)
+    for engine in systems.values():
+        astrai_decode(engine, list(warm), 16)
+    results = {"precision": args.precision, "draft_tokens": args.draft_tokens, "new_tokens": args.new_tokens,
+               "threads": args.threads, "workloads": {}}
+    for workload in args.workloads.split(","):
+        rows = []
+        for messages in WORKLOADS[workload](args.prompts):
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+            row = {"prompt_tokens": len(ids)}
+            for name, engine in systems.items():
+                run = astrai_decode(engine, ids, args.new_tokens)
+                row[name] = {k: v for k, v in run.items() if k != "tokens"}
+                row.setdefault("same_tokens", True)
+                if name == "plain":
+                    plain_tokens = run["tokens"]
+                else:
+                    row["same_tokens"] &= run["tokens"] == plain_tokens
+            if gguf is not None:
+                row["llama-lookup"] = llama_lookup(llamacpp.tool("llama-lookup"), gguf, text, args.new_tokens,
+                                                   args.draft_tokens, args.threads)
+            rows.append(row)
+            print(f"[{workload}] {len(ids)} prompt tokens: " + ", ".join(
+                f"{k} {v['tok_s']:.1f} tok/s" + (f" (acc {v['acceptance']:.2f})" if v.get("acceptance") is not None else "")
+                for k, v in row.items() if isinstance(v, dict)) + f"; same tokens: {row['same_tokens']}", flush=True)
+        summary = {}
+        for name in [k for k in rows[0] if isinstance(rows[0][k], dict)]:
+            summary[name] = statistics.median(r[name]["tok_s"] for r in rows)
+        ratios = {f"{name}/plain": summary[name] / summary["plain"] for name in summary if name != "plain"}
+        if "llama-lookup" in summary:
+            ratios["ngram/llama-lookup"] = summary["ngram"] / summary["llama-lookup"]
+        results["workloads"][workload] = {"rows": rows, "median_tok_s": summary, "ratios": ratios}
+        print(f"[{workload}] median tok/s {json.dumps({k: round(v, 1) for k, v in summary.items()})}; "
+              f"ratios {json.dumps({k: round(v, 2) for k, v in ratios.items()})}", flush=True)
+    for engine in systems.values():
+        engine.shutdown()
+    print(f"wrote {write_result('speculative', results, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
