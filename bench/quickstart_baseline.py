@@ -159,7 +159,7 @@ def astrai_pretrain(qs, seconds: float) -> dict:
 def heldout_bits(model, tokenizer, window: int) -> dict:
     """Bits per byte on each bundled held-out file and on both together."""
     from astrai.eval.perplexity import bits_per_byte, heldout_perplexity
-    from astrai.eval.runner import DEFAULT_HELDOUT
+    from astrai.eval.suite import DEFAULT_HELDOUT
 
     model.eval()
     results = {name: heldout_perplexity(model, tokenizer, path, window, window - window // 4)

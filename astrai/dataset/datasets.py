@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from astrai.dataset.storage import BaseStorage, create_storage, detect_format
+from astrai.dataset.storage_formats import BaseStorage, create_storage, detect_format
 from astrai.errors import DataError
 from astrai.factory import BaseFactory
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from astrai.dataset.storage import META_FILE, BaseStorage, register_storage, shard_names
+from astrai.dataset.storage_formats import META_FILE, BaseStorage, register_storage, shard_names
 from astrai.errors import DataError
 
 

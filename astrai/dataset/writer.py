@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from astrai.dataset.formats import WRITERS
-from astrai.dataset.storage import META_FILE
+from astrai.dataset.storage_formats import META_FILE
 from astrai.errors import DataError
 
 

@@ -14,7 +14,7 @@ DEFAULT_MAX_NEW_TOKENS = 48
 
 
 def parse_heldout(values: list[str] | None) -> dict[str, Path]:
-    from astrai.eval.runner import DEFAULT_HELDOUT
+    from astrai.eval.suite import DEFAULT_HELDOUT
 
     if not values:
         return dict(DEFAULT_HELDOUT)
@@ -46,8 +46,8 @@ def eval_settings(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     settings = eval_settings(args)
-    from astrai.eval.runner import evaluate
-    from astrai.eval.task import arithmetic_task
+    from astrai.eval.suite import evaluate
+    from astrai.eval.task_accuracy import arithmetic_task
     from astrai.inference.placement import resolve_device
     from astrai.model import AutoModel
     from astrai.tokenize import AutoTokenizer

@@ -39,8 +39,8 @@ from astrai.dataset.arithmetic import heldout_problems, preference_pair
 from astrai.errors import ConfigError
 from astrai.eval.generation import engine_generator
 from astrai.eval.recorded import save_eval_config
-from astrai.eval.runner import evaluate
-from astrai.eval.task import FORMAT_CREDIT
+from astrai.eval.suite import evaluate
+from astrai.eval.task_accuracy import FORMAT_CREDIT
 from astrai.inference import InferenceEngine
 from astrai.model import AutoModel
 from astrai.model.gguf import PACKAGED_GGUF, GGUFMetadata, is_gguf, packaged_gguf, read_gguf

@@ -42,8 +42,8 @@ from astrai.errors import ConfigError
 from astrai.eval.changes import headline, stage_changes
 from astrai.eval.recorded import save_eval_config
 from astrai.eval.report import STAGE_TITLES, plot_curves, read_metrics, write_report
-from astrai.eval.runner import DEFAULT_HELDOUT, evaluate
-from astrai.eval.task import arithmetic_task
+from astrai.eval.suite import DEFAULT_HELDOUT, evaluate
+from astrai.eval.task_accuracy import arithmetic_task
 from astrai.model import AutoModel
 from astrai.serialization import latest_checkpoint
 from astrai.tokenize import AutoTokenizer

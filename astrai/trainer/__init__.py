@@ -5,8 +5,8 @@ from astrai.trainer.callbacks import (CallbackFactory, CheckpointCallback, Gradi
                                       GradientClippingCallback, MetricLoggerCallback, ProgressBarCallback, TrainCallback,
                                       ValidationCallback)
 from astrai.trainer.context import TrainContext
-from astrai.trainer.schedulers import (BaseScheduler, CosineScheduler, SchedulerFactory, SGDRScheduler,
-                                       WSDScheduler)
+from astrai.trainer.lr_schedules import (BaseScheduler, CosineScheduler, SchedulerFactory, SGDRScheduler,
+                                         WSDScheduler)
 from astrai.trainer.strategies import BaseStrategy, SEQStrategy, SFTStrategy, StrategyFactory
 from astrai.trainer.trainer import Trainer
 

@@ -23,9 +23,9 @@ from astrai.parallel.wrap import load_full_model_state
 from astrai.serialization import Checkpoint
 from astrai.trainer.context import TrainContext
 from astrai.trainer.data import make_loader, make_train_loader, resolve_data
+from astrai.trainer.lr_schedules import SchedulerFactory, scheduler_kwargs
+from astrai.trainer.mixture import MixtureSampler
 from astrai.trainer.optimizers import build_optimizer
-from astrai.trainer.sampling import MixtureSampler
-from astrai.trainer.schedulers import SchedulerFactory, scheduler_kwargs
 from astrai.trainer.state import restore_training_state, seed_rng
 from astrai.trainer.strategies import StrategyFactory
 

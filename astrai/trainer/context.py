@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from astrai.config import TrainConfig
 from astrai.serialization import Checkpoint
-from astrai.trainer.sampling import MixtureSampler
+from astrai.trainer.mixture import MixtureSampler
 from astrai.trainer.strategies import BaseStrategy
 
 

@@ -10,7 +10,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from astrai.dataset.datasets import IGNORE_INDEX
 from astrai.errors import DataError
-from astrai.trainer.sampling import MixtureSampler
+from astrai.trainer.mixture import MixtureSampler
 
 DATASET_TYPE_OF = {"rm": "dpo", "kl": "seq"}
 

@@ -11,7 +11,7 @@ from astrai.config import preset
 from astrai.errors import DataError
 from astrai.eval.intervals import Z_95, wilson_interval
 from astrai.eval.perplexity import bits_per_byte, heldout_perplexity
-from astrai.eval.task import task_accuracy
+from astrai.eval.task_accuracy import task_accuracy
 
 
 def interval_by_bisection(successes: int, n: int) -> tuple[float, float]:

@@ -7,7 +7,7 @@ from torch import nn
 from astrai.config import preset
 from astrai.eval.generation import greedy_generate
 from astrai.eval.multiple_choice import LETTERS, evaluate_multiple_choice, letter_token_ids, load_questions
-from astrai.eval.runner import evaluate
+from astrai.eval.suite import evaluate
 from astrai.model import AutoModel
 
 
@@ -127,7 +127,7 @@ def test_bad_multiple_choice_files_name_the_line(tmp_path, capsys):
 
 def test_the_task_answer_length_applies_to_the_built_in_decoding_only(tiny_model, tokenizer):
     from astrai.errors import ConfigError
-    from astrai.eval.task import arithmetic_task
+    from astrai.eval.task_accuracy import arithmetic_task
 
     with pytest.raises(ConfigError, match="a generator decides its own answer length"):
         evaluate(tiny_model, tokenizer, task=arithmetic_task(1), task_max_new_tokens=4,

@@ -80,7 +80,7 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
 def test_pretraining_warms_up_then_decays_linearly_to_zero(tmp_path):
     import torch
 
-    from astrai.trainer.schedulers import SchedulerFactory, scheduler_kwargs
+    from astrai.trainer.lr_schedules import SchedulerFactory, scheduler_kwargs
 
     config = planner(tmp_path).train_config(0, "pretrain", seconds=100.0)
     config.data_root_path = config.tokenizer_path = None  # none made here: the schedule's fields are what is checked

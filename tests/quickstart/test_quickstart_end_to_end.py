@@ -80,7 +80,7 @@ def test_sft_teaches_the_answer_format_and_later_stages_keep_it(run):
     small, trained this briefly, learns the format (a bare integer) long before the sums,
     so the test asks for the format: the mean reward credits a wrong integer with
     FORMAT_CREDIT, which tells how many answers were integers."""
-    from astrai.eval.task import FORMAT_CREDIT
+    from astrai.eval.task_accuracy import FORMAT_CREDIT
 
     _, summary = run
     answered = {}

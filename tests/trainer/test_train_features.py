@@ -11,8 +11,8 @@ from astrai.config import TrainConfig, preset
 from astrai.model import AutoModel
 from astrai.serialization import Checkpoint, latest_checkpoint
 from astrai.trainer import TrainCallback, Trainer
+from astrai.trainer.mixture import MixtureSampler
 from astrai.trainer.optimizers import CombinedOptimizer, build_optimizer, split_parameters
-from astrai.trainer.sampling import MixtureSampler
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():

@@ -19,7 +19,7 @@ from astrai.eval.multiple_choice import evaluate_multiple_choice, load_questions
 from astrai.eval.perplexity import heldout_perplexity
 from astrai.eval.rouge import corpus_rouge, load_references
 from astrai.eval.samples import sample_answers
-from astrai.eval.task import task_accuracy
+from astrai.eval.task_accuracy import task_accuracy
 from astrai.progress import Phase
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
