@@ -8,12 +8,15 @@ out, as they never run.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import grimp
 from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
+LAYOUT_DOCS = ("README.md", "docs/architecture.md")
+SOURCE_PATH = re.compile(r"(?<![\w/.~$])astrai/[\w/.]*\w")
 
 
 def import_circles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -83,3 +86,17 @@ def test_layers_contract_is_kept(capsys):
     report = capsys.readouterr().out
     assert code == 0, report[-4000:]
     assert "0 broken" in report
+
+
+def test_the_layout_the_docs_give_is_the_tree():
+    """README's layout and docs/architecture.md name only files that exist, and the layout names
+    every package, so a move that forgets the docs fails here."""
+    for doc in LAYOUT_DOCS:
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        missing = [path for path in SOURCE_PATH.findall(text) if not (ROOT / path).exists()]
+        assert not missing, f"{doc} names {missing}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = readme.split("## Layout", 1)[1].split("```")[1]
+    named = {line.split()[0].split("/")[0] for line in layout.splitlines() if line.startswith("  ")}
+    packages = {p.name for p in (ROOT / "astrai").iterdir() if (p / "__init__.py").is_file()}
+    assert packages <= named, f"README's layout leaves out {sorted(packages - named)}"
