@@ -1,4 +1,6 @@
-"""astrai.trainer: strategies, schedules, callbacks and the training loop."""
+"""astrai.trainer: the generic training loop (Trainer, its context and builder), the seq/sft
+strategies, learning-rate schedules, optimizers and callbacks. Alignment (DPO, reward model,
+GRPO, KL stages, LoRA) builds on it in astrai/alignment, which this package never imports."""
 
 from astrai.trainer.builder import TrainContextBuilder
 from astrai.trainer.callbacks import (CallbackFactory, CheckpointCallback, GradientCheckpointingCallback,
