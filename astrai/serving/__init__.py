@@ -7,14 +7,21 @@ so ``uvicorn astrai.serving:app`` also works; ``$ASTRAI_ALLOWED_HOSTS`` (comma-s
 names the ``Host`` headers it answers, by default the loopback names only.
 """
 
+import os
+
+from astrai.errors import ConfigError
+from astrai.inference import InferenceEngine
+from astrai.inference.placement import resolve_placement
+from astrai.inference.stop import StopChecker
+
 from .anthropic_handler import AnthropicHandler
 from .application import create_app
+from .cli import served_model_name
 from .generation import StreamContext
 from .launch import run_server
 from .openai_handler import OpenAICompletionHandler, OpenAIHandler
 from .protocol import ProtocolHandler
 from .schemas import AnthropicMessage, ChatCompletionRequest, ChatMessage, CompletionRequest, MessagesRequest
-from astrai.inference.stop import StopChecker
 
 __all__ = ["create_app", "run_server", "ProtocolHandler", "OpenAIHandler", "OpenAICompletionHandler",
            "AnthropicHandler", "StreamContext", "StopChecker", "ChatMessage", "ChatCompletionRequest",
@@ -28,13 +35,6 @@ def __getattr__(name: str):
         raise AttributeError(name)
     global _app
     if _app is None:
-        import os
-
-        from astrai.errors import ConfigError
-        from astrai.inference import InferenceEngine
-        from astrai.inference.placement import resolve_placement
-        from astrai.serving.cli import served_model_name
-
         model_dir = os.environ.get("ASTRAI_MODEL")
         if not model_dir:
             raise ConfigError("set ASTRAI_MODEL to a model directory to use astrai.serving:app")

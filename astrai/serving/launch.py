@@ -12,7 +12,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import uvicorn
+
 from astrai.errors import AstraiError, ConfigError
+from astrai.inference import InferenceEngine
+from astrai.model.gguf import is_gguf
 
 from .application import DEFAULT_MAX_BODY_BYTES, create_app
 from .hosts import default_allowed_hosts
@@ -30,12 +34,6 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_ke
 
     A model that fails to load stops the server and raises that error (an ``AstraiError``
     naming the file), so the command exits with one clear line instead of serving 503s."""
-    import uvicorn
-
-    from astrai.inference import InferenceEngine
-
-    from astrai.model.gguf import is_gguf
-
     path = Path(model_dir)
     gguf_file = path.is_file() and is_gguf(path)
     if not ((path / "config.json").is_file() or gguf_file):
