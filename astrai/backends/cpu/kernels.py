@@ -345,12 +345,12 @@ class TypedWeight:
 
 def typed_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` over the weight ``weight`` describes, dequantized, for 1 to
-    ``MAX_TYPED_ROWS`` rows ``x`` [..., in] (fp32, contiguous); fp32 weights take one row
-    only (``row_product`` is theirs). Call only when ``kernels_available()``."""
+    ``MAX_TYPED_ROWS`` rows ``x`` [..., in] (fp32, contiguous); one row of an fp32 weight takes
+    ``row_product``'s kernel. Call only when ``kernels_available()``."""
     n_in = weight.in_features
     rows = x.numel() // n_in if n_in else 0
     if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == n_in and 1 <= rows <= MAX_TYPED_ROWS
-            and (weight.kind != F32 or rows == 1) and fits_bias(bias, weight.out_features)):
+            and fits_bias(bias, weight.out_features)):
         raise ValueError("typed_product: unsupported rows, layout or dtype")
     weight.check()
     n_out = weight.out_features

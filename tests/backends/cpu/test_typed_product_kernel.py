@@ -1,5 +1,5 @@
 """The typed products (astrai/backends/cpu/native/typed_product.c through kernels.typed_product):
-one to eight rows against int8 and int4 blocks (Q4_0's and Q4_1's) and bf16 weights equal the float64 product with
+one to eight rows against int8 and int4 blocks (Q4_0's and Q4_1's), bf16 and fp32 weights equal the float64 product with
 the dequantized weight (int4: of the activations rounded to Q8_0 blocks, the integer sums of
 the kernel), on shapes that are not multiples of a block or of a thread's stretch, and the
 plain-C build forced by ASTRAI_PORTABLE_KERNELS gives the same numbers."""
@@ -34,7 +34,7 @@ def multiplied(x: torch.Tensor, kind: int) -> torch.Tensor:
     return (quantize_activations(x) if kind in (Q4, Q41) else x).double()
 
 
-@pytest.mark.parametrize("kind", [Q8, Q4, Q41, BF16])
+@pytest.mark.parametrize("kind", [Q8, Q4, Q41, BF16, F32])
 @pytest.mark.parametrize("n_out,n_in", [(37, 45), (5, 31), (70, 96), (129, 200)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_typed_product_equals_the_float64_product_of_the_dequantized_weight(kind, n_out, n_in, rows, monkeypatch):
@@ -111,7 +111,7 @@ def test_typed_product_refuses_what_it_cannot_read():
     with pytest.raises(ValueError):
         typed_product(torch.randn(1, 40), TypedWeight(values.to(torch.uint8), scales, Q8, 40))
     with pytest.raises(ValueError):
-        typed_product(torch.randn(2, 40), TypedWeight(torch.randn(8, 40), None, F32, 40))  # fp32: one row only
+        typed_product(torch.randn(9, 40), TypedWeight(torch.randn(8, 40), None, F32, 40))  # fp32 rows: the same limit
     nibbles, steps = quantize_weight(torch.randn(8, 40), 4, asymmetric=True)
     with pytest.raises(ValueError):  # Q4_1 without its minimums after the scales
         typed_product(torch.randn(1, 40), TypedWeight(nibbles, steps[:, :2], Q41, 40))
@@ -121,7 +121,7 @@ def test_the_portable_build_gives_the_same_products(monkeypatch):
     """ASTRAI_PORTABLE_KERNELS=1 builds the plain-C form for the generic target: no intrinsics,
     the same products (summed in another order)."""
     torch.manual_seed(2)
-    cases = [(typed(torch.randn(33, 70), kind)[0], torch.randn(3, 70)) for kind in (Q8, Q4, Q41, BF16)]
+    cases = [(typed(torch.randn(33, 70), kind)[0], torch.randn(3, 70)) for kind in (Q8, Q4, Q41, BF16, F32)]
     native = [typed_product(x, w) for w, x in cases]
     monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
     kernels._library.cache_clear()

@@ -48,6 +48,11 @@
 #else
 #define TYPED_AVX2 0
 #endif
+#if TYPED_AVX2 && defined(__AVX512F__)
+#define TYPED_AVX512 1
+#else
+#define TYPED_AVX512 0
+#endif
 
 enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4 };
 enum { ASTRAI_MAX_TYPED_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
@@ -175,6 +180,52 @@ static inline __m256 block_dot(const __m256 w[4], const float *x)
 }
 #endif
 
+#if TYPED_AVX512
+/* Several rows (a speculative step's verified tokens) against one int8 weight row, sixteen lanes
+ * at a time: each block is widened and scaled once, then every row adds two fused
+ * multiply-adds into its own two sums, so a row costs two loads and two FMAs per block (the
+ * one-row loop below keeps the block's scale out of its inner sums instead). */
+static inline void rows_q8_avx512(const uint8_t *w, const uint16_t *scales, const float *x, int64_t x_stride,
+                                  int rows, int64_t full, float *sum, const uint8_t *end)
+{
+    __m512 low[ASTRAI_MAX_TYPED_ROWS], high[ASTRAI_MAX_TYPED_ROWS];
+    for (int r = 0; r < rows; ++r) low[r] = high[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < full; ++b) {
+        if ((b & 1) == 0) prefetch_ahead(w + b * BLOCK, end);
+        const __m512 d = _mm512_set1_ps(half_to_float(scales[b]));
+        const __m128i *block = (const __m128i *)(w + b * BLOCK);
+        const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block))));
+        const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block + 1))));
+        for (int r = 0; r < rows; ++r) {
+            const float *xb = x + r * x_stride + b * BLOCK;
+            low[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), low[r]);
+            high[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), high[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(low[r], high[r]));
+}
+
+/* Several rows against one fp32 weight row, sixteen lanes at a time (two sums per row). */
+static inline int64_t rows_f32_avx512(const float *w, const float *x, int64_t x_stride, int rows, int64_t n_in,
+                                      float *sum, const uint8_t *end)
+{
+    __m512 low[ASTRAI_MAX_TYPED_ROWS], high[ASTRAI_MAX_TYPED_ROWS];
+    for (int r = 0; r < rows; ++r) low[r] = high[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n_in; i += 32) {
+        prefetch_ahead((const uint8_t *)(w + i), end);
+        const __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
+        for (int r = 0; r < rows; ++r) {
+            const float *xi = x + r * x_stride + i;
+            low[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), low[r]);
+            high[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), high[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(low[r], high[r]));
+    return i;
+}
+#endif
+
 /* out[r] = the row's int8 blocks against x[r] for r < rows (`rows` a literal at each call:
  * the compiler makes a copy for a single row with its sums in registers). Whole blocks are
  * read two at a time into two sets of sums, so that the additions into them do not wait on
@@ -187,10 +238,16 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
     const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
     float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
     int64_t b = 0;
+#if TYPED_AVX512
+    if (rows > 1) {
+        b = n_in / BLOCK;
+        rows_q8_avx512(w, scales, x, x_stride, rows, b, sum, end);
+    }
+#endif
 #if TYPED_AVX2
     __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS], values[4];
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    const int64_t full = n_in / BLOCK;
+    const int64_t full = n_in / BLOCK;  /* when the sixteen-lane loop ran, b is already there */
     for (; b + 2 <= full; b += 2) {
         prefetch_ahead(w + b * BLOCK, end);
         const __m256 d0 = _mm256_set1_ps(half_to_float(scales[b])), d1 = _mm256_set1_ps(half_to_float(scales[b + 1]));
@@ -200,7 +257,7 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
         for (int r = 0; r < rows; ++r)
             odd[r] = _mm256_fmadd_ps(d1, block_dot(values, x + r * x_stride + (b + 1) * BLOCK), odd[r]);
     }
-    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(even[r], odd[r]));
 #endif
     for (; b < blocks; ++b) {
         const int8_t *block = (const int8_t *)w + b * BLOCK;
@@ -481,11 +538,14 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
 {
     float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
     int64_t i = 0;
+#if TYPED_AVX512
+    i = rows_f32_avx512(w, x, x_stride, rows, n_in, sum, end);
+#endif
 #if TYPED_AVX2
     __m256 acc0[ASTRAI_MAX_TYPED_ROWS], acc1[ASTRAI_MAX_TYPED_ROWS];
     for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (; i + 16 <= n_in; i += 16) {
-        if ((i & 15) == 0) prefetch_ahead((const uint8_t *)(w + i), end);
+        prefetch_ahead((const uint8_t *)(w + i), end);
         const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
         for (int r = 0; r < rows; ++r) {
             const float *xi = x + r * x_stride + i;
@@ -493,7 +553,7 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
             acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc1[r]);
         }
     }
-    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
 #endif
     for (; i < n_in; ++i)
         for (int r = 0; r < rows; ++r) sum[r] += w[i] * x[r * x_stride + i];
