@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from astrai.config import TrainConfig
 
 FIELD_HELP = {
-    "train_type": "seq | sft | dpo | rm | grpo | kl",
+    "train_type": "seq | sft | dpo | rm | grpo | kl | draft_head",
     "data_root_path": "training data (a storage file or directory from `astrai preprocess`)",
     "datasets": 'mixture as JSON: [{"path": "a", "rate": 0.7}, {"path": "b", "rate": 0.3, "type": "seq"}] '
                 '(type: optional; pre-training text may be mixed into sft)',

@@ -22,6 +22,7 @@ from astrai.alignment.kl_stages import kl_run_config
 from astrai.commands.train import STRATEGY_FLAGS
 from astrai.config import TrainConfig
 from astrai.errors import CheckpointError, ConfigError
+from astrai.model.draft_head import is_draft_head
 from astrai.parallel import cleanup_parallel
 from astrai.serialization import Checkpoint, latest_checkpoint
 from astrai.trainer import Trainer
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
 def written_line(config: TrainConfig) -> str:
     """The run's last line: where the trained model went, the directory ``generate``/``serve --model`` take next."""
     root = Path(config.ckpt_dir)
+    if config.train_type == "draft_head" and is_draft_head(root / "final"):
+        return f"wrote {root / 'final'}: the trained draft head (checkpoints under {root})"
     finals = sorted(root.glob("**/final/config.json"), key=lambda p: p.stat().st_mtime)
     if not finals:
         return f"astrai train: checkpoints under {root} (no model directory: save_final_model is off)"

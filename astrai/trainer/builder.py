@@ -148,10 +148,11 @@ class TrainContextBuilder:
         device = resolve_device(config)
         seed_rng(config.random_seed)
         model = self.model if self.model is not None else load_model(config)
-        refuse_quantized_weights(model)
         tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(config)
         check_model_fits(config, model, tokenizer)
         data = resolve_data(config, self.train_dataset, self.val_dataset)
+        model = StrategyFactory.get(config.train_type).module_to_train(model, data.train, config)
+        refuse_quantized_weights(model)
         if self.checkpoint is not None:
             load_full_model_state(model, self.checkpoint.state_dict)
         model.to(device)

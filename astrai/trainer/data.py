@@ -12,7 +12,7 @@ from astrai.dataset.datasets import IGNORE_INDEX
 from astrai.errors import DataError
 from astrai.trainer.mixture import MixtureSampler
 
-DATASET_TYPE_OF = {"rm": "dpo", "kl": "seq"}
+DATASET_TYPE_OF = {"rm": "dpo", "kl": "seq", "draft_head": "sft"}
 
 
 @dataclass

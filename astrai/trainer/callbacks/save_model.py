@@ -24,10 +24,8 @@ class SaveModelCallback(TrainCallback):
             return
         state = full_model_state(context.model)
         if context.is_main:
-            from astrai.model import AutoModel
-
             inner = unwrap_model(context.model)
-            fresh = AutoModel.from_config(inner.config)
+            fresh = type(inner).from_config(inner.config)  # an AutoModel, or a model of its own kind (a draft head)
             fresh.load_state_dict(state)
             fresh.save_pretrained(self.save_dir)
             if context.tokenizer is not None:

@@ -9,6 +9,7 @@ package is imported.
 from astrai.trainer.strategies.base import IGNORE_INDEX, BaseStrategy, StrategyFactory
 from astrai.trainer.strategies.masks import document_mask, model_inputs
 from astrai.trainer.strategies.seq import SEQStrategy, SFTStrategy, token_cross_entropy
+from astrai.trainer.strategies.draft_head import DraftHeadStrategy
 
-__all__ = ["IGNORE_INDEX", "BaseStrategy", "SEQStrategy", "SFTStrategy", "StrategyFactory", "document_mask",
+__all__ = ["IGNORE_INDEX", "BaseStrategy", "DraftHeadStrategy", "SEQStrategy", "SFTStrategy", "StrategyFactory", "document_mask",
            "model_inputs", "token_cross_entropy"]

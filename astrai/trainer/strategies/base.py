@@ -39,6 +39,12 @@ class BaseStrategy:
         self.metrics: dict[str, float | torch.Tensor] = {}
         self.options = kwargs
 
+    @classmethod
+    def module_to_train(cls, model: nn.Module, train_data: Any, config: Any) -> nn.Module:
+        """The module the optimizer updates, checkpoints hold and the run saves: the loaded model,
+        except for a strategy that trains something beside a frozen model (a draft head)."""
+        return model
+
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.compute_loss(batch)
 
