@@ -36,6 +36,7 @@ import torch
 
 from astrai.errors import OverloadedError, RequestError
 from astrai.inference.cache import KVCache
+from astrai.inference.cache.storage import kv_cache_dtype as kv_cache_dtype_named
 from astrai.inference.constraints import ConstraintCompiler
 from astrai.inference.executor import Executor
 from astrai.inference.runner import ModelRunner
@@ -78,6 +79,8 @@ def create_runner(model: torch.nn.Module, cache: KVCache, in_place: bool = False
 class InferenceScheduler:
     """Continuous batching over a model runner (see the module's docstring).
 
+    ``kv_cache_dtype`` ("float32", "bfloat16" or "float16"; default the model's dtype) is the
+    KV cache's: a 16-bit cache halves the bytes a decode step reads from a long context.
     ``in_place=True`` lets the runner prepare ``model`` itself for serving instead of a copy
     of it (astrai/inference/runner.py): for a caller that has no further use for the object.
     """
@@ -88,7 +91,8 @@ class InferenceScheduler:
                  stop_ids: Optional[Iterable[int]] = None, greedy_run_steps: int = GREEDY_RUN_STEPS,
                  greedy_run_seconds: float = GREEDY_RUN_SECONDS, in_place: bool = False,
                  speculative: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-                 drafter: Optional[Drafter] = None):
+                 drafter: Optional[Drafter] = None,
+                 kv_cache_dtype: Optional[str | torch.dtype] = None):
         for name, value in (("max_batch_size", max_batch_size), ("page_size", page_size),
                             ("prefill_chunk_size", prefill_chunk_size), ("max_queue", max_queue),
                             ("greedy_run_steps", greedy_run_steps)):
@@ -113,10 +117,12 @@ class InferenceScheduler:
             stop_ids = getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id]
         self.stop_ids = frozenset(int(i) for i in (stop_ids or ()) if i is not None)
         param = next(model.parameters())
+        cache_dtype = kv_cache_dtype_named(kv_cache_dtype)
         if num_pages is None:
-            probe = KVCache.for_model(model, num_pages=1, page_size=page_size, prefix_cache=False)
+            probe = KVCache.for_model(model, num_pages=1, page_size=page_size, prefix_cache=False, dtype=cache_dtype)
             num_pages = default_num_pages(probe.storage.bytes_per_token(), max_batch_size, self.max_seq_len, page_size)
-        self._page_cache = KVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_cache=prefix_cache)
+        self._page_cache = KVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_cache=prefix_cache,
+                                             dtype=cache_dtype)
         self._runner = create_runner(model, self._page_cache, in_place)
         self.model = self._runner.model
         self._executor = Executor(self._runner, tokenizer)
@@ -310,8 +316,11 @@ class InferenceScheduler:
                                         sum(map(len, results)) / len(batch))
             if kind == "verify":
                 self._speculation.verify_steps += 1
-                for task, draft, sampled in zip(batch, drafts, results):
+                observe = getattr(self._drafter, "observe", None)
+                for task, draft, sampled, hidden in zip(batch, drafts, results, last_hidden):
                     self._speculation.record(task.task_id, len(draft), len(sampled) - 1, len(sampled))
+                    if observe is not None:
+                        observe(task, hidden)
             for task, sampled in zip(batch, results):
                 if task.done:
                     continue

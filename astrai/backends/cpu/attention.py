@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from astrai.backends.cpu.decode_buffers import DecodeBuffers
-from astrai.backends.cpu.kernels import decode_attention, kernels_available
+from astrai.backends.cpu.kernels import decode_attention, kernels_available, kv_kind
 from astrai.inference.cache import KvcacheView, Storage
 from astrai.model.components.attention import attend
 
@@ -65,12 +65,12 @@ class CpuKvcacheView(KvcacheView):
         if expand is not None or not (self.shared_len or self.packed):
             return super().attend(layer_idx, q, k, v, expand)
         self.write(layer_idx, k, v)
-        if self.shared_len:
-            shared = self._storage.gather(layer_idx, self._shared_slots, 1)
-            suffix = self._storage.gather(layer_idx, self._suffix_slots, self._batch)
+        if self.shared_len:  # a 16-bit cache is widened as it is read
+            shared = [t.to(q.dtype) for t in self._storage.gather(layer_idx, self._shared_slots, 1)]
+            suffix = [t.to(q.dtype) for t in self._storage.gather(layer_idx, self._suffix_slots, self._batch)]
             return attend_shared_prefix(q, (shared[0][0], shared[1][0]), suffix, self.suffix_mask)
         k, v = self.gather(layer_idx)
-        return attend_rows(q, k, v, self.attn_mask, self.row_spans)
+        return attend_rows(q, k.to(q.dtype), v.to(q.dtype), self.attn_mask, self.row_spans)
 
 
 class DecodeView(KvcacheView):
@@ -140,9 +140,9 @@ class DecodeView(KvcacheView):
             return super().attend(layer_idx, q, k, v, expand)
         self.write(layer_idx, k, v)
         k, v = self.gather(layer_idx)
-        if q.dtype == torch.float32 and kernels_available():
+        if q.dtype == torch.float32 and kernels_available() and kv_kind(k.dtype) is not None:
             return decode_attention(q.contiguous(), k, v, self.context_lens, q.shape[-1] ** -0.5, lengths_checked=True)
-        return attend_one_query(q, k, v, self.attn_mask)
+        return attend_one_query(q, k.to(q.dtype), v.to(q.dtype), self.attn_mask)  # a 16-bit cache widened
 
 
 def attend_one_query(q, k, v, attn_mask, scale: Optional[float] = None):

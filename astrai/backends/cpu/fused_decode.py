@@ -8,7 +8,8 @@ head - in one call, between the same one-row products and decode attention the u
 step uses, so the step costs what streaming the weights costs.
 
 It fits GQA attention (with or without q/k/v biases and QK-norm; no output gate) and dense
-SwiGLU feed-forwards, activations, norms, embedding and KV cache in fp32 on the CPU, linear
+SwiGLU feed-forwards, activations, norms and embedding in fp32 on the CPU, a KV cache in fp32,
+bf16 or fp16 (``kv_cache_dtype``: rounded as the step writes it, widened as it reads it), linear
 weights in fp32, bf16 or int8/int4 blocks (QuantizedLinear), mixed as they come (each weight's
 type is a column of the C step's table), with q/k/v (and their biases) and gate/up each
 stacked in one buffer (as serving.py prepares them), a tied or untied head of any of those
@@ -42,7 +43,7 @@ from torch import nn
 
 from astrai.backends.cpu.decode_buffers import RowTarget
 from astrai.backends.cpu.kernels import (COLUMNS, MAX_VERIFY_TOKENS, DecodePlan, TypedWeight, decode_plan, decode_step,
-                                         decode_steps, kernels_available, verify_step)
+                                         decode_steps, kernels_available, kv_kind, verify_step)
 from astrai.backends.cpu.serving import (ServingGQA, ServingLinear, ServingMLP, ServingQuantizedLinear, typed_weight)
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
 from astrai.model.quantized import QuantizedLinear
@@ -68,7 +69,7 @@ class FusedDecode:
         self._plan: Optional[DecodePlan] = None  # _static with the current buffers' columns, rotary rows, scratch
         self._plan_key: Optional[tuple] = None
         self._vocab = 0  # the embedding's rows: the tokens the step may look up
-        self._slot_strides = (0, 0)  # floats between page slots in the K and V stores
+        self._slot_strides = (0, 0)  # elements between page slots in the K and V stores
 
     @classmethod
     def for_model(cls, model: nn.Module) -> Optional["FusedDecode"]:
@@ -131,7 +132,7 @@ class FusedDecode:
     def _plan_for(self, target: RowTarget) -> Optional[DecodePlan]:
         """The C step's plan for ``target``'s buffers and page store, made again only when the
         buffers were replaced, the weights' table was rebuilt or torch's thread count changed;
-        None when the cache is not fp32 CPU memory laid out as the kernel reads it."""
+        None when the cache is not CPU memory of a dtype and layout the kernel reads."""
         buffers, storage = target.buffers, target.storage
         threads = max(torch.get_num_threads(), 1)
         key = (buffers, buffers.generation, storage, self._builds, threads)  # held, so no id is ever reused
@@ -150,7 +151,7 @@ class FusedDecode:
         cos, sin = rotary_tables(cos, sin, torch.float32)
         return decode_plan(model.embed_tokens.weight, table, self.dims, cos.reshape(capacity, -1).contiguous(),
                            sin.reshape(capacity, -1).contiguous(), capacity, self.eps, self.scale, model.norm.weight,
-                           self._head, threads)
+                           self._head, threads, storage.k_cache.dtype)
 
     def ready(self) -> bool:
         """Whether the table of weight pointers is current: rebuilt (and checked) when a module
@@ -276,11 +277,12 @@ def _checked(weight: Optional[TypedWeight]) -> Optional[TypedWeight]:
 
 def _with_cache_columns(static: torch.Tensor, buffers, storage) -> Optional[torch.Tensor]:
     """``static`` with columns 5-8 filled: each layer's K/V page store and the decode
-    buffers' row 0 for K/V; None unless all of them are contiguous fp32 CPU tensors of the
-    widths the kernel assumes."""
+    buffers' row 0 for K/V; None unless all of them are contiguous CPU tensors of one dtype
+    the kernels read (fp32, bf16, fp16: ``kv_kind``) and of the widths the kernel assumes."""
     k_cache, v_cache = storage.k_cache, storage.v_cache
     tensors = [k_cache, v_cache, *buffers.k, *buffers.v]
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if kv_kind(k_cache.dtype) is None or not all(t.dtype == k_cache.dtype and t.device.type == "cpu"
+                                                 and t.is_contiguous() for t in tensors):
         return None
     if not buffers.k or buffers.k[0].shape[-1] != storage.k_width or buffers.v[0].shape[-1] != storage.v_width:
         return None

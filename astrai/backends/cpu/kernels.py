@@ -165,7 +165,11 @@ def _library() -> Optional[ctypes.CDLL]:
         logger.warning("could not build astrai's decode kernels (%s); keeping PyTorch's ops", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64, ctypes.c_int]
+    library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64] + [ctypes.c_int] * 2
+    library.astrai_decode_attention_workspace_floats.argtypes = [i64] * 5
+    library.astrai_decode_attention_workspace_floats.restype = i64
+    library.astrai_kv_kinds.argtypes = []
+    library.astrai_kv_kinds.restype = ctypes.c_int
     library.astrai_row_product_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     library.astrai_row_product_argmax_f32.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
     library.astrai_rows_product_f32.argtypes = [ptr, i64] + [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
@@ -200,12 +204,30 @@ def kernels_available() -> bool:
     return _library() is not None
 
 
+# the K/V dtypes native/decode_attention.c reads (and decode_step.c writes), by their kind there
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def kv_kind(dtype: torch.dtype) -> Optional[int]:
+    """The kernels' kind of a K/V cache of ``dtype``, or None when the loaded build has none
+    (a compiler without ``_Float16`` offers no fp16). Call only when ``kernels_available()``."""
+    kind = KV_KINDS.get(dtype)
+    return kind if kind is not None and _library().astrai_kv_kinds() >> kind & 1 else None
+
+
+def attention_workspace(heads: int, group: int, v_width: int, max_len: int, threads: int) -> torch.Tensor:
+    """The zeroed scratch memory native/decode_attention.c takes for up to ``threads`` threads."""
+    return torch.zeros(_library().astrai_decode_attention_workspace_floats(heads, group, v_width, max_len, threads),
+                       dtype=torch.float32)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                      scale: float, lengths_checked: bool = False) -> torch.Tensor:
     """Attention of one query per row over that row's first ``lens[row]`` keys.
 
-    q [B, 1, H, D] contiguous fp32; k [B, S, Hkv, D] and v [B, S, Hkv, Dv], fp32 CPU views
-    whose last dimension is contiguous (the decode buffers); ``lens`` [B] int64 with
+    q [B, 1, H, D] contiguous fp32; k [B, S, Hkv, D] and v [B, S, Hkv, Dv], CPU views of one
+    dtype the kernels read (``kv_kind``: fp32, bf16, fp16) whose last dimension is contiguous
+    (the decode buffers); ``lens`` [B] int64 with
     1 <= lens <= S. Returns [B, 1, H, Dv]. Call only when ``kernels_available()``.
     ``lengths_checked`` skips the check of ``lens`` (two reductions per layer) for a
     caller that built them itself within those limits: the engine's decode view.
@@ -215,7 +237,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     B, _, H, D = q.shape
     S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     if not (q.is_contiguous() and k.stride(3) == 1 and v.stride(3) == 1 and lens.dtype == torch.int64
-            and q.dtype == k.dtype == v.dtype == torch.float32 and Hkv > 0 and H % Hkv == 0 and lens.shape == (B,)
+            and q.dtype == torch.float32 and k.dtype == v.dtype and kv_kind(k.dtype) is not None and Hkv > 0 and H % Hkv == 0 and lens.shape == (B,)
             and k.shape[0] == v.shape[0] == B and k.shape[3] == D and v.shape[1:3] == (S, Hkv)):
         raise ValueError("decode_attention: unsupported layout or dtype")
     longest = S
@@ -226,11 +248,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     out = torch.empty(B, 1, H, Dv, dtype=q.dtype, device=q.device)
     lens = lens.contiguous()
     threads = torch.get_num_threads()
-    workspace = torch.empty(threads, H // Hkv, longest, dtype=torch.float32)  # each thread's scores
+    workspace = attention_workspace(Hkv, H // Hkv, Dv, longest, threads)
     _library().astrai_decode_attention_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(), workspace.data_ptr(),
         B, Hkv, H // Hkv, D, Dv, k.stride(0), k.stride(2), k.stride(1), v.stride(0), v.stride(2), v.stride(1),
-        scale, longest, threads)
+        scale, longest, kv_kind(k.dtype), threads)
     return out
 
 
@@ -396,34 +418,38 @@ class DecodePlan(ctypes.Structure):
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("capacity", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
                 ("head", ctypes.c_int64 * WEIGHT_VALUES), ("vocab", ctypes.c_int64),
-                ("work", ctypes.c_void_p), ("attention_workspace", ctypes.c_void_p), ("threads", ctypes.c_int64)]
+                ("work", ctypes.c_void_p), ("attention_workspace", ctypes.c_void_p), ("threads", ctypes.c_int64),
+                ("kv_kind", ctypes.c_int64)]
 
 
 def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, int, int, int, int],
                 cos: torch.Tensor, sin: torch.Tensor, capacity: int, eps: float, scale: float,
-                final_norm: torch.Tensor, head: TypedWeight, threads: int) -> DecodePlan:
+                final_norm: torch.Tensor, head: TypedWeight, threads: int,
+                kv_dtype: torch.dtype = torch.float32) -> DecodePlan:
     """The plan of ``native/decode_step.c`` for one model and one set of decode buffers.
 
     ``layers`` [n_layers, COLUMNS] int64 is the per-layer table that file describes, ``dims`` is
     (dim, heads, kv_heads, head_dim, ffn), ``cos``/``sin`` [capacity, head_dim] contiguous
     are ``rotary_tables``' rows for positions 0..capacity-1, ``capacity`` the decode buffers'
-    length and ``head`` the output weight [vocab, dim] (checked). Every pointer in ``layers``
+    length and ``head`` the output weight [vocab, dim] (checked); ``kv_dtype`` is the K/V stores'
+    and buffers' dtype (one ``kv_kind`` has). Every pointer in ``layers``
     must be valid memory of the sizes and types the table names (``fused_decode``
     checks them); the plan keeps the tensors given here, and its scratch memory, alive.
     """
     dim, heads, kv_heads, head_dim, ffn = dims
     if not (cos.shape == sin.shape == (capacity, head_dim) and cos.is_contiguous() and sin.is_contiguous()
             and layers.dtype == torch.int64 and layers.is_contiguous() and layers.shape[1] == COLUMNS
-            and head.in_features == dim and embedding.dtype == torch.float32):
-        raise ValueError("decode_plan: rotary tables, layer table, head or embedding of the wrong shape")
+            and head.in_features == dim and embedding.dtype == torch.float32 and kv_kind(kv_dtype) is not None):
+        raise ValueError("decode_plan: rotary tables, layer table, head, embedding or K/V dtype of the wrong shape")
     head.check()
-    workspace = torch.empty(threads, heads // kv_heads, capacity, dtype=torch.float32)  # each thread's scores
+    workspace = attention_workspace(kv_heads, heads // kv_heads, head_dim, capacity, threads)
     plan = DecodePlan(embedding.data_ptr(), embedding.stride(0), embedding.stride(1), layers.data_ptr(),
                       layers.shape[0], dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(),
                       capacity, eps, scale, final_norm.data_ptr(), (ctypes.c_int64 * WEIGHT_VALUES)(*head.pointers()),
                       head.out_features, None, workspace.data_ptr(), threads)
     work = torch.empty(_library().astrai_step_work_floats(plan, 1), dtype=torch.float32)
     plan.work = work.data_ptr()
+    plan.kv_kind = kv_kind(kv_dtype)
     plan.keep = (embedding, layers, cos, sin, final_norm, head, work, workspace)
     plan.embedding_rows = embedding.shape[0]
     return plan
@@ -443,7 +469,7 @@ def decode_step(plan: DecodePlan, token: int, pos: int, kv_offsets: tuple[int, i
     index of their maximum (``torch.argmax``'s, NaN counted as the largest).
 
     ``pos`` < the plan's capacity is the token's position and ``kv_offsets`` where its K and
-    V go in each layer's page store (in floats from the layer's start); ``token`` must be a
+    V go in each layer's page store (in elements from the layer's start); ``token`` must be a
     row of the embedding. Call only when ``kernels_available()``.
     """
     _check_step(plan, token, pos, 1, 0)

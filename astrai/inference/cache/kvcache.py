@@ -83,6 +83,7 @@ class KvcacheView:
         K/V (MLA's latent); without it the cache holds K/V themselves."""
         self.write(layer_idx, k, v)
         k, v = self.gather(layer_idx)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a 16-bit cache is widened as it is read
         if expand is not None:
             k, v = expand(k, v)
         return attend(q, k, v, self.attn_mask)
@@ -101,10 +102,12 @@ class KVCache:
         self._table = TaskTable(pad_page=self._storage.sink_page)
 
     @classmethod
-    def for_model(cls, model, num_pages: int, page_size: int = 16, prefix_cache: bool = True) -> "KVCache":
+    def for_model(cls, model, num_pages: int, page_size: int = 16, prefix_cache: bool = True,
+                  dtype: Optional[torch.dtype] = None) -> "KVCache":
+        """A cache of ``model``'s shapes, in ``dtype`` (default: the model's first parameter's)."""
         param = next(model.parameters())
         return cls(model.config.n_layers, model.cache_shapes(), num_pages, page_size,
-                   dtype=param.dtype, device=param.device, prefix_cache=prefix_cache)
+                   dtype=dtype or param.dtype, device=param.device, prefix_cache=prefix_cache)
 
     @property
     def storage(self) -> Storage:

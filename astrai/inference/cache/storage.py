@@ -6,11 +6,32 @@ where slot = page * page_size + offset. Keeping the store flat makes a write one
 ``index_copy_`` and a gather one ``index_select`` per layer, whatever the page
 layout. One extra "sink" page at the end absorbs writes of padding tokens and is
 what padded gather positions read; it is never handed out by the allocator.
+
+The store's dtype may be narrower than the model's (``kv_cache_dtype``): a 16-bit cache
+halves the bytes a decode step reads from a long context. Values are rounded as they are
+written and widened where attention reads them.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from astrai.errors import RequestError
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_dtype(value: Optional[str | torch.dtype]) -> Optional[torch.dtype]:
+    """The torch dtype a ``kv_cache_dtype`` setting names (None: the model's own), or a
+    RequestError listing the accepted names."""
+    if value is None or (isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values()):
+        return value
+    if isinstance(value, str) and value in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[value]
+    raise RequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or unset: the model's dtype), "
+                       f"got {value!r}")
 
 
 class Storage:

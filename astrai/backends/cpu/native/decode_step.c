@@ -28,6 +28,7 @@
  *   2 joint q/k/v bias [q + 2 kv] or 0   3 QK-norm's q weight [head_dim] or 0   4 its k weight or 0
  *   5 this layer's K page store [slots][kv_heads][head_dim]   6 the same for V
  *   7 the decode buffer's K for this row [kv_heads][capacity][head_dim]   8 the same for V
+ *   (columns 5-8 hold elements of the plan's kv_kind: fp32, or bf16/fp16 rounded as they are written)
  *   9-13 the joint q/k/v weight [q + 2 kv rows] (q, k, v rows)   14-18 o [dim rows]
  *  19-23 the joint gate/up weight [2 ffn rows]   24-28 down [dim rows]
  * where each weight is five values: its data, the elements between its rows, its fp16 scales
@@ -66,8 +67,10 @@ struct astrai_decode_plan {
     int64_t head[WEIGHT_VALUES];  /* the output weight [vocab rows], as a layer's weights */
     int64_t vocab;
     float *work;                  /* astrai_step_work_floats(plan, 1) floats */
-    float *attention_workspace;   /* [threads][heads / kv_heads][capacity] floats */
+    float *attention_workspace;   /* astrai_decode_attention_workspace_floats(kv_heads, heads / kv_heads, head_dim,
+                                     capacity, threads) floats, zeroed when made */
     int64_t threads;
+    int64_t kv_kind;              /* the K/V stores' and buffers' element: decode_attention.c's KV_F32/BF16/F16 */
 };
 
 enum { MAX_TEAM = 256 };  /* threads at most: one argmax slot each, on the stack */
@@ -80,11 +83,12 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
                                int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top);
 int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
 void astrai_decode_attention_team(
-    const float *q, const float *k, const float *v, float *out, const int64_t *lens, float *workspace,
+    const float *q, const void *k, const void *v, float *out, const int64_t *lens, float *workspace,
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
     int64_t k_row_stride, int64_t k_head_stride, int64_t k_pos_stride,
     int64_t v_row_stride, int64_t v_head_stride, int64_t v_pos_stride,
-    float scale, int64_t max_len);
+    float scale, int64_t max_len, int kv_kind);
+void astrai_store_kv(void *dst, const float *src, int64_t n, int kv_kind);
 
 enum { SPIN_NS = 50000, YIELDS = 4 };  /* a wait spins about 50 us, yields 4 times, then sleeps */
 
@@ -239,7 +243,9 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
         const int64_t *p = plan->layers + COLUMNS * l;
         product(p + QKV, h, n, dim, f32(p[2]), qkv, qkv_width, dim, qkv_width, 0, 0);
         team_barrier(barrier, team);
-        float *k_buffer = (float *)(intptr_t)p[7], *v_buffer = (float *)(intptr_t)p[8];
+        char *k_buffer = (char *)(intptr_t)p[7], *v_buffer = (char *)(intptr_t)p[8];
+        const int kv_kind = (int)plan->kv_kind;
+        const int64_t kv_size = kv_kind ? 2 : 4;  /* bytes per K/V element */
         if (lead) {
             for (int64_t r = 0; r < n; ++r) {
                 float *qr = q + r * q_width, *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
@@ -253,13 +259,12 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
                 }
                 rotate(qr, heads, head_dim, cos, sin);
                 rotate(k, kv_heads, head_dim, cos, sin);
-                memcpy((float *)(intptr_t)p[5] + k_offsets[r], k, sizeof(float) * (size_t)kv_width);
-                memcpy((float *)(intptr_t)p[6] + v_offsets[r], v, sizeof(float) * (size_t)kv_width);
+                astrai_store_kv((char *)(intptr_t)p[5] + k_offsets[r] * kv_size, k, kv_width, kv_kind);
+                astrai_store_kv((char *)(intptr_t)p[6] + v_offsets[r] * kv_size, v, kv_width, kv_kind);
                 for (int64_t g = 0; g < kv_heads; ++g) {
-                    memcpy(k_buffer + (g * capacity + pos + r) * head_dim, k + g * head_dim,
-                           sizeof(float) * (size_t)head_dim);
-                    memcpy(v_buffer + (g * capacity + pos + r) * head_dim, v + g * head_dim,
-                           sizeof(float) * (size_t)head_dim);
+                    const int64_t at = (g * capacity + pos + r) * head_dim * kv_size;
+                    astrai_store_kv(k_buffer + at, k + g * head_dim, head_dim, kv_kind);
+                    astrai_store_kv(v_buffer + at, v + g * head_dim, head_dim, kv_kind);
                 }
             }
         }
@@ -267,7 +272,7 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
         /* every token reads the same buffers (row stride 0), each up to its own position */
         astrai_decode_attention_team(q, k_buffer, v_buffer, attended, lens, plan->attention_workspace, n, kv_heads,
                                      heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
-                                     0, capacity * head_dim, head_dim, plan->scale, capacity);
+                                     0, capacity * head_dim, head_dim, plan->scale, capacity, kv_kind);
         team_barrier(barrier, team);
         product(p + O, attended, n, q_width, 0, out, dim, q_width, dim, 0, 0);
         team_barrier(barrier, team);
