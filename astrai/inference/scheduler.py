@@ -316,11 +316,8 @@ class InferenceScheduler:
                                         sum(map(len, results)) / len(batch))
             if kind == "verify":
                 self._speculation.verify_steps += 1
-                observe = getattr(self._drafter, "observe", None)
-                for task, draft, sampled, hidden in zip(batch, drafts, results, last_hidden):
+                for task, draft, sampled in zip(batch, drafts, results):
                     self._speculation.record(task.task_id, len(draft), len(sampled) - 1, len(sampled))
-                    if observe is not None:
-                        observe(task, hidden)
             for task, sampled in zip(batch, results):
                 if task.done:
                     continue
