@@ -288,7 +288,6 @@ class InferenceScheduler:
                 self._run_step(kind, batch, n_new, drafts)
 
     def _run_step(self, kind: str, batch: list[Task], n_new: list[int], drafts: Optional[list[list[int]]] = None) -> None:
-        started = time.perf_counter()
         try:
             with self.model_lock:
                 if kind == "prefill":
@@ -311,9 +310,6 @@ class InferenceScheduler:
         now = time.monotonic()
         with self._lock:
             produced = 0
-            if self._speculation is not None and kind != "prefill":
-                self._speculation.timed(kind, len(batch), time.perf_counter() - started,
-                                        sum(map(len, results)) / len(batch))
             if kind == "verify":
                 self._speculation.verify_steps += 1
                 for task, draft, sampled in zip(batch, drafts, results):
@@ -399,8 +395,6 @@ class InferenceScheduler:
     def _draft(self, decode: list[Task]) -> Optional[list[list[int]]]:
         """Each decoding task's drafted tokens (astrai/inference/speculative.py), with pages
         reserved for checking them, or None when no task has any (a plain decode step then)."""
-        if not self._speculation.batch_wanted(len(decode)):
-            return None
         wanted = []
         for task in decode:
             room = min(task.params.max_tokens - len(task.output_ids), self.max_seq_len - len(task.context)) - 1
