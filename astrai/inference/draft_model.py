@@ -66,7 +66,7 @@ class DraftModel:
         self.runner.rewind(task_id, common)
         chunk = Row(task_id, context[common:], common)
         if len(chunk.tokens) <= CATCH_UP_VERIFY:
-            token = int(self.runner.verify([chunk])[0][-1].argmax())
+            token = int(self.runner.verify([chunk])[0][0][-1].argmax())
         else:
             logits, argmax = self.runner.forward([chunk])
             token = argmax[0] if argmax is not None else int(logits[0].argmax())

@@ -25,8 +25,10 @@ import torch
 from astrai.errors import ConfigError, RequestError
 from astrai.inference.draft_model import DraftModel
 from astrai.inference.handle import RequestHandle
+from astrai.inference.head_drafter import HeadDrafter
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
+from astrai.model.draft_head import is_draft_head, load_draft_head
 
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 SETTING_NAMES = frozenset(inspect.signature(InferenceScheduler).parameters) - {"model", "tokenizer"}
@@ -60,9 +62,10 @@ class InferenceEngine:
         ``astrai.model.quantized``); ``dtype`` then applies to what stays float (bfloat16 on the
         CPU to the linear weights only: ``cast_linear_weights``). A directory
         that is already quantized opens as it is, without the argument.
-        ``draft_model``, a smaller model's directory with the same tokenizer, drafts for
-        speculative decoding (``speculative="draft"``, astrai/inference/speculative.py); it loads
-        with the same ``dtype`` and ``quantize``.
+        ``draft_model`` drafts for speculative decoding (``speculative="draft"``,
+        astrai/inference/speculative.py): a smaller model's directory with the same tokenizer
+        (loaded with the same ``dtype`` and ``quantize``), or a draft head trained for this model
+        (``astrai train --train_type draft_head``).
         """
         from astrai.tokenize import AutoTokenizer
 
@@ -71,12 +74,7 @@ class InferenceEngine:
         limits.setdefault("default_params", _read_generation_config(Path(model_dir)))
         limits.setdefault("in_place", True)  # the model was loaded for this engine alone
         if draft_model is not None:
-            if limits.setdefault("speculative", "draft") != "draft":
-                raise RequestError(f"a draft model drafts with speculative='draft', not {limits['speculative']!r}")
-            limits["drafter"] = DraftModel(
-                load_model(draft_model, dtype, device, quantize), model.config.vocab_size,
-                int(limits.get("max_seq_len") or model.config.max_len), limits.get("max_batch_size", 16),
-                limits.get("page_size", 16), in_place=True)
+            limits["drafter"] = _drafter(draft_model, model, dtype, device, quantize, limits)
         return cls(model, tokenizer, **limits)
 
     # --- token level ----------------------------------------------------------------
@@ -200,6 +198,18 @@ def _text_pieces(handle: RequestHandle) -> Iterator[str]:
                 yield event.text
     finally:
         handle.abort()
+
+
+def _drafter(directory: str | Path, target, dtype: Optional[torch.dtype], device: str | torch.device,
+             quantize: Optional[str], limits: dict):
+    """The drafter ``directory`` holds for ``target``: a draft head, else a draft model."""
+    if limits.setdefault("speculative", "draft") != "draft":
+        raise RequestError(f"a draft model drafts with speculative='draft', not {limits['speculative']!r}")
+    if is_draft_head(directory):
+        return HeadDrafter(load_draft_head(directory, target))
+    return DraftModel(load_model(directory, dtype, device, quantize), target.config.vocab_size,
+                      int(limits.get("max_seq_len") or target.config.max_len), limits.get("max_batch_size", 16),
+                      limits.get("page_size", 16), in_place=True)
 
 
 def _read_generation_config(directory: Path) -> SamplingParams:

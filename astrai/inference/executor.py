@@ -106,15 +106,18 @@ class Executor:
         return not _has_penalty(p) and not p.logprobs and not p.top_logprobs and task.constraint is None
 
     @torch.inference_mode()
-    def execute_verify(self, tasks: Sequence[Task], drafts: Sequence[Sequence[int]]) -> list[list[Sampled]]:
+    def execute_verify(self, tasks: Sequence[Task],
+                       drafts: Sequence[Sequence[int]]) -> tuple[list[list[Sampled]], list[torch.Tensor]]:
         """One step feeding each task's last token followed by its drafted tokens (none for some
         rows); each task gets the tokens the acceptance rules keep (speculative.py), 1 to
         len(draft) + 1, and its ``num_computed`` covers its last token and the kept drafts. The
-        cache past that holds rejected drafts, which the runner is told to forget (``rewind``)."""
+        cache past that holds rejected drafts, which the runner is told to forget (``rewind``).
+        Also returns each task's final hidden state at its last computed position, the one whose
+        logits chose its last new token (what a draft head drafts from)."""
         rows = [Row(t.task_id, [t.context[t.num_computed], *d], t.num_computed) for t, d in zip(tasks, drafts)]
-        logits = self.runner.verify(rows)
-        results = []
-        for task, draft, row_logits in zip(tasks, drafts, logits):
+        verified = self.runner.verify(rows)
+        results, last_hidden = [], []
+        for task, draft, (row_logits, row_hidden) in zip(tasks, drafts, verified):
             p = task.params
             if p.temperature <= GREEDY_BELOW:
                 kept = accept_greedy(row_logits, draft)
@@ -125,7 +128,8 @@ class Executor:
             task.num_computed += len(kept)  # the fed last token and the kept drafts; the final token is new
             self.runner.rewind(task.task_id, task.num_computed)
             results.append([(token, None) for token in kept])
-        return results
+            last_hidden.append(row_hidden[len(kept) - 1])
+        return results, last_hidden
 
     @torch.inference_mode()
     def sample(self, tasks: Sequence[Task], logits: torch.Tensor, argmax: Optional[list[int]] = None,

@@ -104,17 +104,20 @@ class ModelRunner:
         out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
         return out["logits"][:, -1]
 
-    def verify(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """The logits of every position each row feeds, [len(row.tokens), V] per row: a
-        speculative step, whose rows are each a task's last token and the tokens drafted after it."""
-        return self.every_position_logits(self.bind(rows), rows)
+    def verify(self, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The logits [n, V] and final hidden states [n, dim] of every position each row feeds: a
+        speculative step, whose rows are each a task's last token and the tokens drafted after it
+        (a draft head drafts from the hidden state)."""
+        return self.every_position(self.bind(rows), rows)
 
-    def every_position_logits(self, view, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """The model's forward over the rows' tokens, padded to the longest; each row's logits."""
+    def every_position(self, view, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The model's forward over the rows' tokens, padded to the longest; each row's logits and
+        hidden states."""
         T = max(len(r.tokens) for r in rows)
         input_ids = torch.tensor([r.tokens + [0] * (T - len(r.tokens)) for r in rows], device=self.device)
-        logits = self.model(input_ids, paged_cache=view, position_ids=view.position_ids)["logits"]
-        return [logits[b, :len(r.tokens)] for b, r in enumerate(rows)]
+        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids)
+        return [(out["logits"][b, :len(r.tokens)], out["hidden_states"][b, :len(r.tokens)])
+                for b, r in enumerate(rows)]
 
     def rewind(self, task_id: str, length: int) -> None:
         """Only the first ``length`` cached positions of ``task_id`` are its context (a speculative

@@ -288,12 +288,13 @@ class InferenceScheduler:
                 self._run_step(kind, batch, n_new, drafts)
 
     def _run_step(self, kind: str, batch: list[Task], n_new: list[int], drafts: Optional[list[list[int]]] = None) -> None:
+        started = time.perf_counter()
         try:
             with self.model_lock:
                 if kind == "prefill":
                     results = [[] if r is None else [r] for r in self._executor.execute_prefill(batch, n_new)]
                 elif kind == "verify":
-                    results = self._executor.execute_verify(batch, drafts)
+                    results, last_hidden = self._executor.execute_verify(batch, drafts)
                 elif kind == "greedy":
                     stops = self.stop_ids if not batch[0].params.ignore_eos else frozenset()
                     stops = stops.union(batch[0].params.stop_token_ids)
@@ -310,10 +311,16 @@ class InferenceScheduler:
         now = time.monotonic()
         with self._lock:
             produced = 0
+            if self._speculation is not None and kind != "prefill":
+                self._speculation.timed(kind, len(batch), time.perf_counter() - started,
+                                        sum(map(len, results)) / len(batch))
             if kind == "verify":
                 self._speculation.verify_steps += 1
-                for task, draft, sampled in zip(batch, drafts, results):
+                observe = getattr(self._drafter, "observe", None)
+                for task, draft, sampled, hidden in zip(batch, drafts, results, last_hidden):
                     self._speculation.record(task.task_id, len(draft), len(sampled) - 1, len(sampled))
+                    if observe is not None:
+                        observe(task, hidden)
             for task, sampled in zip(batch, results):
                 if task.done:
                     continue
@@ -395,6 +402,8 @@ class InferenceScheduler:
     def _draft(self, decode: list[Task]) -> Optional[list[list[int]]]:
         """Each decoding task's drafted tokens (astrai/inference/speculative.py), with pages
         reserved for checking them, or None when no task has any (a plain decode step then)."""
+        if not self._speculation.batch_wanted(len(decode)):
+            return None
         wanted = []
         for task in decode:
             room = min(task.params.max_tokens - len(task.output_ids), self.max_seq_len - len(task.context)) - 1
@@ -406,7 +415,14 @@ class InferenceScheduler:
             del draft[wanted[i]:]
             if draft and not self._page_cache.task_extend(task.task_id, task.num_computed + 1 + len(draft)):
                 draft.clear()  # no page for the drafts: this row decodes one token
-        return drafts if any(drafts) else None
+        if any(drafts):
+            return drafts
+        # a drafter that drafts from the hidden state a verify step leaves (a draft head) gets one,
+        # for a row that wants drafts and has none yet, from a verify step without drafts
+        ready = getattr(self._drafter, "ready", None)
+        if ready is not None and any(w and not ready(t) for t, w in zip(decode, wanted)):
+            return drafts
+        return None
 
     def _greedy_run_steps(self, decode: list[Task]) -> int:
         """How many decode steps a lone greedy request takes this loop step (1: the usual one);

@@ -14,8 +14,10 @@ import torch
 from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference.draft_model import DraftModel
+from astrai.inference.head_drafter import HeadDrafter
 from astrai.inference.sampling import SamplingPipeline
 from astrai.inference.speculative import NgramIndex, PromptLookup, SpeculationControl, accept_greedy
+from astrai.model.draft_head import DraftHead
 from astrai.model.quantized import cast_linear_weights, quantize_model
 from inference_helpers import greedy_reference, make_model
 
@@ -244,3 +246,40 @@ def test_an_aborted_speculating_request_leaks_no_page():
         list(events)
         assert engine.get_stats()["pages_used"] == 0
         assert drafter.cache.stats()["pages_used"] == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_draft_head_drafts_from_the_verify_steps_hidden_states(batch):
+    """The head's drafts come from the hidden state each verify step leaves; the output is the
+    target's whatever the head guesses (an untrained head here), and a row with no hidden state
+    yet gets one from a verify step without drafts."""
+    target = make_model("tiny")
+    prompts = repeating_prompts(2)
+    expected = [greedy_reference(target, p, 30) for p in prompts]
+    drafter = HeadDrafter(DraftHead.for_target(target, torch.arange(256)))
+    seen = []
+    observe = drafter.observe
+    drafter.observe = lambda task, hidden: (seen.append((task.context[:task.num_computed], hidden.clone())),
+                                            observe(task, hidden))
+    got, stats = run(target, prompts, 30, batch, speculative="draft", drafter=drafter)
+    assert got == expected
+    assert stats["speculative"]["drafted_tokens"] > 0 and stats["speculative"]["verify_steps"] > 0
+    assert not drafter._state  # every finished task forgotten
+    with torch.no_grad():  # each hidden state handed over is the model's own at the last computed position
+        for context, hidden in seen[::5]:
+            want = target(torch.tensor([context]))["hidden_states"][0, -1]
+            assert torch.allclose(hidden, want, atol=1e-4), (len(context), (hidden - want).abs().max())
+
+
+def test_the_head_drafter_drafts_only_from_a_current_hidden_state():
+    target = make_model("tiny")
+    head = DraftHead.for_target(target, torch.arange(256))
+    drafter = HeadDrafter(head)
+    task = type("T", (), {"task_id": "a", "context": [5, 6, 7, 8], "num_computed": 3})()
+    assert drafter.propose([task], [3]) == [[]] and not drafter.ready(task)
+    hidden = torch.randn(target.config.dim)
+    drafter.observe(task, hidden)
+    assert drafter.propose([task], [3]) == [head.draft(hidden, 8, 3)]  # from context[num_computed], the next input
+    task.num_computed = 4  # a plain step ran since: the state is stale
+    assert not drafter.ready(task) and drafter.propose([task], [3]) == [[]]

@@ -108,10 +108,11 @@ class FusedDecode:
             target.ran(len(tokens))
         return tokens
 
-    def verify(self, tokens: Sequence[int], target: RowTarget) -> Optional[torch.Tensor]:
-        """Logits [n, vocab] of ``n`` consecutive tokens of one row in one call (``kernels.verify_step``:
-        the weights read once for all of them), their K/V written where ``target`` says (one slot
-        per token); None when the step does not qualify (the caller runs the usual forward).
+    def verify(self, tokens: Sequence[int], target: RowTarget) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Logits [n, vocab] and final hidden states [n, dim] of ``n`` consecutive tokens of one row
+        in one call (``kernels.verify_step``: the weights read once for all of them), their K/V
+        written where ``target`` says (one slot per token); None when the step does not qualify
+        (the caller runs the usual forward).
         Call when ``ready()`` has just said True."""
         if not 1 <= len(tokens) <= MAX_VERIFY_TOKENS or len(tokens) != len(target.slots):
             return None

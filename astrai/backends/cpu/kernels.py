@@ -499,11 +499,14 @@ def decode_steps(plan: DecodePlan, token: int, pos: int, kv_offsets: Sequence[tu
                                               embedding_rows, max_seconds, tokens, logits.data_ptr())
     return tokens[:done]
 
+
 MAX_VERIFY_TOKENS = 8  # decode_step.c's ASTRAI_MAX_VERIFY_ROWS
 
 
-def verify_step(plan: DecodePlan, tokens: Sequence[int], pos: int, kv_offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Logits [n, vocab] of ``n`` consecutive tokens of one row at positions ``pos`` ..
+def verify_step(plan: DecodePlan, tokens: Sequence[int], pos: int,
+                kv_offsets: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [n, vocab] and final hidden states [n, dim] (what the head multiplies) of ``n``
+    consecutive tokens of one row at positions ``pos`` ..
     ``pos + n - 1`` in one step through ``native/decode_step.c`` (every weight read once for all
     of them; token i attends to positions up to ``pos + i``): a speculative decoder's check of
     its drafted tokens. Token i's K/V go to ``kv_offsets[i]`` (as ``decode_step``). 1 <= n <=
@@ -523,4 +526,4 @@ def verify_step(plan: DecodePlan, tokens: Sequence[int], pos: int, kv_offsets: S
     work = torch.empty(library.astrai_step_work_floats(plan, n), dtype=torch.float32)
     logits = torch.empty(n, plan.vocab, dtype=torch.float32)
     library.astrai_verify_step_f32(plan, ids, n, pos, k_offsets, v_offsets, work.data_ptr(), logits.data_ptr())
-    return logits
+    return logits, work[n * plan.dim:2 * n * plan.dim].view(n, plan.dim)  # team_step's h: after x

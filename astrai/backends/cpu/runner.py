@@ -79,24 +79,25 @@ class CpuModelRunner(ModelRunner):
         out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=ends.view(1, -1))
         return out["logits"][0]
 
-    def verify(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+    def verify(self, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A lone row through the fused C step's verification (``FusedDecode.verify``: each weight
         read once for all its tokens, the context read from the decode buffers), else the
         model's forward over the bound view."""
         if len(rows) == 1 and self.fused_decode is not None and self.fused_decode.ready():
             row = rows[0]
             target = self.decode_target(row.task_id, row.start, len(row.tokens))
-            logits = None if target is None else self.fused_decode.verify(row.tokens, target)
-            if logits is not None:
-                return [logits]
-        return self.every_position_logits(self.bind(rows), rows)
+            verified = None if target is None else self.fused_decode.verify(row.tokens, target)
+            if verified is not None:
+                return [verified]
+        return self.every_position(self.bind(rows), rows)
 
-    def every_position_logits(self, view, rows: Sequence[Row]) -> list[torch.Tensor]:
+    def every_position(self, view, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not getattr(view, "packed", False):
-            return super().every_position_logits(view, rows)
+            return super().every_position(view, rows)
         input_ids = torch.tensor([[token for r in rows for token in r.tokens]], device=self.device)
-        logits = self.model(input_ids, paged_cache=view, position_ids=view.position_ids)["logits"][0]
-        return list(logits.split([len(r.tokens) for r in rows]))
+        out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids)
+        lengths = [len(r.tokens) for r in rows]
+        return list(zip(out["logits"][0].split(lengths), out["hidden_states"][0].split(lengths)))
 
     def rewind(self, task_id: str, length: int) -> None:
         """The decode buffers' row of ``task_id``, when it holds the task, counts ``length``

@@ -1,0 +1,51 @@
+"""HeadDrafter: speculative drafts from a draft head trained on the target's own outputs.
+
+A draft head (astrai/model/draft_head.py, trained by ``astrai train --train_type draft_head``)
+predicts the target's next tokens from the target's final hidden state and the token that
+state chose. That hidden state comes free with every verify step (the runner returns it
+beside the logits), so the head needs no model run and no cache of its own: after each
+verify step the scheduler hands the drafter each row's hidden state at its last computed
+position (``observe``), and the next step drafts from it. A row without a fresh one (just
+prefilled, or back from plain decoding) first takes a verify step without drafts (``ready``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from astrai.model.draft_head import DraftHead
+
+
+class HeadDrafter:
+    """Drafts with ``head`` for every task it has a current hidden state of."""
+
+    def __init__(self, head: DraftHead):
+        self.head = head
+        self._state: dict[str, tuple[int, torch.Tensor]] = {}  # task → (its num_computed then, hidden state)
+
+    def observe(self, task, hidden: torch.Tensor) -> None:
+        """``hidden`` [dim]: the target's final hidden state at ``task``'s last computed position."""
+        self._state[task.task_id] = (task.num_computed, hidden.detach().float().clone())
+
+    def ready(self, task) -> bool:
+        """Whether the state held for ``task`` is at its current position (no plain step since)."""
+        state = self._state.get(task.task_id)
+        return state is not None and state[0] == task.num_computed
+
+    @torch.inference_mode()
+    def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in tasks]
+        rows = [i for i, (task, wanted) in enumerate(zip(tasks, k)) if wanted > 0 and self.ready(task)]
+        if not rows:
+            return drafts
+        hidden = torch.stack([self._state[tasks[i].task_id][1] for i in rows])
+        tokens = torch.tensor([tasks[i].context[tasks[i].num_computed] for i in rows])
+        guesses = self.head.draft_batch(hidden, tokens, max(k[i] for i in rows))
+        for i, guess in zip(rows, guesses):
+            drafts[i] = guess[:k[i]]
+        return drafts
+
+    def forget(self, task_id: str) -> None:
+        self._state.pop(task_id, None)
