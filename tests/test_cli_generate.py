@@ -113,3 +113,20 @@ def test_output_writes_the_json_lines_and_says_where(model_dir, tmp_path, monkey
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert out.getvalue() == "" and [r["index"] for r in rows] == [0, 1]
     assert capsys.readouterr().err.splitlines()[-1] == f"wrote {path}: 2 completion(s) as JSON lines"
+
+
+@pytest.mark.timeout(120)
+def test_speculative_flags_keep_the_text_and_refuse_what_cannot_run(model_dir, monkeypatch, capsys):
+    """--speculative ngram and --draft-model (the model drafting for itself) give the plain greedy
+    text; --speculative draft without a drafter, or a draft length past the limit, is one error line."""
+    repeat = "the cat sat on the mat, the cat sat on the mat, the cat sat on the"
+    plain = run_cli(["--model", str(model_dir), "--prompt", repeat, "--max-tokens", "24"], monkeypatch).getvalue()
+    for flags in (["--speculative", "ngram"], ["--draft-model", str(model_dir), "--draft-tokens", "3"]):
+        got = run_cli(["--model", str(model_dir), "--prompt", repeat, "--max-tokens", "24", *flags], monkeypatch)
+        assert got.getvalue() == plain
+    capsys.readouterr()
+    for flags, message in ((["--speculative", "draft"], "needs a drafter"),
+                           (["--speculative", "ngram", "--draft-tokens", "9"], "draft_tokens must be an integer from 1 to 7")):
+        assert main(["generate", "--model", str(model_dir), "--prompt", "hi", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("astrai generate: error:") and message in err and "Traceback" not in err

@@ -70,6 +70,15 @@ def test_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
     assert main(["serve", "--model", "m", "--api-key-file", str(tmp_path / "absent")]) == 2
 
 
+def test_serve_passes_the_speculative_flags_to_the_engine(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("astrai.serving.launch.run_server", lambda model, **kw: seen.update(kw))
+    assert main(["serve", "--model", "m"]) == 0
+    assert not {"speculative", "draft_model", "draft_tokens"} & set(seen)  # unset: the engine's defaults
+    assert main(["serve", "--model", "m", "--speculative", "draft", "--draft-model", "d", "--draft-tokens", "5"]) == 0
+    assert (seen["speculative"], seen["draft_model"], seen["draft_tokens"]) == ("draft", "d", 5)
+
+
 def test_api_key_from_the_environment_guards_the_server(tmp_path, monkeypatch):
     from astrai.serving import launch
 
