@@ -7,6 +7,7 @@ import argparse
 # astrai/inference/placement.py's DTYPE_CHOICES and astrai/model/quantized.py's FORMATS
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATION_FORMATS = ("int8", "int4", "int4-asym")
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # astrai/inference/cache/storage.py's KV_CACHE_DTYPES
 
 SAMPLING_HELP = "default: the model's generation_config.json, else greedy"
 # astrai/inference/speculative.py's SPECULATIVE_METHODS, DEFAULT_DRAFT_TOKENS and MAX_DRAFT_TOKENS
@@ -39,6 +40,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=QUANTIZATION_FORMATS, default=None,
                         help="quantize the linears' weights as they load (block-wise, as GGUF Q8_0/Q4_0/Q4_1); "
                              "a quantized model directory needs no flag")
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="the KV cache's dtype (default: the model's); a 16-bit cache holds twice the tokens "
+                             "and halves what decoding after a long context reads")
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:

@@ -76,7 +76,8 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     return InferenceEngine.from_pretrained(args.model, device=device, dtype=dtype, quantize=getattr(args, "quantize", None),
                                            max_batch_size=args.max_batch_size,
                                            max_seq_len=args.max_seq_len, num_pages=args.num_pages,
-                                           page_size=args.page_size, **speculative_settings(args),
+                                           page_size=args.page_size, kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+                                           **speculative_settings(args),
                                            **({"default_params": defaults} if defaults is not None else {}))
 
 

@@ -65,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_prompt_len=args.max_prompt_len,
                page_size=args.page_size, num_pages=args.num_pages, max_queue=args.max_queue,
                prefix_cache=not args.no_prefix_cache, device=device, dtype=dtype,
-               quantize=args.quantize, **speculative_settings(args))
+               quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, **speculative_settings(args))
     return 0
