@@ -8,7 +8,7 @@ split a UTF-8 character. The scheduler thread starts with the engine and stops o
 
 Building an engine changes nothing outside it: it serves its own copy of the model
 (``in_place=True`` consents to preparing the given object instead) and sets no process-wide
-option; ``astrai.backends.cpu.tune_process`` is the explicit call for those.
+option; the device's backend's ``prepare_process`` (astrai/backends) is the explicit call for those.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 import torch
 
+from astrai.backends import backend_for
 from astrai.errors import ConfigError, RequestError
 from astrai.inference.draft_model import DraftModel
 from astrai.inference.handle import RequestHandle
@@ -259,8 +260,8 @@ def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str 
 
 
 def _linear_weights_only(dtype: Optional[torch.dtype], device: str | torch.device) -> bool:
-    """bf16 on the CPU casts the linear weights only (as llama.cpp's BF16 files keep norms in
-    fp32): activations and the KV cache stay fp32, so the fused decode step takes the model
-    and half the bytes it streams; a CPU without native bf16 arithmetic gains nothing from
-    bf16 activations."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    """bf16 casts the linear weights only where the device's backend says so
+    (``Backend.bf16_linears_only``; the CPU's, as llama.cpp's BF16 files keep norms in fp32:
+    activations and the KV cache stay fp32, so the fused decode step takes the model and
+    half the bytes it streams)."""
+    return dtype == torch.bfloat16 and backend_for(torch.device(device)).bf16_linears_only

@@ -7,8 +7,9 @@ whatever a backend does to prepare it (re-laid weights, swapped modules) never r
 caller's object; ``in_place=True`` is the caller's consent to prepare that object itself.
 
 This is the device-neutral runner: the plain ``KvcacheView`` (SDPA over the page table)
-for every step. The CPU backend's runner (astrai/backends/cpu/runner.py) subclasses it and
-adds the hand-written kernels behind the same calls; the scheduler picks one of the two.
+for every step. A device's backend (astrai/backends, found by the device's kind) may register
+a subclass that adds its own kernels behind the same calls (the CPU's:
+astrai/backends/cpu/runner.py); ``create_runner`` in scheduler.py builds the one registered.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from astrai.backends import PLAIN_DECODE_PATH, backend_for
 from astrai.inference.cache import KVCache
 
 
@@ -44,19 +46,14 @@ class GreedyRun:
     max_seconds: float
 
 
-DECODE_PATHS = ("fused", "row_kernels", "batched", "torch")
-
-
 class ModelRunner:
     """Runs a step's forward over the paged cache with the model's own modules.
 
-    It counts its decode steps by the path that ran them (``decode_path_counts``): "fused"
-    (the CPU backend's whole step in one C call, each step of a greedy run counted), "row_kernels"
-    (the model's forward with every product in the backend's C products), "batched" (the
-    model's forward with products of several rows through torch's fast routes for them:
-    oneDNN's packed weights, the two-half split) and "torch" (the model's forward with at least
-    one product as plain torch ops: this runner's every step, the CPU backend's fallbacks), so
-    that a model the fast paths do not fit is seen, not silently slow."""
+    It counts its decode steps by the path that ran them (``decode_path_counts``), under the
+    names its device's backend lists (``Backend.decode_paths``): "torch" is the model's forward
+    with plain torch ops, this runner's every step; a backend's runner adds its fast paths (the
+    CPU's are described in astrai/backends/cpu/runner.py), so that a model the fast paths do
+    not fit is seen, not silently slow."""
 
     packs_prefill = False  # whether a prefill step's rows go unpadded (its token budget then counts real tokens)
     runs_greedy = False  # whether ``greedy_run`` can take several steps in one call
@@ -65,7 +62,8 @@ class ModelRunner:
         self.model = self.prepare(model if in_place else copy.deepcopy(model))
         self.cache = cache
         self.device = next(self.model.parameters()).device
-        self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # every key present: readers copy it from other threads
+        self.backend = backend_for(self.device)
+        self.decode_paths = dict.fromkeys(self.backend.decode_paths, 0)  # every key present: readers copy it from other threads
 
     def decode_path_counts(self) -> dict[str, int]:
         """Decode steps so far by the path that ran them (see the class docstring)."""
@@ -80,7 +78,7 @@ class ModelRunner:
         the way (None here)."""
         logits = self.model_forward(rows)
         if all(len(r.tokens) == 1 for r in rows):
-            self.decode_paths["torch"] += 1
+            self.decode_paths[PLAIN_DECODE_PATH] += 1
         return logits, None
 
     def model_forward(self, rows: Sequence[Row]) -> torch.Tensor:
@@ -137,8 +135,10 @@ class ModelRunner:
         with torch.no_grad():
             self.model.load_state_dict(state)
 
-    def release_threads(self) -> None:
-        """Give back the calling thread's idle compute threads (nothing to do here)."""
+    def release_idle(self) -> None:
+        """The calling thread computes nothing for a while (it built the model, handed the loop
+        work, or is the loop about to wait): its backend gives back what the thread holds idle."""
+        self.backend.release_idle()
 
     def release_scratch(self) -> None:
         """Free the scratch memory the calling thread's products keep between calls (none here)."""

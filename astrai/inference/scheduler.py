@@ -34,6 +34,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from astrai.backends import backend_for
 from astrai.errors import OverloadedError, RequestError
 from astrai.inference.cache import KVCache
 from astrai.inference.cache.storage import kv_cache_dtype as kv_cache_dtype_named
@@ -64,16 +65,10 @@ def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len:
 
 
 def create_runner(model: torch.nn.Module, cache: KVCache, in_place: bool = False) -> ModelRunner:
-    """The runner for ``model``'s device: the CPU backend's on the CPU, else the device-neutral one.
-    It lives here, with the runner's one user, so that the runner base never imports its subclass."""
-    if next(model.parameters()).device.type == "cpu":
-        # Imported on first use: the CPU backend still builds on inference's cache and runner base
-        # (an upward import, listed in the import-linter contract), so a module-level import would
-        # make astrai.inference and astrai.backends.cpu each import the other while loading.
-        from astrai.backends.cpu.runner import CpuModelRunner
-
-        return CpuModelRunner(model, cache, in_place)
-    return ModelRunner(model, cache, in_place)
+    """The runner the backend of ``model``'s device registers (astrai/backends), else the
+    device-neutral one."""
+    runner = backend_for(next(model.parameters()).device).runner_class() or ModelRunner
+    return runner(model, cache, in_place)
 
 
 class InferenceScheduler:
@@ -140,7 +135,7 @@ class InferenceScheduler:
         self._rate: deque[tuple[float, int]] = deque()
         # preparing the model ran parallel ops on this thread; its idle pool would throttle the
         # loop's (a server's loader thread lives on, and never submits, which releases it too)
-        self._runner.release_threads()
+        self._runner.release_idle()
 
     @property
     def page_cache(self) -> KVCache:
@@ -165,7 +160,7 @@ class InferenceScheduler:
         if params.temperature > 0 and params.seed is not None:  # reproducible whoever shares the batch
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         task = Task(task_id or uuid.uuid4().hex, ids, params, stream_callback, self.tokenizer, generator, constraint)
-        self._runner.release_threads()  # the caller's idle compute threads would slow the loop's
+        self._runner.release_idle()  # the caller's idle compute threads would slow the loop's
         with self._lock:
             if not self._running:
                 raise RequestError("the engine is not running (it was shut down or never started)")
@@ -259,7 +254,7 @@ class InferenceScheduler:
                 for first in range(0, ids.shape[1], positions):
                     consume(first, self.model.lm_head(hidden[:, first:first + positions])[0])
         finally:
-            self._runner.release_threads()  # the caller's idle compute threads would slow the loop's
+            self._runner.release_idle()  # the caller's idle compute threads would slow the loop's
             self._runner.release_scratch()
 
     def load_weights(self, state: dict) -> None:
@@ -277,7 +272,7 @@ class InferenceScheduler:
         while True:
             with self._lock:
                 if self._running and not self._task_mgr.waiting and not self._task_mgr.running:
-                    self._runner.release_threads()  # idle: let other threads' work run unthrottled
+                    self._runner.release_idle()  # idle: let other threads' work run unthrottled
                 while self._running and not self._task_mgr.waiting and not self._task_mgr.running:
                     self._wake.wait()
                 if not self._running:

@@ -1,19 +1,39 @@
 """The CPU backend: C kernels, serving layout, fused decode, oneDNN training products, tuning.
 
+It registers itself for the device kind "cpu" (astrai/backends/__init__.py) with:
+
 - ``CpuModelRunner`` (runner.py): the inference engine's runner on the CPU, which prepares
-  its own copy of the model for serving and runs fused decode steps and greedy runs;
+  its own copy of the model for serving and runs fused decode steps and greedy runs, its
+  decode steps counted as "fused", "row_kernels", "batched" or "torch";
 - the attention backend it binds (attention.py) and its decode buffers (decode_buffers.py);
-- ``fast_training_products`` (training.py): the trainer's opt-in to oneDNN's fp32 products;
-- ``tune_process`` (tuning.py): the explicit process-wide allocator tuning.
+- ``agree_on_products`` and ``fast_training_products`` (training.py): a run's decision on
+  oneDNN's fp32 products and the trainer's opt-in to them;
+- ``tune_process`` (tuning.py): the process-wide allocator tuning, and
+  ``release_thread_pool``: a thread's idle OpenMP workers given back;
+- bfloat16 weights on the CPU cast the linear weights only (activations and KV cache stay fp32).
 
 Importing this package builds and imports nothing heavy: the C library is compiled on first
-use, and the two names below are imported when first asked for (``tune_process`` without torch).
+use, and the parts (and the two names below) are imported when first asked for
+(``tune_process`` without torch).
 """
 
 import importlib
 
+from astrai.backends import Backend, register
+
 __all__ = ["fast_training_products", "tune_process"]
 _HOMES = {"fast_training_products": "astrai.backends.cpu.training", "tune_process": "astrai.backends.cpu.tuning"}
+
+register(Backend(
+    kind="cpu",
+    runner="astrai.backends.cpu.runner:CpuModelRunner",
+    decode_paths=("fused", "row_kernels", "batched", "torch"),
+    release_idle_hook="astrai.backends.cpu.tuning:release_thread_pool",
+    prepare_process_hook="astrai.backends.cpu.tuning:tune_process",
+    training_state_hook="astrai.backends.cpu.training:agree_on_products",
+    training_products_hook="astrai.backends.cpu.training:fast_training_products",
+    bf16_linears_only=True,
+))
 
 
 def __getattr__(name: str):

@@ -8,7 +8,8 @@ fits it (fused_decode.py), counting the decode steps each path ran (``decode_pat
 a step of the model's forward is "row_kernels" when every product in it took the C kernels,
 "batched" when the others took oneDNN's packed weights or the split, "torch" when any fell
 back to plain torch, per serving.py's tally of routes). Every step's result is the one the plain runner would give; only
-the route differs.
+the route differs. The CPU backend registers it for the device kind "cpu" (astrai/backends/cpu/__init__.py),
+with those four path names.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
 from astrai.backends.cpu.dense_product import release_slab_buffer
 from astrai.backends.cpu.fused_decode import FusedDecode
 from astrai.backends.cpu.serving import prepare_for_serving, route_counts
-from astrai.backends.cpu.tuning import release_thread_pool
 from astrai.inference.cache import KVCache
 from astrai.inference.runner import GreedyRun, ModelRunner, Row
 
@@ -142,9 +142,6 @@ class CpuModelRunner(ModelRunner):
             self.decode_buffers.fill_row(0, torch.tensor(slots, device=self.cache.storage.device))
         slots = tuple(pages[p // ps] * ps + p % ps for p in range(pos, pos + steps))
         return RowTarget(slots, pos, self.decode_buffers.capacity, self.decode_buffers, self.cache.storage)
-
-    def release_threads(self) -> None:
-        release_thread_pool()
 
     def release_scratch(self) -> None:
         release_slab_buffer()

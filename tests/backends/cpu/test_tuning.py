@@ -62,10 +62,8 @@ def test_release_reaches_torchs_libgomp():
 
 
 def test_engine_releases_caller_and_idle_loop(gqa_model, monkeypatch):
-    from astrai.backends.cpu import runner
-
     callers: list[str] = []
-    monkeypatch.setattr(runner, "release_thread_pool", lambda: callers.append(threading.current_thread().name))
+    monkeypatch.setattr(tuning, "release_thread_pool", lambda: callers.append(threading.current_thread().name))
     with InferenceEngine(gqa_model, None, max_batch_size=2, num_pages=16) as engine:
         result = engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)).result()
         assert len(result.token_ids) == 3
@@ -80,10 +78,8 @@ def test_the_thread_that_builds_an_engine_releases_its_pool(gqa_model, monkeypat
     """A server builds its engine on a loader thread that lives on and never submits: the
     engine releases that thread's pool when it is built (kept, it made every step of the
     loop pay OpenMP's throttled wake-ups: 64 served requests ran 1.2x longer)."""
-    from astrai.backends.cpu import runner
-
     callers: list[str] = []
-    monkeypatch.setattr(runner, "release_thread_pool", lambda: callers.append(threading.current_thread().name))
+    monkeypatch.setattr(tuning, "release_thread_pool", lambda: callers.append(threading.current_thread().name))
     built = []
     loader = threading.Thread(target=lambda: built.append(InferenceEngine(gqa_model, None, num_pages=8)),
                               name="loader")
