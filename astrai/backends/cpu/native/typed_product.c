@@ -185,7 +185,7 @@ static inline __m256 block_dot(const __m256 w[4], const float *x)
  * at a time: each block is widened and scaled once, then every row adds two fused
  * multiply-adds into its own two sums, so a row costs two loads and two FMAs per block (the
  * one-row loop below keeps the block's scale out of its inner sums instead). */
-static inline void rows_q8_avx512(const uint8_t *w, const uint16_t *scales, const float *x, int64_t x_stride,
+static inline __attribute__((always_inline)) void rows_q8_avx512(const uint8_t *w, const uint16_t *scales, const float *x, int64_t x_stride,
                                   int rows, int64_t full, float *sum, const uint8_t *end)
 {
     __m512 low[ASTRAI_MAX_TYPED_ROWS], high[ASTRAI_MAX_TYPED_ROWS];
@@ -206,7 +206,7 @@ static inline void rows_q8_avx512(const uint8_t *w, const uint16_t *scales, cons
 }
 
 /* Several rows against one fp32 weight row, sixteen lanes at a time (two sums per row). */
-static inline int64_t rows_f32_avx512(const float *w, const float *x, int64_t x_stride, int rows, int64_t n_in,
+static inline __attribute__((always_inline)) int64_t rows_f32_avx512(const float *w, const float *x, int64_t x_stride, int rows, int64_t n_in,
                                       float *sum, const uint8_t *end)
 {
     __m512 low[ASTRAI_MAX_TYPED_ROWS], high[ASTRAI_MAX_TYPED_ROWS];
@@ -622,10 +622,14 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
     int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
     if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, xo, xs);
     for (int64_t j = first; j < last; ++j) {
-        if (rows == 1)
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, 1, n_in, out, end, xq, xd, xo, xs);
-        else
-            typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, (int)rows, n_in, out, end, xq, xd, xo, xs);
+        /* a literal row count per case: each copy keeps its rows' sums in registers */
+        switch (rows) {
+#define ROWS_CASE(n) case n: typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+        default: typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, ASTRAI_MAX_TYPED_ROWS, n_in, out, end, xq, xd,
+                           xo, xs);
+#undef ROWS_CASE
+        }
         const float b = bias ? bias[j] : 0.0f;
         for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
         if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
