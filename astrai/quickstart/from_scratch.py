@@ -571,7 +571,7 @@ class Quickstart:
         record = {
             "name": name, "steps": context.step, "tokens": context.tokens_seen,
             "planned_steps": replan.planned if replan is not None and replan.planned else config.max_steps,
-            "cpu_products": context.cpu_products,
+            "cpu_products": context.backend_state,
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
         }
@@ -586,7 +586,7 @@ class Quickstart:
 
     def trainer(self, config, callbacks: list, extra: Optional[dict]):
         """The Trainer of one stage (a subclass may prepare the model itself, e.g. with LoRA adapters)."""
-        return Trainer(config, callbacks=callbacks, strategy_extra=extra, cpu_products=self.s.cpu_products)
+        return Trainer(config, callbacks=callbacks, strategy_extra=extra, backend_state=self.s.cpu_products)
 
     def follow_throughput(self, record: dict) -> None:
         """Size later stages with the throughput just measured (the machine's load may have

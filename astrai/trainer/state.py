@@ -13,7 +13,8 @@ import torch.distributed as dist
 from astrai.parallel.wrap import full_model_state, full_optimizer_state, load_full_optimizer_state
 from astrai.serialization import Checkpoint, prune_checkpoints
 
-PRODUCTS_KEY = "cpu_products"  # the run's fp32 products decision (backends/cpu/training.py), kept for a resume
+BACKEND_STATE_KEY = "backend_state"  # the run's training products decision (Backend.training_state), kept for a resume
+OLD_BACKEND_STATE_KEY = "cpu_products"  # the same decision in checkpoints written before the backend registry
 
 
 def seed_rng(seed: int) -> None:
@@ -57,7 +58,7 @@ def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
         trainer_state = {"step": context.step, "epoch": context.epoch, "batch_in_epoch": context.batch_in_epoch,
                          "tokens_seen": context.tokens_seen, "world_size": context.world_size, "rng": capture_rng()}
         meta = {"step": context.step, "tokens_seen": context.tokens_seen, "world_size": context.world_size,
-                "train_config": context.config.to_dict(), PRODUCTS_KEY: context.cpu_products}
+                "train_config": context.config.to_dict(), BACKEND_STATE_KEY: context.backend_state}
         extra = {"optimizer": optimizer, "scheduler": context.scheduler.state_dict(), "trainer_state": trainer_state}
         if strategy:
             extra["strategy"] = strategy
@@ -66,6 +67,12 @@ def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
     if dist.is_initialized():
         dist.barrier()
     return path if context.is_main else None
+
+
+def recorded_backend_state(meta: dict):
+    """The training products decision a checkpoint's meta records (under its older name too), or None."""
+    recorded = meta.get(BACKEND_STATE_KEY)
+    return recorded if recorded is not None else meta.get(OLD_BACKEND_STATE_KEY)
 
 
 def restore_training_state(context, checkpoint: Checkpoint) -> None:

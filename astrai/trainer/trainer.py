@@ -12,10 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from astrai.backends import backend_for
 from astrai.config import TrainConfig
 from astrai.errors import ConfigError
-from astrai.backends.cpu import fast_training_products
-from astrai.backends.cpu.training import agree_on_products
 from astrai.parallel import is_distributed, setup_parallel, spawn_parallel_fn, torchrun_env, unwrap_model
 from astrai.parallel.setup import default_device_type
 from astrai.parallel.wrap import no_sync
@@ -23,7 +22,7 @@ from astrai.serialization import Checkpoint
 from astrai.trainer.builder import TrainContextBuilder, resolve_device
 from astrai.trainer.callbacks import CallbackFactory, TrainCallback
 from astrai.trainer.context import TrainContext
-from astrai.trainer.state import PRODUCTS_KEY, restore_rng
+from astrai.trainer.state import recorded_backend_state, restore_rng
 
 TOKEN_KEYS = ("input_ids", "chosen", "rejected", "prompts", "responses")
 
@@ -45,13 +44,13 @@ class Trainer:
     def __init__(self, train_config: TrainConfig, callbacks: Optional[list[TrainCallback]] = None,
                  model: Optional[nn.Module] = None, train_dataset: Optional[Dataset] = None,
                  val_dataset: Optional[Dataset] = None, tokenizer: Any = None, strategy_extra: Optional[dict] = None,
-                 cpu_products: Optional[dict] = None):
-        """``cpu_products`` pins the fp32 CPU products decision (``{"forward": bool, "weight_grad":
-        bool}``, what an earlier run's ``TrainContext.cpu_products`` recorded) instead of
-        measuring it, so that a repeated run rounds as that one did; a resumed checkpoint's
-        own decision comes first."""
+                 backend_state: Optional[dict] = None):
+        """``backend_state`` pins the device backend's training products decision (what an
+        earlier run's ``TrainContext.backend_state`` recorded, astrai/backends'
+        ``Backend.training_state``) instead of measuring it, so that a repeated run rounds as
+        that one did; a resumed checkpoint's own decision comes first."""
         self.train_config = train_config
-        self.cpu_products = cpu_products
+        self.backend_state = backend_state
         self.callbacks = list(callbacks or [])
         self.model, self.train_dataset, self.val_dataset, self.tokenizer = model, train_dataset, val_dataset, tokenizer
         self.strategy_extra = strategy_extra
@@ -108,13 +107,13 @@ class Trainer:
 
         try:
             fire("on_train_begin")
-            # the CPU's faster fp32 products, for this run only (astrai/backends/cpu/training.py), decided
-            # once for all ranks and kept across a resume: products that round differently diverge
-            model = unwrap_model(context.model)
-            recorded = context.checkpoint.meta.get(PRODUCTS_KEY) if context.checkpoint is not None else None
-            recorded = recorded if recorded is not None else self.cpu_products
-            context.cpu_products = agree_on_products(model, recorded)
-            with fast_training_products(model, context.cpu_products):
+            # the device backend's faster training products, for this run only, decided once for all
+            # ranks and kept across a resume: products that round differently diverge
+            model, backend = unwrap_model(context.model), backend_for(context.device)
+            recorded = recorded_backend_state(context.checkpoint.meta) if context.checkpoint is not None else None
+            recorded = recorded if recorded is not None else self.backend_state
+            context.backend_state = backend.training_state(model, recorded)
+            with backend.training_products(model, context.backend_state):
                 while not context.done and not context.stop_requested:
                     self._run_epoch(context, fire)
             fire("on_train_end")

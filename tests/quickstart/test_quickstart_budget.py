@@ -156,12 +156,12 @@ class StandInTrainer:
     clock = FakeClock()
     runs: list = []
 
-    def __init__(self, config, callbacks=(), strategy_extra=None, cpu_products=None):
-        self.config, self.callbacks, self.cpu_products = config, list(callbacks), cpu_products
+    def __init__(self, config, callbacks=(), strategy_extra=None, backend_state=None):
+        self.config, self.callbacks, self.backend_state = config, list(callbacks), backend_state
 
     def train(self, checkpoint=None):
         context = SimpleNamespace(step=0, total_steps=self.config.max_steps, done=False, stop_requested=False,
-                                  tokens_seen=0, cpu_products=self.cpu_products)
+                                  tokens_seen=0, backend_state=self.backend_state)
         for callback in self.callbacks:
             callback.on_train_begin(context)
         tokens_per_step = self.config.batch_per_device * self.config.window_size

@@ -46,7 +46,7 @@ def test_a_resumed_run_keeps_the_decision_its_checkpoint_records(tmp_path, monke
     run = dict(save_final_model=False, ckpt_interval=1)
     Trainer(config(tmp_path, max_steps=1, **run), model=tiny_model(), train_dataset=TokenWindows(n=8)).train()
     first = tmp_path / "ckpt" / "step_00000001"
-    assert Checkpoint.read_meta(first)["meta"]["cpu_products"] == {"forward": True, "weight_grad": True}
+    assert Checkpoint.read_meta(first)["meta"]["backend_state"] == {"forward": True, "weight_grad": True}
 
     _measures(monkeypatch, False)  # the resuming process would choose MKL on its own
     seen = ClassesSeen()
@@ -54,7 +54,7 @@ def test_a_resumed_run_keeps_the_decision_its_checkpoint_records(tmp_path, monke
             train_dataset=TokenWindows(n=8)).train(str(first))
     assert seen.heads and set(seen.heads) == {OneDnnLinear}
     second = Checkpoint.read_meta(tmp_path / "ckpt" / "step_00000002")["meta"]
-    assert second["cpu_products"] == {"forward": True, "weight_grad": True}
+    assert second["backend_state"] == {"forward": True, "weight_grad": True}
 
     monkeypatch.setenv("ASTRAI_ONEDNN_LINEAR", "0")  # the environment still decides
     seen = ClassesSeen()
@@ -71,4 +71,24 @@ def test_ranks_whose_measurements_disagree_take_rank_zeros_decision(tmp_path, mo
     Trainer(cfg, callbacks=[ProductsByRank(out)], model=tiny_model(), train_dataset=TokenWindows(n=8)).train()
     assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [["OneDnnLinear"]] * 2
     meta = Checkpoint.read_meta(tmp_path / "ckpt" / "step_00000001")["meta"]
-    assert meta["cpu_products"] == {"forward": True, "weight_grad": True}
+    assert meta["backend_state"] == {"forward": True, "weight_grad": True}
+
+
+def test_a_checkpoint_that_records_the_decision_as_cpu_products_resumes_with_it(tmp_path, monkeypatch):
+    """Checkpoints written before the backend registry name the decision ``cpu_products``."""
+    monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
+    _measures(monkeypatch, True)
+    run = dict(save_final_model=False, ckpt_interval=1)
+    Trainer(config(tmp_path, max_steps=1, **run), model=tiny_model(), train_dataset=TokenWindows(n=8)).train()
+    first = tmp_path / "ckpt" / "step_00000001"
+    written = json.loads((first / "meta.json").read_text())
+    written["meta"]["cpu_products"] = written["meta"].pop("backend_state")
+    (first / "meta.json").write_text(json.dumps(written))
+
+    _measures(monkeypatch, False)  # the resuming process would choose MKL on its own
+    seen = ClassesSeen()
+    Trainer(config(tmp_path, max_steps=2, **run), callbacks=[seen], model=tiny_model(),
+            train_dataset=TokenWindows(n=8)).train(str(first))
+    assert seen.heads and set(seen.heads) == {OneDnnLinear}
+    second = Checkpoint.read_meta(tmp_path / "ckpt" / "step_00000002")["meta"]
+    assert second["backend_state"] == {"forward": True, "weight_grad": True} and "cpu_products" not in second
