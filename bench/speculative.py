@@ -1,6 +1,7 @@
 """Speculative decoding: astrai with and without it, and against llama.cpp's own, one stream.
 
-Workloads (SmolLM2-135M-Instruct, greedy, the chat template applied):
+Workloads (SmolLM2-135M-Instruct, or with ``--model llama1b`` the Llama-1B shape with random
+weights and SmolLM2's tokenizer; greedy, the chat template applied):
 - ``rewrite``: "repeat this passage" over held-out bundled English text (data/pretrain/valid_en.jsonl),
   the case prompt lookup is for: the answer repeats much of the prompt;
 - ``chat``: the bundled SFT conversations' held-out user turns (data/sft/valid.jsonl), where the
@@ -12,7 +13,7 @@ llama.cpp's ``llama-lookup`` on the same weights (GGUF of the same type) with th
 length. Decode tokens/s is (tokens - 1) / (time after the first token) for astrai, and
 llama-lookup's own "decoded ... t/s" line. Prints the ratios, writes dated JSON to bench/results/.
 
-Usage: .venv/bin/python bench/speculative.py [--precision int8] [--workloads rewrite,chat]
+Usage: .venv/bin/python bench/speculative.py [--model smollm2] [--precision int8] [--workloads rewrite,chat]
        [--prompts 4] [--new-tokens 192] [--draft-tokens 4] [--draft DIR] [--no-llamacpp]
 """
 
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from llamacpp_models import GGUF_TYPES, build_llamacpp, ensure_gguf, ensure_hf  # noqa: E402
+from llamacpp_models import GGUF_TYPES, MODELS, build_llamacpp, ensure_gguf, ensure_hf  # noqa: E402
 from results_file import write_result  # noqa: E402
 
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
@@ -91,6 +92,7 @@ def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", choices=MODELS)
     parser.add_argument("--precision", default="int8", choices=sorted(GGUF_TYPES))
     parser.add_argument("--workloads", default="rewrite,chat")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
@@ -111,9 +113,9 @@ def open_engine(model_dir: Path, precision: str, **settings) -> InferenceEngine:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = ensure_hf("smollm2")
+    model_dir = ensure_hf(args.model)
     llamacpp = None if args.no_llamacpp else build_llamacpp()
-    gguf = None if llamacpp is None else ensure_gguf("smollm2", GGUF_TYPES[args.precision], llamacpp)
+    gguf = None if llamacpp is None else ensure_gguf(args.model, GGUF_TYPES[args.precision], llamacpp)
     systems = {"plain": open_engine(model_dir, args.precision),
                "ngram": open_engine(model_dir, args.precision, speculative="ngram", draft_tokens=args.draft_tokens)}
     if args.draft:
@@ -122,7 +124,7 @@ def main() -> None:
     warm = tokenizer.apply_chat_template(chat_prompts(1)[0], tokenize=True, add_generation_prompt=True)
     for engine in systems.values():
         astrai_decode(engine, list(warm), 16)
-    results = {"precision": args.precision, "draft_tokens": args.draft_tokens, "new_tokens": args.new_tokens,
+    results = {"model": args.model, "precision": args.precision, "draft_tokens": args.draft_tokens, "new_tokens": args.new_tokens,
                "threads": args.threads, "workloads": {}}
     for workload in args.workloads.split(","):
         rows = []
