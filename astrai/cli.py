@@ -16,9 +16,10 @@ import importlib
 import sys
 from typing import NamedTuple
 
+from astrai.backends import backend_for
 from astrai.errors import AstraiError
 
-# the verbs that run a model: they tune the process for it first (astrai/backends/cpu/tuning.py)
+# the verbs that run a model: the backend of their device prepares the process first (prepare_process)
 COMPUTE_VERBS = frozenset({"quickstart", "train", "generate", "chat", "serve", "eval"})
 
 class Verb(NamedTuple):
@@ -116,6 +117,18 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argp
     return args
 
 
+def prepare_process(device: str) -> None:
+    """The process-wide preparation the backend of ``device``'s kind asks for (astrai/backends;
+    the CPU's: the allocator tuning of astrai/backends/cpu/tuning.py), which a compute verb
+    makes explicitly for its user. ``auto``, also a verb without --device (train's may come
+    from its --config), means a visible GPU, else the CPU."""
+    if device == "auto":
+        from astrai.parallel.setup import default_device_type  # torch: loaded once a compute verb runs, not for --help
+
+        device = default_device_type()
+    backend_for(device).prepare_process()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
@@ -131,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not argv else 2
     try:
         if args.verb in COMPUTE_VERBS:
-            from astrai.backends.cpu import tune_process
-
-            tune_process()
+            prepare_process(getattr(args, "device", None) or "auto")
         return int(importlib.import_module(VERBS[args.verb].runner).run(args) or 0)
     except AstraiError as exc:
         print(f"astrai {args.verb}: error: {exc}", file=sys.stderr)
