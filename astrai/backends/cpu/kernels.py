@@ -72,6 +72,7 @@ from astrai.model.quantized import quantize_activations
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
+HEADERS = tuple(sorted((Path(__file__).parent / "native").glob("*.h")))  # included by the sources, hashed with them
 # -ffast-math's parts but -ffinite-math-only, named one by one: the reductions need reassociation,
 # but -ffast-math (and -funsafe-math-optimizations) on the link line also links crtfastmath.o,
 # which turns on flush-to-zero for the whole process when the library loads.
@@ -110,7 +111,7 @@ def cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
+    source = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS)
     flags = _flags()
     key = hashlib.sha256(source + " ".join([compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"astrai-kernels-{key}.so"

@@ -35,6 +35,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "exp_lanes.h"
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -137,7 +139,7 @@ static inline __attribute__((always_inline)) void attend_span(
         const float t = top[g];
         float sum = 0.0f;
         #pragma omp simd reduction(+:sum)
-        for (int64_t p = 0; p < n; ++p) { s[p] = expf(s[p] - t); sum += s[p]; }
+        for (int64_t p = 0; p < n; ++p) { s[p] = exp_lanes(s[p] - t); sum += s[p]; }
         total[g] = sum;
     }
     for (int64_t p = 0; p < n; ++p) {

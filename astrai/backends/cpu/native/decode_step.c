@@ -52,6 +52,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "exp_lanes.h"
+
 enum { COLUMNS = 29, WEIGHT_VALUES = 5, QKV = 9, O = 14, GATE_UP = 19, DOWN = 24 };
 
 /* Filled by astrai/backends/cpu/kernels.py (a ctypes Structure of the same fields). */
@@ -166,31 +168,6 @@ static void rotate(float *x, int64_t heads, int64_t width, const float *cos, con
             v[i + half] = b * cos[i + half] + a * sin[i + half];
         }
     }
-}
-
-/* e^x in a form the compiler vectorises, for SiLU's sigmoid: libm's expf is a call per
- * element (glibc declares its vector expf only under -ffinite-math-only, which the NaN
- * checks here cannot have), and a layer's feed-forward width of them is most of what a
- * step spends outside its products. The usual reduction: x = k ln2 + r with
- * |r| <= ln2 / 2 (ln2 split in two so k ln2 is exact), e^r by a degree-6 polynomial
- * (Cephes' coefficients; within 1 ulp of expf over -87..88), times 2^k built in the
- * exponent bits. Inputs are clamped to where 2^k is a normal float; a NaN passes the
- * clamps (comparisons with it are false) and stays NaN. */
-static inline float exp_lanes(float x)
-{
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float k = rintf(x * 1.44269504088896341f);
-    const float r = fmaf(k, 2.12194440e-4f, fmaf(k, -0.693359375f, x));  /* fused: no reassociation */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = { .i = ((int32_t)k + 127) << 23 };
-    return p * scale.f;
 }
 
 static inline const float *f32(int64_t address) { return (const float *)(intptr_t)address; }
