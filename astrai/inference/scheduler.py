@@ -386,38 +386,41 @@ class InferenceScheduler:
             return "prefill", *self._plan_prefill(prefill), None
         self._last_was_prefill = False
         decode = self._reserve_decode_pages()
-        drafts = self._draft(decode) if self._drafter is not None and decode else None
+        drafting, drafts = self._draft(decode) if self._drafter is not None and decode else (False, None)
         if drafts is not None:
             return "verify", decode, [1 + len(d) for d in drafts], drafts
-        steps = self._greedy_run_steps(decode)
+        # a row that may draft takes one step at a time: a run of greedy steps would pass by the
+        # points where a draft appears (prompt lookup's next match)
+        steps = 1 if drafting else self._greedy_run_steps(decode)
         if steps > 1:
             return "greedy", decode, [steps], None
         return "decode", decode, [1] * len(decode), None
 
-    def _draft(self, decode: list[Task]) -> Optional[list[list[int]]]:
-        """Each decoding task's drafted tokens (astrai/inference/speculative.py), with pages
-        reserved for checking them, or None when no task has any (a plain decode step then)."""
+    def _draft(self, decode: list[Task]) -> tuple[bool, Optional[list[list[int]]]]:
+        """Whether any decoding task wanted drafts this step, and each one's drafted tokens
+        (astrai/inference/speculative.py) with pages reserved for checking them, or None when no
+        task has any (a plain decode step then)."""
         if not self._speculation.batch_wanted(len(decode)):
-            return None
+            return False, None
         wanted = []
         for task in decode:
             room = min(task.params.max_tokens - len(task.output_ids), self.max_seq_len - len(task.context)) - 1
             wanted.append(self._speculation.wanted(task, room) if self._executor.speculates(task) else 0)
         if not any(wanted):
-            return None
+            return False, None
         drafts = self._drafter.propose(decode, wanted)
         for i, (task, draft) in enumerate(zip(decode, drafts)):
             del draft[wanted[i]:]
             if draft and not self._page_cache.task_extend(task.task_id, task.num_computed + 1 + len(draft)):
                 draft.clear()  # no page for the drafts: this row decodes one token
         if any(drafts):
-            return drafts
+            return True, drafts
         # a drafter that drafts from the hidden state a verify step leaves (a draft head) gets one,
         # for a row that wants drafts and has none yet, from a verify step without drafts
         ready = getattr(self._drafter, "ready", None)
         if ready is not None and any(w and not ready(t) for t, w in zip(decode, wanted)):
-            return drafts
-        return None
+            return True, drafts
+        return True, None
 
     def _greedy_run_steps(self, decode: list[Task]) -> int:
         """How many decode steps a lone greedy request takes this loop step (1: the usual one);

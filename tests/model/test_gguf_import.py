@@ -514,3 +514,21 @@ def test_quantizing_a_dequantized_gguf_gives_back_its_own_blocks(tensor_type, vo
         if hasattr(module, "qweight") and name != "lm_head":
             other = requantized.get_submodule(name)
             assert torch.equal(module.qweight, other.qweight) and torch.equal(module.scales, other.scales), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_speculative_decoding_of_a_gguf_model_gives_transformers_greedy_tokens(family, vocab, tmp_path):
+    """Prompt lookup on an imported GGUF (Q8_0 weights, QK-norm for Qwen3) drafts and keeps the
+    reference model's greedy output, token for token."""
+    from astrai.inference import InferenceEngine, SamplingParams
+
+    reference, tensors = build_case(family, Q.Q8_0, vocab)
+    path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.Q8_0, vocab)
+    prompt = [7, 31, 42, 99, 5, 8] * 4
+    with InferenceEngine.from_pretrained(str(path), max_batch_size=1, num_pages=16, speculative="ngram") as engine:
+        got = engine.submit(prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)).result(60).token_ids
+        speculative = engine.get_stats()["speculative"]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, eos_token_id=None)
+    assert got == expected[0, len(prompt):].tolist(), got
+    assert speculative["verify_steps"] > 0
