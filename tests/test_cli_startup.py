@@ -43,6 +43,7 @@ def test_help_answers_quickly(verb):
 
 def test_the_flags_spell_out_the_choices_the_code_defines():
     from astrai.commands import engine, serve, tokenizer
+    from astrai.inference import speculative
     from astrai.inference.placement import DTYPE_CHOICES
     from astrai.serving.application import DEFAULT_MAX_BODY_BYTES
     from astrai.serving.launch import API_KEY_ENV
@@ -53,6 +54,8 @@ def test_the_flags_spell_out_the_choices_the_code_defines():
     assert engine.QUANTIZATION_FORMATS == tuple(FORMATS)
     assert tokenizer.SPECIAL_TOKENS == SPECIAL_TOKENS
     assert (serve.API_KEY_ENV, serve.DEFAULT_MAX_BODY_BYTES) == (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES)
+    assert (engine.SPECULATIVE_METHODS, engine.DEFAULT_DRAFT_TOKENS, engine.MAX_DRAFT_TOKENS) == (
+        speculative.SPECULATIVE_METHODS, speculative.DEFAULT_DRAFT_TOKENS, speculative.MAX_DRAFT_TOKENS)
 
 
 @pytest.mark.parametrize("argv,usage,word,hint", [

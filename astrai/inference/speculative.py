@@ -39,7 +39,11 @@ MAX_DRAFT_TOKENS = 7  # a verify step feeds at most 8 tokens (the CPU kernels' r
 
 
 class Drafter(Protocol):
-    """Proposes up to ``k`` tokens to follow each task's context (``[]`` when it has no guess)."""
+    """Proposes up to ``k`` tokens to follow each task's context (``[]`` when it has no guess).
+
+    A drafter that drafts from the target's hidden state (head_drafter.py) also has
+    ``observe(task, hidden)``, which the scheduler calls after each verify step, and
+    ``ready(task)``, false while it holds no current state for the task."""
 
     def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]: ...
 
