@@ -108,10 +108,10 @@ def test_abort_between_planning_and_forward_spares_batch_mates(gqa_model):
     ids = [sched.add_task(p, SamplingParams(max_tokens=3, **GREEDY), lambda ev, i=i: events.setdefault(i, []).append(ev))
            for i, p in enumerate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7]])]
     sched._admit()
-    kind, batch, n_new = sched._plan_step()
+    kind, batch, n_new, drafts = sched._plan_step()
     assert kind == "prefill" and len(batch) == 2
     sched.remove_task(ids[0])
-    sched._run_step(kind, batch, n_new)
+    sched._run_step(kind, batch, n_new, drafts)
     assert events[0][-1].finish_reason == "abort" and events[0][-1].error is None
     assert events[1][-1].token_ids == greedy_reference(gqa_model, [4, 5, 6, 7], 1)
     sched.stop()
