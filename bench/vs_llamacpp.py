@@ -13,6 +13,10 @@ rounds that alternate the systems:
   default repacked weight buffers (what users get) and with ``--repack 0``.
   On SmolLM2 at fp32, transformers' ``generate`` runs in the same rounds.
 - prefill: a 512-token prompt (astrai: its time to first token; ``llama-bench -p 512 -n 0``).
+- depth (``--depths 512,2048,...``): single-stream decode with that many tokens already in the
+  cache (``llama-bench -d``), both KV caches ``--kv-cache-dtype`` wide (llama.cpp's default F16
+  otherwise: fp32 rows pass ``-ctk f32 -ctv f32``); the bound beside each counts the KV bytes a
+  step reads besides the weights'.
 - server (SmolLM2): 64 streamed requests of mixed lengths sent at once to
   ``llama-server -np 16`` and to ``astrai serve --max-batch-size 16``: output tokens/s and
   time to first token (p50, p95).
@@ -23,7 +27,8 @@ and each system's rate as a fraction of it. A precision astrai does not offer ye
 engine refuses the ``quantize`` keyword) is reported as not available.
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python bench/vs_llamacpp.py [--models smollm2,llama1b]
-       [--precisions fp32,bf16,int8,int4] [--parts decode,prefill,server] [--repeats N] [--quick]
+       [--precisions fp32,bf16,int8,int4] [--parts decode,prefill,server,depth] [--repeats N] [--quick]
+       [--depths 512,2048,4096,8000] [--kv-cache-dtype float32|bfloat16|float16]
 Writes a dated JSON file to bench/results/ (see results_file.py).
 """
 
@@ -52,7 +57,9 @@ from llamacpp_tools import ServerProcess, free_port, llama_bench  # noqa: E402
 from results_file import write_result  # noqa: E402
 from serving_load import mixed_requests, run_load  # noqa: E402
 
-PARTS = ("decode", "prefill", "server")
+PARTS = ("decode", "prefill", "server", "depth")
+# astrai's kv_cache_dtype -> llama.cpp's -ctk/-ctv type of the same width (its default is f16)
+LLAMA_CACHE_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 PROMPT_TOKENS = 32
 PROMPT_VOCAB = 49152  # both models carry SmolLM2's tokenizer; prompts stay inside it
 QUANTIZED = ("int8", "int4", "int4-asym")
@@ -79,9 +86,9 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> flo
     return nbytes / best
 
 
-def open_astrai(model_dir: Path, precision: str, max_seq_len: int) -> InferenceEngine:
+def open_astrai(model_dir: Path, precision: str, max_seq_len: int, **settings) -> InferenceEngine:
     """One-stream engine at ``precision``; NotAvailable when astrai refuses the quantize keyword."""
-    settings = dict(max_batch_size=1, page_size=16, max_seq_len=max_seq_len)
+    settings = dict(max_batch_size=1, page_size=16, max_seq_len=max_seq_len, **settings)
     if precision in ASTRAI_DTYPES:
         return InferenceEngine.from_pretrained(model_dir, dtype=ASTRAI_DTYPES[precision], **settings)
     try:
@@ -97,11 +104,17 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(1000, PROMPT_VOCAB) for _ in range(n)]
 
 
-def astrai_decode(engine: InferenceEngine, n_new: int, seed: int) -> dict:
-    engine.scheduler.clear_prefix_cache()
+def astrai_decode(engine: InferenceEngine, n_new: int, seed: int, depth: int = PROMPT_TOKENS,
+                  fresh: bool = True) -> dict:
+    """Greedy decode of ``n_new`` tokens after a ``depth``-token prompt; the rate counts the steps
+    after the first token (the prompt's prefill excluded). ``fresh=False`` keeps the prefix
+    cache, so a longer prompt of the same seed (``prompt_ids`` extends it) prefills only its
+    new tokens."""
+    if fresh:
+        engine.scheduler.clear_prefix_cache()
     params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    handle = engine.submit(prompt_ids(PROMPT_TOKENS, seed), params)
+    handle = engine.submit(prompt_ids(depth, seed), params)
     tokens = handle.result().token_ids
     seconds = time.perf_counter() - start
     first = handle.time_to_first_token
@@ -244,6 +257,58 @@ def run_pair(model: str, precision: str, llamacpp, args, bandwidth: float) -> di
     return out
 
 
+def run_depths(model: str, precision: str, llamacpp, args, bandwidth: float) -> list[dict]:
+    """Decode after ``args.depths`` tokens already in the cache (``llama-bench -d``), both KV caches
+    of ``args.kv_cache_dtype``'s width, rounds alternating the systems; one row per depth with the
+    bound counting the KV bytes a step reads beside the weights'."""
+    gguf = ensure_gguf(model, GGUF_TYPES[precision], llamacpp)
+    bench = llamacpp.tool("llama-bench")
+    cache_type = LLAMA_CACHE_TYPES[args.kv_cache_dtype]
+    weight_bytes = weight_bytes_per_token(gguf)
+    try:
+        engine = open_astrai(ensure_hf(model), precision, max(args.depths) + args.new_tokens + 16,
+                             kv_cache_dtype=args.kv_cache_dtype)
+    except NotAvailable as exc:
+        print(f"[{model} {precision}] astrai: not available ({exc})", flush=True)
+        return []
+    config = engine.model.config
+    kv_bytes_per_token = (2 * config.n_layers * config.n_kv_heads * config.resolved_head_dim
+                          * torch.empty(0, dtype=getattr(torch, args.kv_cache_dtype)).element_size())
+    rows = []
+    try:
+        astrai_decode(engine, 8, seed=99, depth=64)  # warm-up
+        for depth in args.depths:
+            ours, theirs, errors = [], [], []
+            for r in range(args.repeats):
+                ours.append(astrai_decode(engine, args.new_tokens, seed=r, depth=depth)["tok_s"])
+                row = llama_bench(bench, gguf, args.threads, ["-p", "0", "-n", str(args.new_tokens), "-d", str(depth),
+                                                              "-r", "1", "-ctk", cache_type, "-ctv", cache_type])
+                rate = bench_rate(row)
+                (theirs.append(rate) if rate is not None else errors.append(row["error"]))
+            bound = bandwidth / (weight_bytes + kv_bytes_per_token * depth)
+            out = {"model": model, "precision": precision, "gguf_type": GGUF_TYPES[precision], "depth": depth,
+                   "kv_cache_dtype": args.kv_cache_dtype, "llamacpp_cache_type": cache_type,
+                   "weight_bytes_per_token": weight_bytes, "kv_bytes_read": kv_bytes_per_token * depth,
+                   "bound_tok_s": bound, "astrai_decode": summary(ours), "llamacpp_decode": summary(theirs),
+                   "errors": errors}
+            for key in ("astrai_decode", "llamacpp_decode"):
+                if out[key]:
+                    out[key]["fraction_of_bound"] = out[key]["median"] / bound
+            if ours and theirs:
+                out["ratio"] = statistics.median(ours) / statistics.median(theirs)
+            rows.append(out)
+            print(f"[{model} {precision}/{GGUF_TYPES[precision]} KV {args.kv_cache_dtype}/{cache_type}] depth {depth}: "
+                  f"astrai {_fmt(out, 'astrai_decode')}, llama.cpp {_fmt(out, 'llamacpp_decode')} tok/s"
+                  + (f", ratio {out['ratio']:.2f}x" if "ratio" in out else f" ({'; '.join(errors)})")
+                  + f"; bound {bound:.1f} tok/s", flush=True)
+        rows[-1]["astrai_stats"] = engine.get_stats()
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+    return rows
+
+
 def _fmt(out: dict, key: str) -> str:
     value = out.get(key, {})
     return f"{value['median']:.1f}" if value else "-"
@@ -375,6 +440,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="decode length (default 128; --quick 32)")
     parser.add_argument("--prefill-tokens", type=int, default=None, help="prefill length (default 512; --quick 128)")
     parser.add_argument("--server-precisions", default="fp32", help="precisions of the server part (SmolLM2 only)")
+    parser.add_argument("--depths", default=None,
+                        help="context lengths already cached before the depth part's decode (llama-bench -d); "
+                             "given alone, it runs the depth part only (default 512,2048,4096,8000)")
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=LLAMA_CACHE_TYPES, default="float32",
+                        help="both systems' KV cache in the depth part (llama.cpp's -ctk/-ctv of the same width)")
     parser.add_argument("--server-requests", type=int, default=None, help="default 64 (--quick 16)")
     parser.add_argument("--server-slots", type=int, default=16, help="llama-server -np and astrai --max-batch-size")
     parser.add_argument("--server-repeats", type=int, default=1)
@@ -386,6 +456,9 @@ def parse_args() -> argparse.Namespace:
                         help="bin directory of a llama.cpp build (default: bench/build_llamacpp.sh's, built if needed)")
     parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
+    if args.depths and "--parts" not in sys.argv:
+        args.parts = "depth"
+    args.depths = [int(d) for d in (args.depths or "512,2048,4096,8000").split(",")]
     for name, given, known in (("--models", args.models, MODELS), ("--precisions", args.precisions, GGUF_TYPES),
                                ("--parts", args.parts, PARTS), ("--server-precisions", args.server_precisions, GGUF_TYPES)):
         unknown = [v for v in given.split(",") if v not in known]
@@ -417,7 +490,7 @@ def main() -> None:
     started = time.perf_counter()
     bandwidths = [read_bandwidth(args.threads)]
     print(f"streaming-read bandwidth ({args.threads} threads): {bandwidths[0] / 1e9:.1f} GB/s", flush=True)
-    pairs, servers = [], []
+    pairs, servers, depths = [], [], []
     for model in args.models:
         saved_repeats = args.repeats
         if args.repeats is None:
@@ -425,6 +498,8 @@ def main() -> None:
         for precision in args.precisions:
             if args.parts & {"decode", "prefill"}:
                 pairs.append(run_pair(model, precision, llamacpp, args, bandwidths[0]))
+            if "depth" in args.parts:
+                depths += run_depths(model, precision, llamacpp, args, bandwidths[0])
         args.repeats = saved_repeats
         if "server" in args.parts and model == "smollm2":
             servers += [run_server(model, precision, llamacpp, args) for precision in args.server_precisions]
@@ -435,7 +510,7 @@ def main() -> None:
                "prompt_tokens": PROMPT_TOKENS, "prefill_tokens": args.prefill_tokens,
                "read_bandwidth_gb_s": [b / 1e9 for b in bandwidths],
                "bound_note": "bound_tok_s = streaming-read bandwidth before the run / weight_bytes_per_token",
-               "seconds": time.perf_counter() - started, "pairs": pairs, "server": servers}
+               "seconds": time.perf_counter() - started, "pairs": pairs, "server": servers, "depths": depths}
     write_result("vs_llamacpp-quick" if args.quick else "vs_llamacpp", results, args.out)
 
 
