@@ -78,8 +78,8 @@ def astrai_decode(engine: InferenceEngine, ids: list[int], n_new: int) -> dict:
 
 
 def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens: int, threads: int) -> dict:
-    cmd = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(n_new), "--draft-max", str(draft_tokens),
-           "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096", "--ignore-eos", "--no-warmup"]
+    cmd = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(n_new), "--spec-draft-n-max", str(draft_tokens),
+           "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096", "--ignore-eos"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     log = done.stdout + done.stderr
     speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
@@ -158,7 +158,7 @@ def main() -> None:
               f"ratios {json.dumps({k: round(v, 2) for k, v in ratios.items()})}", flush=True)
     for engine in systems.values():
         engine.shutdown()
-    print(f"wrote {write_result('speculative', results, args.out)}")
+    write_result("speculative", results, args.out)
 
 
 if __name__ == "__main__":
