@@ -72,6 +72,10 @@ def draft_token_seconds(head, k: int, calls: int = 200) -> float:
     return (time.perf_counter() - start) / (calls * k)
 
 
+def stage(name: str, start: float) -> None:
+    print(f"[draft_head] {name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="the target model directory the head was trained for")
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    start = time.perf_counter()
     target = AutoModel.from_pretrained(args.target).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     head = load_draft_head(args.head, target)
@@ -89,6 +94,7 @@ def main() -> None:
     engine = InferenceEngine(target, tokenizer)
     try:
         replies = greedy_replies(engine, prompts, args.new_tokens)
+        stage("greedy replies", start)
         step_fp32 = decode_step_seconds(engine, prompts[0])
     finally:
         engine.shutdown()
@@ -97,8 +103,10 @@ def main() -> None:
         step_int8 = decode_step_seconds(int8, prompts[0])
     finally:
         int8.shutdown()
+    stage("decode steps timed", start)
     acceptance = draft_acceptance(head, prompts, replies, args.k)
     draft_seconds = draft_token_seconds(head, args.k)
+    stage("fp32 head measured", start)
     head_bf16 = DraftHead(head.config)
     head_bf16.load_state_dict(head.state_dict())
     head_bf16 = head_bf16.to(torch.bfloat16).eval().bind(target)
