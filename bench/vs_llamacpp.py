@@ -14,9 +14,10 @@ rounds that alternate the systems:
   On SmolLM2 at fp32, transformers' ``generate`` runs in the same rounds.
 - prefill: a 512-token prompt (astrai: its time to first token; ``llama-bench -p 512 -n 0``).
 - depth (``--depths 512,2048,...``): single-stream decode with that many tokens already in the
-  cache (``llama-bench -d``), both KV caches ``--kv-cache-dtype`` wide (llama.cpp's default F16
-  otherwise: fp32 rows pass ``-ctk f32 -ctv f32``); the bound beside each counts the KV bytes a
-  step reads besides the weights'.
+  cache (``llama-bench -d``), both KV caches ``--kv-cache-dtype`` wide (llama.cpp's default is
+  F16; the llama-bench of llama-cpp-python 0.3.36 refuses ``-ctk f32``, so like-for-like rows
+  compare 16-bit caches); the bound beside each counts the KV bytes a step reads besides the
+  weights'.
 - server (SmolLM2): 64 streamed requests of mixed lengths sent at once to
   ``llama-server -np 16`` and to ``astrai serve --max-batch-size 16``: output tokens/s and
   time to first token (p50, p95).
