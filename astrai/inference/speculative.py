@@ -85,7 +85,7 @@ class PromptLookup:
     """Drafts by prompt lookup: the tokens that followed the latest earlier occurrence of the
     context's last ``max_n`` (down to ``min_n``) tokens, in the prompt or the output so far."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int = 3, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
