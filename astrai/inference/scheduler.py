@@ -15,11 +15,17 @@ streamed token, and a request arriving meanwhile, wait that long at most whateve
 model's size. Runs never pass max_tokens or the context limit, and the tokens after a stop
 string are the only ones computed and thrown away.
 
+With speculative decoding (``speculative``, astrai/inference/speculative.py) a decode step
+whose tasks have drafted tokens becomes a verify step: each task feeds its last token and
+its drafts, and keeps the tokens the acceptance rules give (1 to drafts + 1). A task that
+may draft takes single steps rather than runs of greedy steps, so that no match is passed by.
+
 When decoding needs a page and none is left, the newest running task is preempted:
 its pages are released (full ones stay in the prefix cache) and it goes back to the
 front of the queue to be recomputed from prompt + output later. Results are
 unchanged by preemption; only time is lost. Bookkeeping happens under one lock; the
-forward runs outside it so ``add_task``/``remove_task`` never wait for the model.
+forward runs outside it so ``add_task``/``remove_task`` never wait for the model (drafts are
+made while planning, under the lock: a draft model's or head's few milliseconds do delay them).
 """
 
 from __future__ import annotations
