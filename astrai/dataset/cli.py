@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from astrai.dataset.preprocess import PreprocessOptions, run_preprocess
+
 
 def run(args: argparse.Namespace) -> int:
-    from astrai.dataset.preprocess import PreprocessOptions, run_preprocess
-
     opts = PreprocessOptions(
         inputs=args.inputs, output=args.output, tokenizer=args.tokenizer, train_type=args.train_type,
         format=args.format, packing=args.packing, seq_len=args.seq_len, position_ids=args.position_ids,

@@ -22,6 +22,7 @@ from astrai.dataset.records import RecordEncoder, RecordError, parse_line
 from astrai.dataset.writer import ShardWriter
 from astrai.errors import DataError
 from astrai.progress import Phase
+from astrai.tokenize import AutoTokenizer
 
 TRAIN_TYPES = ("seq", "sft", "dpo", "grpo")
 
@@ -111,8 +112,6 @@ _WORKER: RecordEncoder | None = None
 def _init_worker(tokenizer_path: str, train_type: str) -> None:
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from astrai.tokenize import AutoTokenizer
-
     _WORKER = RecordEncoder(AutoTokenizer.from_pretrained(tokenizer_path), train_type)
 
 
@@ -135,8 +134,6 @@ def encode_batch(batch: list[tuple[str, int, str]], encoder: RecordEncoder | Non
 
 def run_preprocess(opts: PreprocessOptions) -> dict:
     """Run the whole pipeline; returns the summary (also stored in meta.json)."""
-    from astrai.tokenize import AutoTokenizer
-
     opts.validate()
     tokenizer = AutoTokenizer.from_pretrained(opts.tokenizer)
     opts.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0

@@ -29,7 +29,10 @@ from astrai.inference.handle import RequestHandle
 from astrai.inference.head_drafter import HeadDrafter
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.types import GenerationRequest, SamplingParams, StreamEvent
+from astrai.model import AutoModel
 from astrai.model.draft_head import is_draft_head, load_draft_head
+from astrai.model.quantized import cast_linear_weights, format_bits, quantize_model
+from astrai.tokenize import AutoTokenizer
 
 PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 SETTING_NAMES = frozenset(inspect.signature(InferenceScheduler).parameters) - {"model", "tokenizer"}
@@ -68,8 +71,6 @@ class InferenceEngine:
         (loaded with the same ``dtype`` and ``quantize``), or a draft head trained for this model
         (``astrai train --train_type draft_head``).
         """
-        from astrai.tokenize import AutoTokenizer
-
         model = load_model(model_dir, dtype, device, quantize)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         limits.setdefault("default_params", _read_generation_config(Path(model_dir)))
@@ -236,9 +237,6 @@ def _read_generation_config(directory: Path) -> SamplingParams:
 def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str | torch.device,
                quantize: Optional[str] = None):
     """The model of ``model_dir``, quantized to ``quantize`` from its float32 weights when asked."""
-    from astrai.model import AutoModel
-    from astrai.model.quantized import cast_linear_weights, format_bits, quantize_model
-
     if quantize is None:
         if _linear_weights_only(dtype, device):
             return cast_linear_weights(AutoModel.from_pretrained(model_dir, device=device), dtype)

@@ -6,8 +6,17 @@ import argparse
 import shutil
 from pathlib import Path
 
+import torch
+
 from astrai.config import preset
+from astrai.errors import ConfigError
+from astrai.model import AutoModel
+from astrai.model.calibration import CALIBRATION_TOKENS, calibrate, calibration_windows
+from astrai.model.gguf import is_gguf, load_gguf_model
+from astrai.model.quantized import dequantize_model, quantization_targets, quantize_model
+from astrai.model.weight_files import weight_bytes
 from astrai.progress import Phase
+from astrai.tokenize import AutoTokenizer
 
 # Files beside the weights that belong to the model directory and travel with a conversion.
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -26,11 +35,7 @@ def _copy_companions(source: str, destination: str) -> list[str]:
 
 def _save_with_tokenizer(model, source: str, out: str) -> str:
     """Write ``model`` to ``out`` with its tokenizer: a GGUF's from its metadata, a directory's copied."""
-    from astrai.model.gguf import is_gguf
-
     if is_gguf(source):
-        from astrai.tokenize import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(source)  # first: an unsupported tokenizer stops before any write
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
@@ -42,10 +47,6 @@ def _save_with_tokenizer(model, source: str, out: str) -> str:
 
 def _calibration(model, args: argparse.Namespace):
     """(importance or None, a note for the summary line) for ``astrai model quantize``."""
-    from astrai.errors import ConfigError
-    from astrai.model.calibration import CALIBRATION_TOKENS, calibrate, calibration_windows
-    from astrai.tokenize import AutoTokenizer
-
     choice = args.calibration
     if args.to != "int4":
         if choice not in (None, "none"):
@@ -67,16 +68,11 @@ def _calibration(model, args: argparse.Namespace):
 
 def _size(model, out: str) -> str:
     """The summary's sizes: logical parameters (the same at every precision) and the weights' bytes on disk."""
-    from astrai.model.weight_files import weight_bytes
-
     return f"{model.num_parameters():,} parameters, {weight_bytes(out) / 1e6:,.1f} MB of weights"
 
 
 def _open(path: str, keep_quantized: bool = False):
     """The model at ``path`` (a directory or a GGUF file), read as one phase of progress."""
-    from astrai.model import AutoModel
-    from astrai.model.gguf import is_gguf, load_gguf_model
-
     if not is_gguf(path):
         with Phase(f"read {path}"):
             return AutoModel.from_pretrained(path)
@@ -85,8 +81,6 @@ def _open(path: str, keep_quantized: bool = False):
 
 
 def _quantize(args: argparse.Namespace) -> None:
-    from astrai.model.quantized import dequantize_model, quantization_targets, quantize_model
-
     model = _open(args.path, keep_quantized=True)
     source = model.quantization["format"] if getattr(model, "quantization", None) else None
     if source:
@@ -101,12 +95,6 @@ def _quantize(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from astrai.model import AutoModel
-    from astrai.model.weight_files import weight_bytes
-    from astrai.model.gguf import is_gguf
-
     if args.action == "create":
         torch.manual_seed(args.seed)
         overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}

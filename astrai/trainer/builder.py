@@ -15,12 +15,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from astrai.config import TrainConfig, preset
+from astrai.config import ModelConfig, TrainConfig, preset
 from astrai.errors import ConfigError, DataError
+from astrai.model import AutoModel, DecoderBlock
 from astrai.model.quantized import QuantizedLinear
 from astrai.parallel import get_current_device, get_rank, get_world_size, wrap_model
 from astrai.parallel.wrap import load_full_model_state
 from astrai.serialization import Checkpoint
+from astrai.tokenize import AutoTokenizer
 from astrai.trainer.context import TrainContext
 from astrai.trainer.data import make_loader, make_train_loader, resolve_data
 from astrai.trainer.lr_schedules import SchedulerFactory, scheduler_kwargs
@@ -49,15 +51,11 @@ def resolve_autocast(config: TrainConfig, device: torch.device) -> Optional[torc
 
 
 def load_model(config: TrainConfig) -> nn.Module:
-    from astrai.model import AutoModel
-
     if config.param_path is not None:
         root = Path(config.param_path)
         has_weights = (root / "model.safetensors").is_file() or (root / "model.safetensors.index.json").is_file()
         if has_weights:
             return AutoModel.from_pretrained(root)
-        from astrai.config import ModelConfig
-
         model_config = ModelConfig.load(root / "config.json")
         for key, value in config.model_overrides.items():
             setattr(model_config, key, value)
@@ -71,8 +69,6 @@ def load_tokenizer(config: TrainConfig) -> Any:
         path = config.param_path
     if path is None:
         return None
-    from astrai.tokenize import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -159,8 +155,6 @@ class TrainContextBuilder:
         model.train()
         if config.compile:
             model = torch.compile(model)
-        from astrai.model import DecoderBlock
-
         model = wrap_model(model, config.parallel_mode, device, shard_modules=(DecoderBlock,))
         optimizer = build_optimizer(model, config)
         loader, sampler = make_train_loader(data, config, rank, world)

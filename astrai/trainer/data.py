@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
+from astrai.dataset import DatasetFactory
 from astrai.dataset.datasets import IGNORE_INDEX
 from astrai.errors import DataError
 from astrai.trainer.mixture import MixtureSampler
@@ -32,8 +33,6 @@ def dataset_type(config) -> str:
 
 def load_dataset(config, path: str, kind: Optional[str] = None) -> Dataset:
     """The preprocessed directory ``path`` as a dataset of type ``kind`` (default: the run's)."""
-    from astrai.dataset import DatasetFactory
-
     dataset = DatasetFactory.load(kind or dataset_type(config), path, config.window_size, config.stride)
     if len(dataset) == 0:
         raise DataError(f"{path}: no training samples of window {config.window_size} (data too small?)")
