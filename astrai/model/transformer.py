@@ -134,9 +134,7 @@ class Transformer(AutoModel):
         elif target_ids is None:
             out = {"logits": self.lm_head(x), "hidden_states": x}
         elif isinstance(self.lm_head, Linear) and self.lm_head.bias is None:
-            # a head that brings its own matrix product (a training opt-in) lends it to the loss
-            loss = linear_cross_entropy(x, self.lm_head.weight, target_ids, IGNORE_INDEX, label_smoothing,
-                                        product=getattr(self.lm_head, "product", None))
+            loss = linear_cross_entropy(x, self.lm_head.weight, target_ids, IGNORE_INDEX, label_smoothing)
             out = {"loss": loss, "hidden_states": x}
         else:  # a wrapped head (LoRA, tensor parallel): its own forward, then the plain loss
             logits = self.lm_head(x).flatten(0, 1).float()

@@ -51,12 +51,38 @@ def test_all_ignored_gives_nan_like_cross_entropy():
     assert torch.isnan(reference(hidden, weight, targets)) and torch.isnan(lce.linear_cross_entropy(hidden, weight, targets))
 
 
+def test_the_projection_follows_autocast_unless_the_installed_matmuls_say_it_does_not_pay():
+    asked = []
+    no_bf16 = lce.HeadMatmuls(low_precision_pays=lambda device, dtype: asked.append((device, dtype)) or False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lce.projection_dtype("cpu", torch.float32) == torch.bfloat16
+        with lce.head_matmuls(no_bf16):
+            assert lce.projection_dtype("cpu", torch.float32) == torch.float32
+        assert lce.projection_dtype("cpu", torch.float32) == torch.bfloat16  # given back on leaving
+    with lce.head_matmuls(no_bf16):
+        assert lce.projection_dtype("cpu", torch.float32) == torch.float32  # no autocast: not asked
+    assert asked == [("cpu", torch.bfloat16)]
+
+
+def test_an_installed_product_takes_the_fp32_products():
+    calls = []
+    matmuls = lce.HeadMatmuls(product=lambda a, b: calls.append(a.shape) or a @ b.t())
+    hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 10, (12,))
+    with lce.head_matmuls(matmuls):
+        got = lce.linear_cross_entropy(hidden, weight, targets)
+    assert calls and got.item() == pytest.approx(reference(hidden, weight, targets).item(), rel=1e-6)
+    calls.clear()
+    lce.linear_cross_entropy(hidden, weight, targets)
+    assert calls == []
+
+
 @pytest.mark.parametrize("bf16_pays", [False, True])
 def test_bf16_autocast_stays_close_to_fp32(monkeypatch, bf16_pays):
     """Where bf16 matmuls are no faster the projection stays fp32 under CPU bf16 autocast
     (then it is exact); where they are, it runs in bf16 like any autocast linear, its
     weight gradient one product per group of chunks (here 24 + 24 + 16 rows)."""
-    monkeypatch.setattr(lce, "cpu_bf16_matmul_pays", lambda: bf16_pays)
+    monkeypatch.setattr(lce, "_installed", lce.HeadMatmuls(low_precision_pays=lambda device, dtype: bf16_pays))
     monkeypatch.setattr(lce, "CHUNK_ROWS", 8)
     monkeypatch.setattr(lce, "GRADIENT_ROWS_BYTES", 40 * 2 * 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -102,15 +128,3 @@ def test_strategy_loss_through_the_model_matches_logits(train_type):
     assert fused.item() == pytest.approx(plain.item(), rel=1e-5)
     for a, b in zip(fused_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize("bf16_s, fp32_s, amx, expected", [
-    (1.0, 2.0, False, True),  # bf16 twice as fast
-    (2.0, 1.2, False, False),  # bf16 slower (CPUs without native bf16 products)
-    (1.0, 1.1, False, False),  # within the 1.25x margin: not worth the precision
-    (2.0, 1.0, True, True),  # AMX tiles: bf16 without asking
-])
-def test_bf16_projection_is_chosen_by_measuring_this_cpu(monkeypatch, bf16_s, fp32_s, amx, expected):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
-    monkeypatch.setattr(lce, "_best_matmul_seconds", lambda a, b: bf16_s if a.dtype == torch.bfloat16 else fp32_s)
-    assert lce._bf16_matmul_measured.__wrapped__() is expected

@@ -14,7 +14,8 @@ MODEL_DIR = Path(astrai.model.__file__).parent
 FAST_PATH_NAMES = ["backends", "native", "row_product", "decode_attention", "decode_step", "kernels_available",
                    "packed_weight", "pack_linears", "joint_weight", "joint_linears", "linear_group", "onednn",
                    "mkldnn", "huge_page", "hugepage", "decode_buffer", "DecodeBuffers", "FusedDecode",
-                   "fused_decode", "ctypes", "openmp", "mallopt", "greedy_run", "ServingLinear", "C kernel"]
+                   "fused_decode", "ctypes", "openmp", "mallopt", "greedy_run", "ServingLinear", "C kernel",
+                   "amx", "perf_counter", "matmul_pays"]
 
 
 def test_no_fast_path_name_appears_under_astrai_model():

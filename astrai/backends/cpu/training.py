@@ -14,7 +14,12 @@ records (the environment variable still overrides both).
 
 The trainer opts in with ``fast_training_products(model, choice)``: for the duration of a run
 the model's plain linears become ``OneDnnLinear`` (same parameters, nothing copied), and the
-model is given back with its own classes afterwards. Autocast (bf16 on a CPU already goes
+model is given back with its own classes afterwards. The block also installs the fused
+loss's matmuls (``HeadMatmuls``, astrai/model/components/linear_cross_entropy.py): the
+vocabulary projection's fp32 products on oneDNN likewise, and, under bf16 autocast, the
+projection in bf16 only where this CPU's bf16 matmul is clearly faster
+(``cpu_bf16_matmul_pays``): some CPUs with bf16 instructions multiply bf16 matrices slower
+than fp32 ones. Autocast (bf16 on a CPU already goes
 to oneDNN), other devices and dtypes and tensor subclasses keep the plain product. Inside
 ``torch.compile`` the product is a custom op the compiler leaves as it is
 (``astrai::onednn_product``), and the two answers are constants, so a compiled fp32 step
@@ -36,6 +41,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from astrai.model.components.layers import Linear
+from astrai.model.components.linear_cross_entropy import HeadMatmuls, head_matmuls
 
 
 def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -86,16 +92,21 @@ class OneDnnProduct(torch.autograd.Function):
 
 
 class OneDnnLinear(Linear):
-    """A linear whose fp32 CPU products with autograd take ``OneDnnProduct``; as the model's
-    head it also lends oneDNN's product to the fused cross-entropy (``product``)."""
+    """A linear whose fp32 CPU products with autograd take ``OneDnnProduct``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return training_linear(x, self.weight, self.bias)
 
-    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a @ bᵀ`` (linear_cross_entropy's ``product``): through oneDNN where it applies."""
-        fits = _plain_fp32(a) and _plain_fp32(b) and not torch.is_autocast_enabled("cpu") and onednn_fp32_pays()
-        return onednn_product(a, b) if fits else a @ b.t()
+
+def head_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ bᵀ`` for the fused loss's fp32 products (``HeadMatmuls.product``): through oneDNN where it applies."""
+    fits = _plain_fp32(a) and _plain_fp32(b) and not torch.is_autocast_enabled("cpu") and onednn_fp32_pays()
+    return onednn_product(a, b) if fits else a @ b.t()
+
+
+def low_precision_pays(device_type: str, dtype: torch.dtype) -> bool:
+    """``HeadMatmuls.low_precision_pays``: a bf16 projection on this CPU only where it is faster."""
+    return device_type != "cpu" or dtype != torch.bfloat16 or cpu_bf16_matmul_pays()
 
 
 def training_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -109,19 +120,23 @@ def training_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 def fast_training_products(model: nn.Module, choice: Optional[dict] = None) -> Iterator[int]:
     """Within the block, ``model``'s plain fp32 CPU linears run their products on oneDNN
     where ``choice`` (``agree_on_products``' answer; asked here when not given) says so, and
-    every product follows that choice (yields how many linears were switched; 0 elsewhere).
-    Their parameters stay the same objects; the classes are restored on leaving."""
+    every product follows that choice (yields how many linears were switched; 0 elsewhere);
+    the fused loss's matmuls follow it too (``HeadMatmuls``). Their parameters stay the same
+    objects; the classes are restored on leaving."""
     global _run_choice
     choice = choice if choice is not None else agree_on_products(model)
     swapped = []
-    if choice is not None and choice["forward"]:
+    forward = choice is not None and choice["forward"]
+    if forward:
         for module in model.modules():
             if type(module) in (Linear, nn.Linear):
                 swapped.append((module, type(module)))
                 module.__class__ = OneDnnLinear
     outer, _run_choice = _run_choice, choice if choice is not None else _run_choice
+    matmuls = HeadMatmuls(product=head_product if forward else None, low_precision_pays=low_precision_pays)
     try:
-        yield len(swapped)
+        with head_matmuls(matmuls):
+            yield len(swapped)
     finally:
         _run_choice = outer
         for module, cls in swapped:
@@ -248,3 +263,28 @@ def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+@torch.compiler.assume_constant_result
+def cpu_bf16_matmul_pays() -> bool:
+    """True with AMX tiles, else when a bf16 matmul of 512² runs clearly (1.25x) faster than
+    the fp32 one here: best of five each after a warm-up, some 20 ms once per process.
+    Marked constant for ``torch.compile``, which then takes the answer as the eager model
+    does instead of tracing the measurement."""
+    return _bf16_matmul_measured()
+
+
+@functools.cache
+def _bf16_matmul_measured() -> bool:
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if check is not None and check():
+        return True
+    a = torch.randn(512, 512)
+    b = torch.randn(512, 512)
+    return _best_matmul_seconds(a.bfloat16(), b.bfloat16()) * 1.25 < _best_matmul_seconds(a, b)
+
+
+def _best_matmul_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int = 5) -> float:
+    with torch.autocast("cpu", enabled=False):
+        a @ b
+        return min(_seconds(lambda: a @ b) for _ in range(repeats))

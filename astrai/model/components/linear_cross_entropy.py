@@ -13,8 +13,9 @@ the vocabulary as the product's long side the CPU BLAS runs it faster, and the t
 gradient products then take the transposed chunk as it lies.
 
 The products run on ``torch.mm`` unless the caller passes ``product`` (a function giving
-``a @ bᵀ``, such as a faster product a training head may bring): then the forward
-product and the weight gradient take it, the latter as one product per group of chunks.
+``a @ bᵀ``), or a device backend installed one for a training run (``head_matmuls``: the
+CPU's faster fp32 product): then the forward product and the weight gradient take it, the latter
+as one product per group of chunks.
 In bf16 the weight gradient is grouped the same way, because it has to end in fp32: a
 bf16 product per chunk added into the fp32 gradient would cost a widening pass and a
 weight-sized temporary each time.
@@ -22,9 +23,9 @@ weight-sized temporary each time.
 
 from __future__ import annotations
 
-import functools
-import time
-from typing import Callable, Optional
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -161,6 +162,32 @@ class HeadProducts:
         out.add_(product) if accumulate else out.copy_(product)
 
 
+@dataclass(frozen=True)
+class HeadMatmuls:
+    """How the fused loss multiplies where a device backend knows better than the defaults, for
+    the block it installs them in (``head_matmuls``; the CPU backend's training products do):
+    ``product(a, b)`` = ``a @ bᵀ`` replaces ``torch.mm`` for the fp32 products, and
+    ``low_precision_pays(device_type, dtype)`` says whether the projection should take
+    autocast's ``dtype`` (else it stays in the weights' dtype)."""
+
+    product: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    low_precision_pays: Optional[Callable[[str, torch.dtype], bool]] = None
+
+
+_installed = HeadMatmuls()  # the defaults: torch.mm, and autocast's dtype wherever autocast is on
+
+
+@contextlib.contextmanager
+def head_matmuls(matmuls: HeadMatmuls) -> Iterator[None]:
+    """Within the block, every fused loss multiplies as ``matmuls`` says."""
+    global _installed
+    outer, _installed = _installed, matmuls
+    try:
+        yield
+    finally:
+        _installed = outer
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
                          product: Optional[Callable] = None) -> torch.Tensor:
@@ -168,58 +195,24 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
     ``hidden`` [..., D] and ``targets`` [...] are flattened. The projections run in
     ``projection_dtype``; softmax and the loss are always fp32. ``product(a, b)`` = ``a @ bᵀ``
-    replaces ``torch.mm`` for the fp32 products (see the module's docstring).
+    replaces ``torch.mm`` for the fp32 products (see the module's docstring); without it,
+    the installed ``HeadMatmuls``' product does, if any.
     """
     compute_dtype = projection_dtype(hidden.device.type, weight.dtype)
+    product = product if product is not None else _installed.product
     with torch.autocast(hidden.device.type, enabled=False):
         return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
                                         ignore_index, float(label_smoothing), compute_dtype, product)
 
 
 def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the vocabulary projection: the autocast dtype where autocast is on,
-    except bf16 autocast on a CPU that multiplies bf16 matrices no faster than fp32 ones,
-    where it stays in the weights' fp32.
-
-    CPUs differ here, and not by their flags: some with bf16 instructions multiply bf16
-    matrices slower than fp32 ones. There this largest matmul of a small model would lose
-    time, the precision of the logits the softmax over the whole vocabulary is most
-    sensitive to, and a recast of the (tied) embedding every step. So the CPU is asked
-    once per process (``cpu_bf16_matmul_pays``). The rest of the model follows autocast.
-    """
+    """The dtype of the vocabulary projection: the autocast dtype where autocast is on, unless
+    the installed ``HeadMatmuls`` says a product in that dtype does not pay on this device
+    (the CPU backend's, for a CPU whose bf16 matmuls are no faster than its fp32 ones: there
+    the largest matmul of a small model would lose time and the precision of the logits).
+    The rest of the model follows autocast."""
     if not torch.is_autocast_enabled(device_type):
         return weight_dtype
     dtype = torch.get_autocast_dtype(device_type)
-    if device_type == "cpu" and dtype == torch.bfloat16 and not cpu_bf16_matmul_pays():
-        return weight_dtype
-    return dtype
-
-
-@torch.compiler.assume_constant_result
-def cpu_bf16_matmul_pays() -> bool:
-    """True with AMX tiles, else when a bf16 matmul of 512² runs clearly (1.25x) faster than
-    the fp32 one here: best of five each after a warm-up, some 20 ms once per process.
-    Marked constant for ``torch.compile``, which then takes the answer as the eager model
-    does instead of tracing the measurement."""
-    return _bf16_matmul_measured()
-
-
-@functools.cache
-def _bf16_matmul_measured() -> bool:
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if check is not None and check():
-        return True
-    a = torch.randn(512, 512)
-    b = torch.randn(512, 512)
-    return _best_matmul_seconds(a.bfloat16(), b.bfloat16()) * 1.25 < _best_matmul_seconds(a, b)
-
-
-def _best_matmul_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int = 5) -> float:
-    with torch.autocast("cpu", enabled=False):
-        a @ b
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-    return best
+    pays = _installed.low_precision_pays
+    return dtype if pays is None or pays(device_type, dtype) else weight_dtype

@@ -1,6 +1,7 @@
 """fp32 training products through oneDNN (astrai/backends/cpu/training.py): same values and
 gradients as ``F.linear``, taken only where they should be, chosen by measuring this CPU, and
-switched on for a model only within ``fast_training_products``."""
+switched on for a model only within ``fast_training_products``, which also installs the fused
+loss's matmuls (oneDNN's product for the head, a bf16 projection only where this CPU's pays)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from astrai.config import preset
 from astrai.model import AutoModel
 from astrai.backends.cpu import training as onednn_linear
 from astrai.backends.cpu.training import OneDnnLinear, fast_training_products, training_linear
+from astrai.model.components import linear_cross_entropy as lce
 from astrai.model.components.layers import Linear
 
 pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
@@ -204,3 +206,33 @@ def test_opting_out_where_onednn_does_not_pay_switches_nothing(monkeypatch):
     model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=1, dim_ffn=128, max_len=64))
     with fast_training_products(model) as switched:
         assert switched == 0 and type(model.lm_head) is Linear
+
+
+@pytest.mark.parametrize("bf16_pays", [False, True])
+def test_the_run_keeps_the_projection_in_fp32_where_bf16_does_not_pay(monkeypatch, bf16_pays):
+    """Within the block the fused loss asks this CPU whether a bf16 projection pays, and takes
+    oneDNN's product only where the linears switched; outside it, autocast's bf16 and torch.mm."""
+    monkeypatch.setattr(onednn_linear, "cpu_bf16_matmul_pays", lambda: bf16_pays)
+    monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
+    model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=1, dim_ffn=128, max_len=64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with fast_training_products(model, {"forward": False, "weight_grad": False}):
+            assert lce.projection_dtype("cpu", torch.float32) == (torch.bfloat16 if bf16_pays else torch.float32)
+            assert lce._installed.product is None
+        assert lce.projection_dtype("cpu", torch.float32) == torch.bfloat16
+    with fast_training_products(model, {"forward": True, "weight_grad": False}):
+        assert lce._installed.product is onednn_linear.head_product
+    assert lce._installed == lce.HeadMatmuls()
+
+
+@pytest.mark.parametrize("bf16_s, fp32_s, amx, expected", [
+    (1.0, 2.0, False, True),  # bf16 twice as fast
+    (2.0, 1.2, False, False),  # bf16 slower (CPUs without native bf16 products)
+    (1.0, 1.1, False, False),  # within the 1.25x margin: not worth the precision
+    (2.0, 1.0, True, True),  # AMX tiles: bf16 without asking
+])
+def test_bf16_projection_is_chosen_by_measuring_this_cpu(monkeypatch, bf16_s, fp32_s, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(onednn_linear, "_best_matmul_seconds",
+                        lambda a, b: bf16_s if a.dtype == torch.bfloat16 else fp32_s)
+    assert onednn_linear._bf16_matmul_measured.__wrapped__() is expected
