@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYOUT_DOCS = ("README.md", "docs/architecture.md")
 SOURCE_PATH = re.compile(r"(?<![\w/.~$])astrai/[\w/.]*\w")
 
-_NOT_YET_MOVED = "nothing heavy deferred: the module loads this already; to move to the module's top"
+# deferring buys nothing here: the package has loaded it already, or every call of the function needs it
+_NOT_YET_MOVED = "nothing deferred that the call does not load anyway: to move to the module's top"
 # Every astrai import written inside a function, "file function -> module": why it waits for the call.
 DEFERRED_IMPORTS = {
     "astrai/cli.py prepare_process -> astrai.parallel.setup":
