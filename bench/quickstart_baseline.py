@@ -2,14 +2,14 @@
 
 The baseline is a plain, carefully set up PyTorch loop over a ``transformers``
 ``LlamaForCausalLM`` of the same shape as astrai's model (the quick start's preset, same
-vocabulary): the same tokenizer and text, windows of the same length, AdamW
-(betas 0.9/0.95, weight decay 0.1), linear warm-up then cosine decay sized from a timed
+vocabulary): the same tokenizer and text (with the worked problems at the same share),
+windows of the same length, AdamW (betas 0.9/0.95, weight decay 0.1), linear warm-up then cosine decay sized from a timed
 probe, gradient clipping at 1.0, and bf16 autocast when a probe shows it is faster than
 fp32. astrai's side is the quick start's own pre-training stage (``Quickstart.train_config``:
 its preset, learning rate, schedule, window and batch), sized from its throughput probe
 as in a real run. Each side gets ``--minutes`` of training wall-clock; then both are
 scored on the same held-out documents in bits per byte (the same likelihood code for
-both, so the numbers compare exactly). The target is astrai ≤ 0.9 × the baseline.
+both, so the numbers compare exactly). The target is astrai ≤ 0.85 × the baseline.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/quickstart_baseline.py --minutes 5
 
@@ -30,7 +30,7 @@ import torch
 
 from results_file import write_result  # bench/ is on sys.path when a script runs
 
-TARGET_RATIO = 0.9
+TARGET_RATIO = 0.85
 
 
 # --- the data, as a user would prepare it ------------------------------------------------
@@ -60,7 +60,10 @@ class HFForEval(torch.nn.Module):
 
 # --- the baseline loop ------------------------------------------------------------------
 class Baseline:
-    def __init__(self, model_config, rows: torch.Tensor, batch: int, lr: float, seed: int):
+    """``sources``: (rows, rate) pairs; each batch row comes from a source picked by its rate
+    (the quick start's pre-training mixes its text and the worked problems so)."""
+
+    def __init__(self, model_config, sources: list[tuple[torch.Tensor, float]], batch: int, lr: float, seed: int):
         import transformers
 
         llama = transformers.LlamaConfig(
@@ -75,16 +78,15 @@ class Baseline:
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
-        self.rows, self.batch, self.lr = rows, batch, lr
-        self.order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-        self.cursor, self.bf16 = 0, False
+        self.sources, self.batch, self.lr = [rows for rows, _ in sources], batch, lr
+        self.rates = torch.tensor([rate for _, rate in sources], dtype=torch.float64)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.bf16 = False
 
     def next_batch(self) -> torch.Tensor:
-        if self.cursor + self.batch > len(self.order):
-            self.order, self.cursor = torch.randperm(len(self.rows)), 0
-        index = self.order[self.cursor:self.cursor + self.batch]
-        self.cursor += self.batch
-        return self.rows[index]
+        picks = torch.multinomial(self.rates, self.batch, replacement=True, generator=self.generator)
+        rows = [self.sources[i][torch.randint(len(self.sources[i]), (1,), generator=self.generator)] for i in picks]
+        return torch.cat(rows)
 
     def step(self) -> float:
         rows = self.next_batch()
@@ -111,7 +113,6 @@ class Baseline:
             timings["bf16" if bf16 else "fp32"] = (time.perf_counter() - start) / steps
         self.model.load_state_dict(state)
         self.optimizer.state.clear()
-        self.cursor = 0
         self.bf16 = timings["bf16"] < timings["fp32"]
         return timings
 
@@ -135,7 +136,7 @@ class Baseline:
             schedule.step()
             steps += 1
         elapsed = time.perf_counter() - start
-        tokens = steps * self.batch * (self.rows.shape[1] - 1)
+        tokens = steps * self.batch * (self.sources[0].shape[1] - 1)
         return {"steps": steps, "planned_steps": total, "tokens": tokens, "seconds": elapsed,
                 "tokens_per_s": tokens / elapsed, "final_loss": loss, "precision": "bf16" if self.bf16 else "fp32",
                 "probe_seconds_per_step": timings, "lr": self.lr}
@@ -204,8 +205,12 @@ def main() -> int:
         del model
 
         print(f"baseline: transformers LlamaForCausalLM for {args.minutes:g} min", flush=True)
-        rows = token_windows(qs.tokenizer, qs.corpus["train"], settings.window_size)
-        baseline_side = Baseline(model_config, rows, settings.batch_size, args.baseline_lr, args.seed)
+        sources = [(token_windows(qs.tokenizer, qs.corpus["train"], settings.window_size), 1.0)]
+        mixture = qs.pretrain_data().get("datasets")
+        if mixture:  # the worked problems beside the text, at the quick start's share
+            problems = token_windows(qs.tokenizer, [str(qs.arithmetic_text())], settings.window_size)
+            sources = [(sources[0][0], mixture[0]["rate"]), (problems, mixture[1]["rate"])]
+        baseline_side = Baseline(model_config, sources, settings.batch_size, args.baseline_lr, args.seed)
         baseline = baseline_side.train(seconds)
         baseline["parameters"] = sum(p.numel() for p in baseline_side.model.parameters())
         baseline["bits_per_byte"] = heldout_bits(HFForEval(baseline_side.model, model_config.max_len), qs.tokenizer,

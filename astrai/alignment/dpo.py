@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from astrai.alignment.losses import (REDUCTIONS, dpo_loss, response_sums, sequence_logprobs,
+from astrai.alignment.losses import (REDUCTIONS, dpo_loss, reduce, response_sums, sequence_logprobs,
                                      shifted_logprobs_and_aux)
 from astrai.alignment.preference import check_preference_batch, stack_attention, stack_pairs
 from astrai.alignment.reference import ReferenceModel
@@ -24,17 +24,24 @@ class DPOStrategy(BaseStrategy):
     policy's balancing loss is added. The reference is ``ref_model`` if given, else the checkpoint at
     ``ref_path``, else (with LoRA) the base with adapters off, else a frozen snapshot
     of the starting weights.
+
+    ``rpo_alpha`` > 0 adds α times the chosen answers' negative log-likelihood per token
+    (RPO, Pang et al. 2024, TRL's ``rpo_alpha``): DPO alone only widens the gap between the
+    two answers, and where they differ in a token or two (a right and a slipped working) it
+    lowers both, wearing away the answers SFT taught; the NLL term holds the chosen ones up.
     """
 
     def __init__(self, model: nn.Module, device: str | torch.device = "cpu", beta: float = 0.1,
                  reduction: str = "mean", ref_model: Optional[nn.Module] = None, ref_path: Optional[str] = None,
-                 **kwargs: Any):
+                 rpo_alpha: float = 0.0, **kwargs: Any):
         super().__init__(model, device, **kwargs)
         if not beta > 0:
             raise ConfigError(f"beta must be > 0 for DPO, got {beta!r}")
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-        self.beta, self.reduction = float(beta), reduction
+        if not rpo_alpha >= 0:
+            raise ConfigError(f"rpo_alpha must be >= 0 (the weight of the chosen answers' NLL), got {rpo_alpha!r}")
+        self.beta, self.reduction, self.rpo_alpha = float(beta), reduction, float(rpo_alpha)
         self.reference = ReferenceModel(model, ref_model, ref_path)
 
     @property
@@ -53,6 +60,11 @@ class DPOStrategy(BaseStrategy):
             reference = sequence_logprobs(ref, ids, mask, attention)
         loss, metrics = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.beta, self.reduction)
         self.metrics = {"dpo_loss": loss.detach(), **metrics}
+        if self.rpo_alpha:
+            chosen_tokens = mask[:n, 1:].sum(dim=1).clamp(min=1)
+            nll = reduce(-policy[:n] / chosen_tokens, self.reduction)
+            loss = loss + self.rpo_alpha * nll
+            self.metrics["chosen_nll"] = nll.detach()
         return self.add_aux_loss(loss, {"aux_loss": aux})
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,7 +14,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from astrai.eval.intervals import mean_interval
+
 STAGE_TITLES = {"pretrain": "pre-training", "sft": "SFT", "dpo": "DPO", "grpo": "GRPO"}
+# Stages judged also by held-out preference accuracy, the metric their training optimises.
+PREFERENCE_STAGES = ("dpo",)
 
 
 def difference_interval(before: dict, after: dict) -> tuple[float, float]:
@@ -35,12 +39,31 @@ def stage_change(before: dict, after: dict) -> dict:
         for name in ppl1 if name in ppl0}}
     task0, task1 = ev0.get("task"), ev1.get("task")
     if task0 and task1:
-        low, high = difference_interval(task0, task1)
-        change["accuracy"] = {"before": task0["accuracy"], "after": task1["accuracy"],
-                              "points": 100 * (task1["accuracy"] - task0["accuracy"]),
-                              "interval": [100 * low, 100 * high], "significant": low > 0 or high < 0}
+        change["accuracy"] = accuracy_change(task0, task1)
         change["mean_reward"] = {"before": task0["mean_reward"], "after": task1["mean_reward"]}
+    pref0, pref1 = ev0.get("preference"), ev1.get("preference")
+    if pref0 and pref1:
+        change["preference"] = {**accuracy_change(pref0, pref1), "margin": margin_change(pref0, pref1)}
     return change
+
+
+def margin_change(before: dict, after: dict) -> dict:
+    """The mean preference margin's change in nats; with both stages' per-pair margins on the same
+    pairs, the paired difference's 95% interval."""
+    change = {"before": before["mean_margin"], "after": after["mean_margin"],
+              "nats": after["mean_margin"] - before["mean_margin"]}
+    m0, m1 = before.get("margins"), after.get("margins")
+    if m0 and m1 and len(m0) == len(m1) >= 2:
+        low, high = mean_interval([b - a for a, b in zip(m0, m1)])
+        change.update(interval=[low, high], significant=low > 0 or high < 0)
+    return change
+
+
+def accuracy_change(before: dict, after: dict) -> dict:
+    """Two accuracies with Wilson intervals → the difference in points with its 95% interval."""
+    low, high = difference_interval(before, after)
+    return {"before": before["accuracy"], "after": after["accuracy"], "points": 100 * (after["accuracy"] - before["accuracy"]),
+            "interval": [100 * low, 100 * high], "significant": low > 0 or high < 0}
 
 
 def stage_changes(stages: list[dict]) -> list[dict]:
@@ -64,16 +87,26 @@ def _what_was_trained(summary: dict) -> str:
     return f"{model['base']} ({model['parameters']:,} parameters, {model['finetune']} fine-tuning) trained for {minutes:.1f} min"
 
 
+def _points(a: dict) -> str:
+    low, high = a["interval"]
+    verdict = "" if a["significant"] else ", within noise"
+    return (f"{a['before']:.3f} → {a['after']:.3f} ({a['points']:+.1f} points, "
+            f"95% interval [{low:+.1f}, {high:+.1f}]{verdict})")
+
+
 def _describe(change: dict) -> str:
     title = STAGE_TITLES.get(change["stage"], change["stage"])
     bits = [f"{name} {c['relative']:+.1%}" for name, c in change["bits_per_byte"].items()]
     parts = ["bits/byte " + ", ".join(bits)] if bits else []
     if "accuracy" in change:
-        a = change["accuracy"]
-        low, high = a["interval"]
-        verdict = "" if a["significant"] else ", within noise"
-        parts.append(f"task accuracy {a['before']:.3f} → {a['after']:.3f} ({a['points']:+.1f} points, "
-                     f"95% interval [{low:+.1f}, {high:+.1f}]{verdict})")
+        parts.append("task accuracy " + _points(change["accuracy"]))
+    if "preference" in change and change["stage"] in PREFERENCE_STAGES:
+        parts.append("held-out preference accuracy " + _points(change["preference"]))
+        margin = change["preference"]["margin"]
+        if "interval" in margin:
+            verdict = "" if margin["significant"] else ", within noise"
+            parts.append("mean preference margin {:.2f} → {:.2f} nats ({:+.2f}, 95% interval [{:+.2f}, {:+.2f}]{})".format(
+                margin["before"], margin["after"], margin["nats"], *margin["interval"], verdict))
     return f"{title} against {STAGE_TITLES.get(change['against'], change['against'])}: " + "; ".join(parts) + "."
 
 

@@ -78,6 +78,12 @@ def model_generator(model, tokenizer, max_new_tokens: int = 32, batch_size: int 
     return lambda prompts: greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size)
 
 
-def engine_generator(engine, max_new_tokens: int = 32) -> Generator:
-    """A Generator that decodes greedily through an ``InferenceEngine``."""
-    return lambda prompts: list(engine.generate(list(prompts), max_tokens=max_new_tokens, temperature=0.0))
+def engine_generator(engine, max_new_tokens: int = 32, chunk: int = 128) -> Generator:
+    """A Generator that decodes greedily through an ``InferenceEngine``, ``chunk`` prompts
+    submitted at a time: enough to keep its batch full, never more than its queue holds."""
+    def generate(prompts: Sequence[str]) -> list[str]:
+        prompts = list(prompts)
+        return [text for start in range(0, len(prompts), chunk)
+                for text in engine.generate(prompts[start:start + chunk], max_tokens=max_new_tokens, temperature=0.0)]
+
+    return generate

@@ -2,7 +2,7 @@
 
 Both are rendered from one summary dict (what the run measured) and the metrics
 JSONL each training stage wrote, so every number in the report is one the run
-produced. Loss curves are PNG files beside the report; the HTML inlines them as
+produced. Curves are PNG files beside the report; the HTML inlines them as
 base64 so the single file can be mailed or opened anywhere.
 """
 
@@ -21,10 +21,15 @@ SAMPLES_NOTE = ("Greedy answers to fixed prompts: after pre-training the prompt 
 EVAL_NOTE = ("Perplexity is per token of this run's tokenizer; bits per byte is the same likelihood per UTF-8 byte "
              "of the held-out documents, comparable across tokenizers. The task accuracy is on the arithmetic task's "
              "held-out pool (two-digit addition and subtraction asked as `23+45=`, in English and in Chinese; no "
-             "stage trains on these problems), greedy answers, exact match, with its 95% Wilson interval.")
+             "stage trains on these problems), greedy answers, with its 95% Wilson interval. An answer counts when the last "
+             "integer it states is right, so the column working before it (`3+5=8, 2+4=6, so 68`) is allowed; after "
+             "pre-training the problem is continued as plain text and the answer is the rest of its line. The "
+             "preference accuracy is the share of held-out pairs (the right working against a near miss's) whose "
+             "right answer the model finds likelier, with its 95% Wilson interval; the margin is how much likelier, "
+             "in nats of log-likelihood, averaged over the pairs.")
 CHANGES_NOTE = ("Each stage against the stage before it, not against the first: bits per byte as a relative change "
-                "(lower is better), task accuracy as a difference in points with a 95% interval (Newcombe's, from "
-                "the two Wilson intervals); an interval that holds 0 is a change within noise.")
+                "(lower is better), task and preference accuracy as differences in points with a 95% interval "
+                "(Newcombe's, from the two Wilson intervals); an interval that holds 0 is a change within noise.")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -78,6 +83,40 @@ def plot_curves(rows: list[dict], keys: list[str], title: str, path: Path) -> Op
     return path
 
 
+def plot_stage_accuracy(summary: dict, path: Path) -> Optional[Path]:
+    """One PNG: held-out task accuracy (and preference accuracy where measured) after each
+    stage, with 95% intervals as error bars: the run's story at a glance. None if no stage
+    measured an accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = [s for s in summary["stages"] if s.get("eval", {}).get("task")]
+    if not stages:
+        return None
+    names = [STAGE_TITLES.get(s["name"], s["name"]) for s in stages]
+    fig, ax = plt.subplots(figsize=(6, 3), dpi=100)
+    for key, label, shift in (("task", "held-out task accuracy", -0.1), ("preference", "held-out preference accuracy", 0.1)):
+        results = [s["eval"].get(key) for s in stages]
+        if not all(results):
+            continue
+        values = [r["accuracy"] for r in results]
+        errors = [[v - r["interval"][0] for v, r in zip(values, results)],
+                  [r["interval"][1] - v for v, r in zip(values, results)]]
+        ax.errorbar([i + shift for i in range(len(stages))], values, yerr=errors, fmt="o", capsize=4, label=label)
+    ax.set_xticks(range(len(stages)), names)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy (95% interval)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("What each stage left behind")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
 def _fmt(value, digits: int = 2) -> str:
     if value is None:
         return "–"
@@ -86,28 +125,38 @@ def _fmt(value, digits: int = 2) -> str:
     return str(value)
 
 
+def _with_interval(result: dict) -> str:
+    """An accuracy with its interval: "0.512 [0.466, 0.558]"."""
+    text = _fmt(result.get("accuracy"), 3)
+    if result.get("interval"):
+        text += " [{:.3f}, {:.3f}]".format(*result["interval"])
+    return text
+
+
 def eval_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows: one row per evaluated stage, plus the unigram baseline."""
     names = sorted({n for s in summary["stages"] for n in s.get("eval", {}).get("perplexity", {})},
                    key=lambda n: (n.startswith("corpus-"), n))  # the bundled held-out files first
     header = (["stage"] + [f"perplexity {n}" for n in names] + [f"bits/byte {n}" for n in names]
               + ["held-out task accuracy [95% interval]", "task mean reward"])
+    preference = any("preference" in s.get("eval", {}) for s in summary["stages"])
+    if preference:
+        header += ["held-out preference accuracy [95% interval]", "preference margin, nats"]
     rows = []
     for stage in summary["stages"]:
         ev = stage.get("eval", {})
         ppl = ev.get("perplexity", {})
         task = ev.get("task", {})
-        accuracy = _fmt(task.get("accuracy"), 3)
-        if task.get("interval"):
-            accuracy += " [{:.3f}, {:.3f}]".format(*task["interval"])
         rows.append([STAGE_TITLES.get(stage["name"], stage["name"])]
                     + [_fmt(ppl.get(n, {}).get("perplexity")) for n in names]
                     + [_fmt(ppl.get(n, {}).get("bits_per_byte"), 3) for n in names]
-                    + [accuracy, _fmt(task.get("mean_reward"), 3)])
+                    + [_with_interval(task), _fmt(task.get("mean_reward"), 3)]
+                    + ([_with_interval(ev.get("preference", {})), _fmt(ev.get("preference", {}).get("mean_margin"))]
+                       if preference else []))
     baseline = summary.get("unigram_perplexity", {})
     if baseline:
         rows.append(["unigram baseline (fitted on the held-out text)"] + [_fmt(baseline.get(n)) for n in names]
-                    + ["–" for _ in names] + ["–", "–"])
+                    + ["–" for _ in names] + ["–", "–"] + (["–", "–"] if preference else []))
     return header, rows
 
 
@@ -126,15 +175,30 @@ def changes_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     names = sorted({n for c in changes for n in c["bits_per_byte"]}, key=lambda n: (n.startswith("corpus-"), n))
     header = (["stage", "against"] + [f"bits/byte {n}" for n in names]
               + ["task accuracy change, points [95% interval]", "task mean reward"])
+    preference = any("preference" in c for c in changes)
+    if preference:
+        header += ["preference accuracy change, points [95% interval]", "preference margin change, nats [95% interval]"]
     rows = []
     for c in changes:
         bpb = [c["bits_per_byte"].get(n) for n in names]
-        accuracy, reward = c.get("accuracy"), c.get("mean_reward")
+        reward = c.get("mean_reward")
         rows.append([STAGE_TITLES.get(c["stage"], c["stage"]), STAGE_TITLES.get(c["against"], c["against"])]
                     + [f"{b['before']:.3f} → {b['after']:.3f} ({b['relative']:+.1%})" if b else "–" for b in bpb]
-                    + ["{:+.1f} [{:+.1f}, {:+.1f}]".format(accuracy["points"], *accuracy["interval"]) if accuracy else "–",
-                       f"{reward['before']:.3f} → {reward['after']:.3f}" if reward else "–"])
+                    + [_points(c.get("accuracy")), f"{reward['before']:.3f} → {reward['after']:.3f}" if reward else "–"]
+                    + ([_points(c.get("preference")), _nats(c.get("preference"))] if preference else []))
     return header, rows
+
+
+def _nats(preference: Optional[dict]) -> str:
+    margin = (preference or {}).get("margin")
+    if not margin:
+        return "–"
+    text = f"{margin['before']:.2f} → {margin['after']:.2f}"
+    return text + (" ({:+.2f} [{:+.2f}, {:+.2f}])".format(margin["nats"], *margin["interval"]) if "interval" in margin else "")
+
+
+def _points(change: Optional[dict]) -> str:
+    return "{:+.1f} [{:+.1f}, {:+.1f}]".format(change["points"], *change["interval"]) if change else "–"
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -184,7 +248,7 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
 
     md = ["# astrai quick start report", "", story, "", intro, "", "## Training", "", _md_table(train_h, train_rows), "",
           rerun, "", "## Evaluation", "", _md_table(eval_h, eval_rows), "", eval_note, "",
-          "## What each stage changed", "", CHANGES_NOTE, "", _md_table(change_h, change_rows), "", "## Loss curves", ""]
+          "## What each stage changed", "", CHANGES_NOTE, "", _md_table(change_h, change_rows), "", "## Curves", ""]
     md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix() if p.is_relative_to(out_dir) else p})" for p in plots]
     md += ["", "## Sample generations", "", samples_note, "", _md_table(["stage", "prompt", "answer"],
                                                        [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
@@ -212,7 +276,7 @@ figure {{ display: inline-block; margin: .5rem; }} td {{ white-space: pre-wrap; 
 <h2>Evaluation</h2>{_html_table(eval_h, eval_rows)}
 <p>{html.escape(eval_note.replace('`', ''))}</p>
 <h2>What each stage changed</h2><p>{html.escape(CHANGES_NOTE)}</p>{_html_table(change_h, change_rows)}
-<h2>Loss curves</h2>{images}
+<h2>Curves</h2>{images}
 <h2>Sample generations</h2><p>{html.escape(samples_note)}</p>{_html_table(["stage", "prompt", "answer"], sample_rows)}
 <h2>Use the model</h2><pre>{html.escape(chr(10).join(commands[k] for k in ("serve", "chat", "eval")))}</pre>
 </body></html>

@@ -43,11 +43,20 @@ def task_accuracy(generator: Generator, tokenizer, problems: Sequence, prompt_of
     }
 
 
-def arithmetic_task(n: int | None = None) -> tuple[list[dict], Callable, Callable]:
+def arithmetic_task(n: int | None = None, plain_text: bool = False) -> tuple[list[dict], Callable, Callable]:
     """The arithmetic task's held-out pool (or its first ``n`` problems) as
     ``(problems, prompt_of, check)`` for ``evaluate``: problems no run trains on, the same
     in every run (``astrai.dataset.arithmetic.heldout_problems``). A wrong integer earns
-    FORMAT_CREDIT towards the mean reward, never towards the accuracy."""
+    FORMAT_CREDIT towards the mean reward, never towards the accuracy. ``plain_text``: for a
+    model that continues text rather than answering a chat turn, the answer is the rest of
+    the prompt's line (what follows belongs to the next line it invents)."""
     from astrai.dataset.arithmetic import check_answer, heldout_problems
 
-    return heldout_problems(n), (lambda p: p["prompt"]), partial(check_answer, format_reward=FORMAT_CREDIT)
+    check = partial(check_answer, format_reward=FORMAT_CREDIT)
+    if plain_text:
+        check = partial(_first_line, check)
+    return heldout_problems(n), (lambda p: p["prompt"]), check
+
+
+def _first_line(check: Callable[[object, str], float], problem, text: str) -> float:
+    return check(problem, text.split("\n", 1)[0])

@@ -35,7 +35,7 @@ from astrai.alignment.lora_callback import LoraSaveCallback
 from astrai.alignment.rewards import OPS, PROBLEM_RE
 from astrai.alignment.run import prepare_model
 from astrai.config import TrainConfig
-from astrai.dataset.arithmetic import heldout_problems, preference_pair
+from astrai.dataset.arithmetic import check_answer, heldout_problems, preference_pair
 from astrai.errors import ConfigError
 from astrai.eval.generation import engine_generator
 from astrai.eval.recorded import save_eval_config
@@ -62,7 +62,6 @@ DEFAULT_OUT = "runs/quickstart-base"
 ANSWER_INSTRUCTION = {"short": " Answer with just the number.", "en": " Answer with just the number.",
                       "zh": " 只回答数字。"}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"]
-_INTEGER = re.compile(r"-?\d+")
 
 
 @dataclass
@@ -81,6 +80,7 @@ class BaseSettings(Settings):
     grpo_group_size: int = 4
     grpo_max_new_tokens: int = 10
     grpo_temperature: float = 0.8
+    dpo_rpo_alpha: float = 0.0            # DPO alone (RPO untried on a pretrained base)
     sft_arithmetic: int = 3000
     dpo_arithmetic: int = 600
     grpo_problems: int = 1000
@@ -128,21 +128,6 @@ def ask(problem: dict) -> str:
     return problem["prompt"] + ANSWER_INSTRUCTION[problem["style"]]
 
 
-def final_integer(text: str) -> Optional[str]:
-    """The last integer a response states, or None."""
-    found = _INTEGER.findall(text)
-    return found[-1] if found else None
-
-
-def check_final_answer(problem: dict, text: str, format_reward: float = 0.0) -> float:
-    """1.0 when the last integer of ``text`` is the answer (so "68" and "23 + 45 = 68." both
-    count), ``format_reward`` when it is another integer, 0.0 when there is none."""
-    answer = final_integer(text)
-    if answer is None:
-        return 0.0
-    return 1.0 if answer == problem["answer"] else float(format_reward)
-
-
 def arithmetic_reward(prompt: str, response: str) -> float:
     """The GRPO reward (``--reward astrai.quickstart.from_pretrained:arithmetic_reward``): the run's checker
     on the problem read back from the prompt, with the evaluation's credit for a wrong integer."""
@@ -150,12 +135,12 @@ def arithmetic_reward(prompt: str, response: str) -> float:
     if not problems:
         raise ConfigError(f"arithmetic reward: no 'a+b' style problem in prompt {prompt[-80:]!r}")
     a, op, b = problems[-1]
-    return check_final_answer({"answer": str(OPS[op](int(a), int(b)))}, response, FORMAT_CREDIT)
+    return check_answer({"answer": str(OPS[op](int(a), int(b)))}, response, FORMAT_CREDIT)
 
 
 def heldout_task(n: Optional[int]) -> tuple[list[dict], object, object]:
     """The held-out pool's first ``n`` problems with this run's prompt and checker, for ``evaluate``."""
-    return heldout_problems(n), ask, partial(check_final_answer, format_reward=FORMAT_CREDIT)
+    return heldout_problems(n), ask, partial(check_answer, format_reward=FORMAT_CREDIT)
 
 
 def _conversation(problem: dict) -> dict:

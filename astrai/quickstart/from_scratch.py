@@ -36,14 +36,18 @@ import torch
 import astrai.alignment  # noqa: F401  registers the dpo and grpo train types of the later stages
 from astrai.config import TrainConfig
 from astrai.dataset import PreprocessOptions, run_preprocess
-from astrai.dataset.arithmetic import HELDOUT_SIZE, grpo_record, preference_pair, sft_conversation, training_problems
+from astrai.dataset.arithmetic import (HELDOUT_SIZE, grpo_record, training_problems, worked_conversation, worked_line,
+                                      worked_preference_pair)
 from astrai.dataset.corpus import corpus_ready, default_corpus_dir
 from astrai.errors import ConfigError
 from astrai.eval.changes import headline, stage_changes
 from astrai.eval.recorded import save_eval_config
-from astrai.eval.report import STAGE_TITLES, plot_curves, read_metrics, write_report
+from astrai.eval.report import STAGE_TITLES, plot_curves, plot_stage_accuracy, read_metrics, write_report
+from astrai.eval.generation import engine_generator
+from astrai.eval.preference import preference_accuracy
 from astrai.eval.suite import DEFAULT_HELDOUT, evaluate
 from astrai.eval.task_accuracy import arithmetic_task
+from astrai.inference import InferenceEngine
 from astrai.model import AutoModel
 from astrai.serialization import latest_checkpoint
 from astrai.tokenize import AutoTokenizer
@@ -60,7 +64,11 @@ SFT_MAX_PASSES = 1.5
 # five- to six-fold); a quarter replayed holds the rise to about a third to a half, where half
 # or a lower learning rate cost much of the arithmetic accuracy SFT is there to teach
 # (docs/benchmarks.md).
-SFT_REPLAY = 0.25
+SFT_REPLAY = 0.4
+# Share of pre-training windows that are worked problems ("23+45=68", one per line). A 4M-parameter
+# model needs a few hundred thousand worked problems before it adds held-out pairs at all: as a few
+# per cent of the text it never did (held-out accuracy 0.00-0.02 after every stage).
+ARITHMETIC_SHARE = 0.4
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
 # Pre-training's schedule: 5% linear warm-up, then a linear decay to zero over the rest (WSD whose
@@ -78,6 +86,9 @@ PACE_TOLERANCE = 0.2
 # GRPO times this many of its steps, then plans the steps that fit in its share: its rollouts
 # run the inference engine, whose pace under contention the training throughput does not tell.
 GRPO_TIMED_STEPS = 3
+# GRPO's learning rate rises over its first tenth: Adam's first steps move every weight by the full
+# rate, and at 1e-4 its first two steps alone took held-out accuracy from 0.84 to 0.06.
+GRPO_WARMUP = 0.1
 TRAIN_STAGES = tuple(STAGE_SHARES)
 PLAN_FILE = "plan.json"  # the optimizer steps each stage planned; `--plan` pins a run to it
 # With the large corpus (astrai.dataset.corpus), a run takes this much of its text per minute of
@@ -85,6 +96,8 @@ PLAN_FILE = "plan.json"  # the optimizer steps each stage planned; `--plan` pins
 # does not tokenise all of it. The tokenizer learns from the first TOKENIZER_SAMPLE_BYTES of it.
 CORPUS_BYTES_PER_MINUTE = 1_500_000
 TOKENIZER_SAMPLE_BYTES = 4_000_000
+# The evaluation's engine holds a task prompt or a sample prompt with its answer.
+EVAL_MAX_SEQ_LEN = 256
 
 
 @dataclass
@@ -103,19 +116,21 @@ class Settings:
     dpo_seq_len: int = 128
     grpo_prompts_per_step: int = 8
     grpo_group_size: int = 4
-    grpo_max_new_tokens: int = 6
+    grpo_max_new_tokens: int = 32          # the longest working ("12-5=7, 7-4-1=2, so 27") and the stop token
     grpo_temperature: float = 0.7
+    dpo_rpo_alpha: float = 1.0            # weight of the chosen answers' NLL beside DPO's loss (RPO)
     sft_arithmetic: int = 4000            # task conversations for SFT, from the training pool
     dpo_arithmetic: int = 1000            # task preference pairs for DPO, from the training pool
     grpo_problems: int = 2000             # GRPO prompts, from the training pool
-    pretrain_arithmetic: int = 20_000     # worked problems from the training pool mixed into the pre-training text
+    pretrain_arithmetic: int = 100_000    # worked problems from the training pool, a dataset of their own for pre-training
+    arithmetic_share: float = ARITHMETIC_SHARE  # share of pre-training windows drawn from them
     sft_replay: float = SFT_REPLAY        # share of SFT batches that are pre-training text
     eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
-    eval_max_new_tokens: int = 8          # the task's answers: a number and the stop token
+    eval_max_new_tokens: int = 32         # the task's answers: the working, the number and the stop token
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
     cpu_products: Optional[dict] = None   # pinned: the planning run's fp32 CPU products decision (else measured)
-    lr: dict = field(default_factory=lambda: {"pretrain": 7e-4, "sft": 1e-3, "dpo": 1e-5, "grpo": 1e-5})
+    lr: dict = field(default_factory=lambda: {"pretrain": 7e-4, "sft": 3e-4, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
     progress: bool = True
@@ -308,17 +323,14 @@ class Quickstart:
                               f"`bash scripts/build_large_corpus.sh` or use --corpus bundled")
         else:
             log("pre-training text: the bundled sample (build the large corpus with `bash scripts/build_large_corpus.sh`)")
-        if self.s.pretrain_arithmetic:
-            record["train"].append(str(self.arithmetic_text()))
         write_json(marker, record)
         self.corpus = record
 
     def arithmetic_text(self) -> Path:
         """Worked problems from the task's training pool as plain documents ("23+45=68", one
-        per line, fifty to a document): the sums are learnt during pre-training, when the
-        model sees the most tokens, and SFT has only the answer format left to teach."""
-        problems = training_problems(self.s.pretrain_arithmetic, seed=5000 + self.s.seed)
-        lines = [p["prompt"] + (" " if p["style"] != "short" else "") + p["answer"] for p in problems]
+        per line, fifty to a document), pre-training's second dataset: the sums are learnt
+        where the model sees the most tokens, and SFT has the chat format left to teach."""
+        lines = [worked_line(p) for p in training_problems(self.s.pretrain_arithmetic, seed=5000 + self.s.seed)]
         path = self.out / "data" / "arithmetic_pretrain.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps({"text": "\n".join(lines[i:i + 50])}, ensure_ascii=False) + "\n"
@@ -365,8 +377,11 @@ class Quickstart:
 
     def data_jobs(self, task_files: dict[str, Path]) -> dict[str, dict]:
         """What ``run_preprocess`` makes of the data, per dataset: inputs and options."""
+        jobs = {"pretrain": dict(inputs=self.corpus["train"], train_type="seq")}
+        if self.s.pretrain_arithmetic and self.s.arithmetic_share > 0:
+            jobs["arithmetic"] = dict(inputs=[self.arithmetic_text()], train_type="seq")
         return {
-            "pretrain": dict(inputs=self.corpus["train"], train_type="seq"),
+            **jobs,
             "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", task_files["sft"]], train_type="sft"),
             "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl", task_files["dpo"]], train_type="dpo",
                         seq_len=self.s.dpo_seq_len, packing="none"),
@@ -379,7 +394,8 @@ class Quickstart:
         from its own seed derived from the run's: the bundled conversations alone teach the
         format but are too few for a tiny model to learn the sums in a few minutes."""
         paths = {}
-        for kind, records in self.arithmetic_sets(sft_conversation, preference_pair, grpo_record).items():
+        pair = lambda problem, rng: worked_preference_pair(problem)  # noqa: E731  the slip is the problem's own
+        for kind, records in self.arithmetic_sets(worked_conversation, pair, grpo_record).items():
             paths[kind] = self.out / "data" / f"arithmetic_{kind}.jsonl"
             paths[kind].parent.mkdir(parents=True, exist_ok=True)
             paths[kind].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -463,7 +479,7 @@ class Quickstart:
             # validates, which the probe does not see. Planning 10% fewer steps keeps that time
             # from being taken out of the later stages.
             steps = PRETRAIN_STEP_SHARE * seconds * tps / (s.batch_size * s.window_size)
-            kw = dict(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=s.preset,
+            kw = dict(train_type="seq", **self.pretrain_data(), model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
                       window_size=s.window_size, max_lr=s.lr["pretrain"], embedding_lr_scale=PRETRAIN_EMBEDDING_LR_SCALE,
                       **PRETRAIN_SCHEDULE)
@@ -482,13 +498,21 @@ class Quickstart:
         else:
             steps = seconds / self.grpo_step_seconds()
             kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
-                      batch_per_device=s.grpo_prompts_per_step, window_size=64, max_lr=s.lr["grpo"], warmup_ratio=0.0,
+                      batch_per_device=s.grpo_prompts_per_step, window_size=64, max_lr=s.lr["grpo"], warmup_ratio=GRPO_WARMUP,
                       schedule="constant", max_grad_norm=1.0,
                       strategy_kwargs={"group_size": s.grpo_group_size, "reward": "arithmetic", "kl_coef": 0.01,
                                        "max_new_tokens": s.grpo_max_new_tokens, "temperature": s.grpo_temperature,
                                        "sync_interval": 0, "seed": s.seed})
         steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
+
+    def pretrain_data(self) -> dict:
+        """Pre-training's data fields: the text, or the text and the worked problems mixed by share."""
+        if not (self.s.pretrain_arithmetic and self.s.arithmetic_share > 0):
+            return dict(data_root_path=str(self.data_dir("pretrain")))
+        share = self.s.arithmetic_share
+        return dict(datasets=[{"path": str(self.data_dir("pretrain")), "rate": 1 - share, "type": "seq"},
+                              {"path": str(self.data_dir("arithmetic")), "rate": share, "type": "seq"}])
 
     def grpo_step_seconds(self) -> float:
         """One GRPO step's estimated time: an update over group·prompts sequences of ~32 tokens
@@ -509,7 +533,8 @@ class Quickstart:
                     self.records("dpo") // (2 * s.batch_size))
         return steps, dict(train_type="dpo", data_root_path=str(self.data_dir("dpo")),
                            param_path=str(self.model_dir("sft")), batch_per_device=s.batch_size,
-                           window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1, strategy_kwargs={"beta": 0.1})
+                           window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1,
+                           strategy_kwargs={"beta": 0.1, "rpo_alpha": s.dpo_rpo_alpha})
 
     def train_stage(self, index: int, name: str, check_pace: bool = True) -> dict:
         marker = self.done_path(name)
@@ -617,11 +642,18 @@ class Quickstart:
         save_eval_config(self.model_dir(name), settings)
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
         chat = name != "pretrain"
+        problems, prompt_of, check = arithmetic_task(settings["task_problems"], plain_text=not chat)
         results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=settings["ppl_window"],
-                           ppl_max_tokens=settings["ppl_max_tokens"], task=arithmetic_task(settings["task_problems"]),
-                           task_max_new_tokens=settings["task_max_new_tokens"])
-        results.update(evaluate(model, self.tokenizer, samples=True, chat=chat,
-                                max_new_tokens=settings["max_new_tokens"]))
+                           ppl_max_tokens=settings["ppl_max_tokens"])
+        # the answers decode through the engine's KV cache, around the model itself (not used again)
+        with InferenceEngine(model, self.tokenizer, max_batch_size=32, max_seq_len=EVAL_MAX_SEQ_LEN,
+                             in_place=True) as engine:
+            results.update(evaluate(model, self.tokenizer, task=(problems, prompt_of, check), chat=chat,
+                                    generator=engine_generator(engine, settings["task_max_new_tokens"])))
+            results.update(evaluate(model, self.tokenizer, samples=True, chat=chat,
+                                    generator=engine_generator(engine, settings["max_new_tokens"])))
+        pairs = [worked_preference_pair(p) for p in problems]
+        results["preference"] = preference_accuracy(model, self.tokenizer, pairs, chat=chat)
         results["samples_chat"] = chat
         return results
 
@@ -648,12 +680,15 @@ class Quickstart:
         plots = []
         for record in records:
             rows = _metrics(self.stage_dir(record["name"]) / "ckpt")
-            keys = {"grpo": ["loss", "reward_mean"], "dpo": ["loss", "reward_accuracy"]}.get(record["name"], ["loss"])
+            keys = {"grpo": ["loss", "reward_mean"], "dpo": ["loss", "reward_accuracy", "reward_margin"]}.get(record["name"], ["loss"])
             plot = plot_curves(rows, keys, STAGE_TITLES.get(record["name"], record["name"]),
                                plots_dir / f"{record['name']}.png")
             if plot is not None:
                 plots.append(plot)
         summary = self.summary(records, final_dir)
+        accuracy_plot = plot_stage_accuracy(summary, plots_dir / "accuracy.png")
+        if accuracy_plot is not None:
+            plots.insert(0, accuracy_plot)
         summary["changes"] = stage_changes(summary["stages"])
         summary["headline"] = headline(summary)
         write_json(self.out / PLAN_FILE, summary["plan"])
@@ -740,6 +775,8 @@ def run_quickstart(**settings: Any) -> dict:
     s = Settings(**settings)
     if not 0 <= s.sft_replay < 1:
         raise ConfigError(f"sft_replay must be in [0, 1), got {s.sft_replay}")
+    if not 0 <= s.arithmetic_share < 1:
+        raise ConfigError(f"arithmetic_share must be in [0, 1), got {s.arithmetic_share}")
     return Quickstart(resumed_settings(s)).run()
 
 

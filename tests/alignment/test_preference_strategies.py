@@ -58,6 +58,35 @@ def test_dpo_reference_from_checkpoint_and_reduction(tokenizer, preference_recor
     assert loss.item() == pytest.approx(torch.nn.functional.softplus(-margin).sum().item(), rel=1e-5)
 
 
+def test_rpo_alpha_adds_the_chosen_answers_nll_per_token(tokenizer, preference_records):
+    """DPO + α·NLL(chosen): the loss grows by exactly α times the chosen answers' mean
+    per-token negative log-likelihood, and training with it keeps the chosen answers
+    likelier than DPO alone does."""
+    batch = encode_pairs(tokenizer, preference_records[:8])
+    ids, mask = stack_pairs(batch)
+    plain = DPOStrategy(tiny_lm(tokenizer.vocab_size, seed=3), beta=0.1)
+    rpo = DPOStrategy(tiny_lm(tokenizer.vocab_size, seed=3), beta=0.1, rpo_alpha=0.5)
+    with torch.no_grad():
+        chosen = sequence_logprobs(plain.model, ids[:8], mask[:8])
+    nll = (-chosen / mask[:8, 1:].sum(dim=1)).mean()
+    assert rpo.compute_loss(batch).item() == pytest.approx(plain.compute_loss(batch).item() + 0.5 * nll.item(), rel=1e-5)
+    assert rpo.metrics["chosen_nll"].item() == pytest.approx(nll.item(), rel=1e-5) and "chosen_nll" not in plain.metrics
+    with pytest.raises(ConfigError, match="rpo_alpha must be >= 0"):
+        DPOStrategy(tiny_lm(tokenizer.vocab_size), rpo_alpha=-1)
+
+    def chosen_logprob_after_training(strategy):
+        opt = torch.optim.AdamW(strategy.model.parameters(), lr=3e-3)
+        for _ in range(6):
+            loss = strategy.compute_loss(batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            return sequence_logprobs(strategy.model, ids[:8], mask[:8]).mean().item()
+
+    assert chosen_logprob_after_training(rpo) > chosen_logprob_after_training(plain)
+
+
 def test_lora_dpo_reference_is_the_base_model(tokenizer, preference_records):
     model = tiny_lm(tokenizer.vocab_size)
     batch = encode_pairs(tokenizer, preference_records[:6])

@@ -132,3 +132,22 @@ def test_the_task_answer_length_applies_to_the_built_in_decoding_only(tiny_model
     with pytest.raises(ConfigError, match="a generator decides its own answer length"):
         evaluate(tiny_model, tokenizer, task=arithmetic_task(1), task_max_new_tokens=4,
                  generator=lambda prompts: ["1" for _ in prompts])
+
+
+def test_the_engine_generator_submits_no_more_than_a_chunk_at_a_time():
+    """An engine refuses more waiting requests than its queue holds: the generator feeds it
+    chunks, and the answers come back in the prompts' order."""
+    from astrai.eval.generation import engine_generator
+
+    class Engine:
+        submitted = []
+
+        def generate(self, prompts, max_tokens, temperature):
+            assert len(prompts) <= 4 and temperature == 0.0 and max_tokens == 7
+            self.submitted.append(len(prompts))
+            return [p.upper() for p in prompts]
+
+    engine = Engine()
+    prompts = [f"p{i}" for i in range(10)]
+    assert engine_generator(engine, 7, chunk=4)(prompts) == [p.upper() for p in prompts]
+    assert engine.submitted == [4, 4, 2]

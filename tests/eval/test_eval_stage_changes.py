@@ -27,3 +27,25 @@ def test_each_stage_is_set_against_the_one_before_it():
     assert sft["bits_per_byte"]["en"]["relative"] == pytest.approx(0.01)
     assert sft["accuracy"]["points"] == pytest.approx(100 / 3) and sft["accuracy"]["significant"]
     assert dpo["accuracy"]["points"] == pytest.approx(100 / 90) and not dpo["accuracy"]["significant"]
+
+
+def test_preference_accuracy_changes_like_task_accuracy_and_dpo_reports_it():
+    from astrai.eval.changes import headline
+
+    def pref(preferred, n, margins):
+        return {**task(preferred, n), "mean_margin": sum(margins) / len(margins), "margins": margins}
+
+    before = [1.0, 2.0, 3.0, 4.0] * 25
+    after = [m + shift for m, shift in zip(before, [0.5, 1.5] * 50)]  # every pair's margin up by 1 on average
+    stages = [{"name": "sft", "eval": {"task": task(40, 90), "preference": pref(200, 450, before)}},
+              {"name": "dpo", "eval": {"task": task(41, 90), "preference": pref(300, 450, after)}}]
+    (dpo,) = stage_changes(stages)
+    assert dpo["preference"]["points"] == pytest.approx(100 * 100 / 450) and dpo["preference"]["significant"]
+    margin = dpo["preference"]["margin"]
+    assert (margin["before"], margin["after"], margin["nats"]) == pytest.approx((2.5, 3.5, 1.0))
+    # paired: the differences are 0.5 and 1.5, sd 0.5025 over 100 pairs -> 1 ± 1.96 * 0.05025
+    assert margin["interval"] == pytest.approx([1 - 0.0985, 1 + 0.0985], abs=1e-3) and margin["significant"]
+    summary = {"stages": stages, "model": {"preset": "tiny", "parameters": 10}, "total_seconds": 60}
+    story = headline(summary)
+    assert "held-out preference accuracy 0.444 → 0.667 (+22.2 points" in story
+    assert "mean preference margin 2.50 → 3.50 nats (+1.00, 95% interval [+0.90, +1.10])" in story

@@ -15,12 +15,12 @@ import transformers
 from safetensors.torch import load_file
 
 from astrai.cli import main as astrai_main
-from astrai.dataset.arithmetic import task_pools
+from astrai.dataset.arithmetic import check_answer, task_pools
 from astrai.errors import ConfigError
 from astrai.eval.recorded import load_eval_config
 from astrai.inference import InferenceEngine
 from astrai.quickstart import from_pretrained
-from astrai.quickstart.from_pretrained import (arithmetic_reward, ask, check_final_answer, heldout_task, resolve_base,
+from astrai.quickstart.from_pretrained import (arithmetic_reward, ask, heldout_task, resolve_base,
                                                run_base_quickstart)
 from astrai.tokenize import AutoTokenizer
 
@@ -145,10 +145,10 @@ def test_base_run_from_a_gguf_file_with_lora(tokenizer, tmp_path):
 
 def test_the_checker_reads_the_last_integer_for_every_stage_alike():
     problem = {"answer": "68"}
-    assert check_final_answer(problem, "68") == 1.0
-    assert check_final_answer(problem, "23 + 45 = 68.") == 1.0
-    assert check_final_answer(problem, "The answer is 23.", format_reward=0.1) == 0.1
-    assert check_final_answer(problem, "I do not know.") == 0.0
+    assert check_answer(problem, "68") == 1.0
+    assert check_answer(problem, "23 + 45 = 68.") == 1.0
+    assert check_answer(problem, "The answer is 23.", format_reward=0.1) == 0.1
+    assert check_answer(problem, "I do not know.") == 0.0
     assert arithmetic_reward("<|im_start|>user\n45-22= Answer with just the number.<|im_end|>", "45 - 22 = 23") == 1.0
     problems, prompt_of, check = heldout_task(6)
     held = set(task_pools()[1])

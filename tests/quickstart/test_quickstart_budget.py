@@ -9,7 +9,9 @@ import pytest
 
 import astrai.quickstart.from_scratch as quickstart
 from astrai.cli import main
-from astrai.quickstart.from_scratch import (PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE,
+from astrai.errors import ConfigError
+from astrai.quickstart.from_scratch import (ARITHMETIC_SHARE, GRPO_WARMUP, PACE_CHECK_STEPS, PACE_TOLERANCE,
+                                            PRETRAIN_EMBEDDING_LR_SCALE, run_quickstart,
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
                                             make_stage_deadline_callback, write_json)
@@ -83,7 +85,7 @@ def test_pretraining_warms_up_then_decays_linearly_to_zero(tmp_path):
     from astrai.trainer.lr_schedules import SchedulerFactory, scheduler_kwargs
 
     config = planner(tmp_path).train_config(0, "pretrain", seconds=100.0)
-    config.data_root_path = config.tokenizer_path = None  # none made here: the schedule's fields are what is checked
+    config.data_root_path = config.tokenizer_path = config.datasets = None  # none made here: the schedule's fields are what is checked
     config.validate(require_data=False)
     steps = config.max_steps
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.max_lr)
@@ -236,3 +238,21 @@ def test_grpo_plans_again_from_its_own_timed_steps():
     assert context.total_steps == replan.planned == 8
     replan, context = _run_replan(total_steps=6)  # fewer than fit: the plan stands
     assert context.total_steps == 6 and replan.planned is None
+
+
+def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_keep_their_guards(tmp_path):
+    qs = planner(tmp_path)
+    config = qs.train_config(0, "pretrain", seconds=100.0)
+    assert [(Path(d["path"]).name, d["rate"], d["type"]) for d in config.datasets] == \
+        [("pretrain", 1 - ARITHMETIC_SHARE, "seq"), ("arithmetic", ARITHMETIC_SHARE, "seq")]
+    assert config.data_root_path is None and 0 < ARITHMETIC_SHARE < 1
+    assert qs.train_config(2, "dpo", seconds=100.0).strategy_kwargs["rpo_alpha"] == qs.s.dpo_rpo_alpha > 0
+    grpo = qs.train_config(3, "grpo", seconds=100.0)
+    assert grpo.warmup_ratio == GRPO_WARMUP > 0 and grpo.strategy_kwargs["max_new_tokens"] >= 24
+    # without worked problems (or at a share of 0) pre-training reads the text alone
+    plain = planner(tmp_path / "plain")
+    plain.s.arithmetic_share = 0.0
+    config = plain.train_config(0, "pretrain", seconds=100.0)
+    assert config.datasets is None and Path(config.data_root_path).name == "pretrain"
+    with pytest.raises(ConfigError, match="arithmetic_share must be in"):
+        run_quickstart(out=str(tmp_path / "run"), arithmetic_share=1.0)
