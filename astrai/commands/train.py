@@ -28,6 +28,7 @@ FIELD_HELP = {
 
 STRATEGY_FLAGS = {
     "beta": (float, "DPO β (default 0.1) / KL-stage β (default 0.1)"),
+    "rpo_alpha": (float, "DPO: weight of the chosen answers' NLL added to the loss (RPO; default 0 = plain DPO)"),
     "ref_path": (str, "reference model directory for DPO/GRPO (default: a frozen copy of the starting weights)"),
     "reduction": (str, "mean | sum over pairs / responses"),
     "group_size": (int, "GRPO responses sampled per prompt (default 4, at least 2)"),

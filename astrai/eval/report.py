@@ -27,6 +27,8 @@ EVAL_NOTE = ("Perplexity is per token of this run's tokenizer; bits per byte is 
              "preference accuracy is the share of held-out pairs (the right working against a near miss's) whose "
              "right answer the model finds likelier, with its 95% Wilson interval; the margin is how much likelier, "
              "in nats of log-likelihood, averaged over the pairs.")
+# The commands the report ends with: use the model, score it again, train for longer.
+NEXT_COMMANDS = ("serve", "chat", "eval", "longer")
 CHANGES_NOTE = ("Each stage against the stage before it, not against the first: bits per byte as a relative change "
                 "(lower is better), task and preference accuracy as differences in points with a 95% interval "
                 "(Newcombe's, from the two Wilson intervals); an interval that holds 0 is a change within noise.")
@@ -252,7 +254,7 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
     md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix() if p.is_relative_to(out_dir) else p})" for p in plots]
     md += ["", "## Sample generations", "", samples_note, "", _md_table(["stage", "prompt", "answer"],
                                                        [[s, p, a.replace("\n", " ")] for s, p, a in samples]), "",
-           "## Use the model", "", "```bash"] + [commands[k] for k in ("serve", "chat", "eval")] + ["```", ""]
+           "## Next", "", "```bash"] + [commands[k] for k in NEXT_COMMANDS if k in commands] + ["```", ""]
     md_path = out_dir / "report.md"
     md_path.write_text("\n".join(md), encoding="utf-8")
 
@@ -278,7 +280,7 @@ figure {{ display: inline-block; margin: .5rem; }} td {{ white-space: pre-wrap; 
 <h2>What each stage changed</h2><p>{html.escape(CHANGES_NOTE)}</p>{_html_table(change_h, change_rows)}
 <h2>Curves</h2>{images}
 <h2>Sample generations</h2><p>{html.escape(samples_note)}</p>{_html_table(["stage", "prompt", "answer"], sample_rows)}
-<h2>Use the model</h2><pre>{html.escape(chr(10).join(commands[k] for k in ("serve", "chat", "eval")))}</pre>
+<h2>Next</h2><pre>{html.escape(chr(10).join(commands[k] for k in NEXT_COMMANDS if k in commands))}</pre>
 </body></html>
 """
     html_path = out_dir / "report.html"

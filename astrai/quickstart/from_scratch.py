@@ -716,6 +716,7 @@ class Quickstart:
                 "chat": f"{astrai} chat --model {model_path}",
                 "eval": f"{astrai} eval --model {model_path}",
                 "rerun": f"{astrai} quickstart {self.rerun_arguments()} --out NEW_DIR",
+                "longer": f"{astrai} quickstart --minutes {4 * self.s.minutes:g} --out {shlex.quote(str(self.out))}-longer",
             },
         }
 

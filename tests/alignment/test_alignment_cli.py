@@ -22,7 +22,14 @@ def test_cli_lora_dpo_saves_adapters_and_merged_model(prepared, tokenizer_dir):
     merged = AutoModel.from_pretrained(run / "final")
     assert merged(torch.tensor([[1, 2, 3]]))["logits"].shape == (1, 3, 1000)
     logged = metrics(run)
-    assert "reward_accuracy" in logged[-1] and "reward_margin" in logged[-1]
+    assert "reward_accuracy" in logged[-1] and "reward_margin" in logged[-1] and "chosen_nll" not in logged[-1]
+
+
+def test_cli_dpo_takes_rpo_alpha(prepared, tokenizer_dir, capsys):
+    assert main(common(prepared, tokenizer_dir, "dpo_rpo", "dpo", "dpo") + ["--rpo_alpha", "0.5"]) == 0
+    assert "chosen_nll" in metrics(prepared / "dpo_rpo")[-1]
+    assert main(common(prepared, tokenizer_dir, "dpo_bad", "dpo", "dpo") + ["--rpo_alpha", "-1"]) == 2
+    assert "rpo_alpha must be >= 0" in capsys.readouterr().err
 
 
 def test_cli_reward_model_and_grpo(prepared, tokenizer_dir):
