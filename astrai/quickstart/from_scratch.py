@@ -1,10 +1,11 @@
 """``astrai quickstart``: the first thing a newcomer runs.
 
 One command walks a model through its whole life on the bundled data: a tokenizer
-trained on the bilingual corpus, pre-training of the ``tiny`` preset, SFT on the
-bundled conversations (which include the arithmetic answer format) with some
-pre-training text replayed, DPO on the bundled preference pairs, online GRPO on the
-arithmetic task, an evaluation after every stage, and a report. It uses only the
+trained on the bilingual corpus, pre-training of the ``tiny`` preset on the text and
+the arithmetic task's worked problems, SFT on the bundled conversations and worked
+arithmetic conversations with some pre-training text replayed, DPO on the bundled
+preference pairs and worked arithmetic pairs, online GRPO on the arithmetic task, an
+evaluation after every stage, and a report. It uses only the
 public APIs a user would (AutoTokenizer, run_preprocess, Trainer/TrainConfig with the
 registered strategies, the eval package), so it doubles as a worked example.
 
@@ -65,9 +66,9 @@ SFT_MAX_PASSES = 1.5
 # or a lower learning rate cost much of the arithmetic accuracy SFT is there to teach
 # (docs/benchmarks.md).
 SFT_REPLAY = 0.4
-# Share of pre-training windows that are worked problems ("23+45=68", one per line). A 4M-parameter
-# model needs a few hundred thousand worked problems before it adds held-out pairs at all: as a few
-# per cent of the text it never did (held-out accuracy 0.00-0.02 after every stage).
+# Share of pre-training windows that are worked problems ("23+45= 3+5=8, 2+4=6, so 68", one per
+# line). The 4M-parameter model needs tens of thousands of them before it adds held-out pairs: as a
+# few per cent of the text it never did (held-out accuracy 0.00-0.02 after every stage).
 ARITHMETIC_SHARE = 0.4
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
@@ -327,9 +328,10 @@ class Quickstart:
         self.corpus = record
 
     def arithmetic_text(self) -> Path:
-        """Worked problems from the task's training pool as plain documents ("23+45=68", one
-        per line, fifty to a document), pre-training's second dataset: the sums are learnt
-        where the model sees the most tokens, and SFT has the chat format left to teach."""
+        """Worked problems from the task's training pool as plain documents (``worked_line``: the
+        question and its column working, one per line, fifty to a document), pre-training's
+        second dataset: the sums are learnt where the model sees the most tokens, and SFT has
+        the chat format left to teach."""
         lines = [worked_line(p) for p in training_problems(self.s.pretrain_arithmetic, seed=5000 + self.s.seed)]
         path = self.out / "data" / "arithmetic_pretrain.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
