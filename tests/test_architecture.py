@@ -21,7 +21,6 @@ LAYOUT_DOCS = ("README.md", "docs/architecture.md")
 SOURCE_PATH = re.compile(r"(?<![\w/.~$])astrai/[\w/.]*\w")
 
 # deferring buys nothing here: the package has loaded it already, or every call of the function needs it
-_NOT_YET_MOVED = "nothing deferred that the call does not load anyway: to move to the module's top"
 # Every astrai import written inside a function, "file function -> module": why it waits for the call.
 DEFERRED_IMPORTS = {
     "astrai/cli.py prepare_process -> astrai.parallel.setup":
@@ -32,14 +31,6 @@ DEFERRED_IMPORTS = {
         "torch and the GGUF reader: loaded for a GGUF file's vocabulary only, not for a tokenizer.json",
     "astrai/model/calibration.py calibration_ids -> astrai.eval.perplexity":
         "the one upward import (pyproject's ignore_imports): eval's document reader, which belongs below both",
-    "astrai/eval/cli.py parse_heldout -> astrai.eval.suite": _NOT_YET_MOVED,
-    "astrai/eval/cli.py run -> astrai.eval.suite": _NOT_YET_MOVED,
-    "astrai/eval/cli.py run -> astrai.eval.task_accuracy": _NOT_YET_MOVED,
-    "astrai/eval/cli.py run -> astrai.inference.placement": _NOT_YET_MOVED,
-    "astrai/eval/cli.py run -> astrai.model": _NOT_YET_MOVED,
-    "astrai/eval/cli.py run -> astrai.tokenize": _NOT_YET_MOVED,
-    "astrai/eval/task_accuracy.py arithmetic_task -> astrai.dataset.arithmetic": _NOT_YET_MOVED,
-    "astrai/tokenize/cli.py run -> astrai.tokenize": _NOT_YET_MOVED,
 }
 
 

@@ -9,13 +9,16 @@ from pathlib import Path
 
 from astrai.errors import DataError
 from astrai.eval.recorded import EVAL_CONFIG, LEAST, load_eval_config
+from astrai.eval.suite import DEFAULT_HELDOUT, evaluate
+from astrai.eval.task_accuracy import arithmetic_task
+from astrai.inference.placement import resolve_device
+from astrai.model import AutoModel
+from astrai.tokenize import AutoTokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 48
 
 
 def parse_heldout(values: list[str] | None) -> dict[str, Path]:
-    from astrai.eval.suite import DEFAULT_HELDOUT
-
     if not values:
         return dict(DEFAULT_HELDOUT)
     heldout = {}
@@ -46,12 +49,6 @@ def eval_settings(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     settings = eval_settings(args)
-    from astrai.eval.suite import evaluate
-    from astrai.eval.task_accuracy import arithmetic_task
-    from astrai.inference.placement import resolve_device
-    from astrai.model import AutoModel
-    from astrai.tokenize import AutoTokenizer
-
     model = AutoModel.from_pretrained(args.model, device=resolve_device(args.device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     results = evaluate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Sequence
 
+from astrai.dataset.arithmetic import check_answer, heldout_problems
 from astrai.eval.generation import Generator, chat_prompt
 from astrai.eval.intervals import wilson_interval
 
@@ -50,8 +51,6 @@ def arithmetic_task(n: int | None = None, plain_text: bool = False) -> tuple[lis
     FORMAT_CREDIT towards the mean reward, never towards the accuracy. ``plain_text``: for a
     model that continues text rather than answering a chat turn, the answer is the rest of
     the prompt's line (what follows belongs to the next line it invents)."""
-    from astrai.dataset.arithmetic import check_answer, heldout_problems
-
     check = partial(check_answer, format_reward=FORMAT_CREDIT)
     if plain_text:
         check = partial(_first_line, check)

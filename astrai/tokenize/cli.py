@@ -8,6 +8,7 @@ import json
 import sys
 
 from astrai.progress import Phase, on_terminal
+from astrai.tokenize import AutoTokenizer
 
 
 def _hex_bytes(error: UnicodeDecodeError) -> tuple[str, int]:
@@ -23,8 +24,6 @@ def readable_piece(data: bytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from astrai.tokenize import AutoTokenizer
-
     if args.action == "train":
         terminal = on_terminal(sys.stderr)
         more = f" and {len(args.inputs) - 1} more" if len(args.inputs) > 1 else ""
