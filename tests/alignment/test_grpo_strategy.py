@@ -161,7 +161,8 @@ def test_arithmetic_reward_reads_the_problem_from_the_prompt():
     assert arithmetic_reward("3+4=", "7") == 1.0
     assert arithmetic_reward("<|im_start|>user\n9-3=<|im_end|>\n<|im_start|>assistant\n", " 6.") == 1.0
     assert arithmetic_reward("3*4=", "13") == 0.0
-    assert arithmetic_reward("3+4=", "7 and more") == 0.0
+    assert arithmetic_reward("3+4=", "3+4=7, so 7") == 1.0  # the last integer stated is the answer
+    assert arithmetic_reward("3+4=", "7, or 8") == 0.0
     with pytest.raises(DataError, match="no 'a\\+b' style problem"):
         arithmetic_reward("hello", "7")
 
