@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from astrai.alignment.losses import sequence_logprobs
 from astrai.eval.generation import chat_prompt
 from astrai.eval.intervals import mean_interval, wilson_interval
 
@@ -25,8 +26,9 @@ def answer_logprob(model, tokenizer, prompt: str, answer: str) -> float:
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     answer_ids = tokenizer.encode(answer, add_special_tokens=False)
     ids = torch.tensor([prompt_ids + answer_ids], device=next(model.parameters()).device)
-    logits = model(ids[:, :-1])["logits"][0, len(prompt_ids) - 1:].float()
-    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt_ids):, None]).sum().item()
+    answer_mask = torch.zeros_like(ids)
+    answer_mask[0, len(prompt_ids):] = 1
+    return sequence_logprobs(model, ids, answer_mask).item()
 
 
 def preference_accuracy(model, tokenizer, pairs: Sequence[dict], chat: bool = True, n_examples: int = 3) -> dict:
