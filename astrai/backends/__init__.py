@@ -12,7 +12,9 @@ no device. What they ask of a device they ask its ``Backend``, looked up by the 
   behind a library user's back);
 - ``training_state(model, recorded)`` and ``training_products(model, state)``: a run's
   decision on faster training products, kept in its checkpoints, and the block it holds;
-- ``bf16_linears_only``: whether bfloat16 weights mean the linear weights only.
+- ``bf16_linears_only``: whether bfloat16 weights mean the linear weights only;
+- ``bf16_training_pays()``: whether bf16 autocast could train faster than fp32 here (worth a
+  caller's probe; the plain answer is no, and a GPU's ``auto`` precision decides for itself).
 
 A backend is a folder ``astrai/backends/<kind>/`` whose ``__init__`` calls ``register``; the
 registry imports that package the first time its kind is asked for, so adding a backend
@@ -55,6 +57,7 @@ class Backend:
     training_state_hook: Optional[str] = None  # "module:function(model, recorded) -> state or None"
     training_products_hook: Optional[str] = None  # "module:function(model, state) -> context manager"
     bf16_linears_only: bool = False
+    bf16_training_hook: Optional[str] = None  # "module:function() -> bool"
 
     def __post_init__(self):
         if PLAIN_DECODE_PATH not in self.decode_paths:
@@ -74,6 +77,11 @@ class Backend:
         """Apply the process-wide tuning for this device (an explicit, process-wide change)."""
         if self.prepare_process_hook is not None:
             _resolve(self.prepare_process_hook)()
+
+    def bf16_training_pays(self) -> bool:
+        """Whether this device's bf16 matmuls are fast enough that bf16 autocast may train
+        faster than fp32: a cue to time both, not a decision."""
+        return self.bf16_training_hook is not None and bool(_resolve(self.bf16_training_hook)())
 
     def training_state(self, model: Any, recorded: Any = None) -> Optional[dict]:
         """The run's decision on faster training products for ``model`` (JSON, kept in its

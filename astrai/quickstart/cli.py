@@ -19,6 +19,10 @@ def run(args: argparse.Namespace) -> int:
     if args.finetune is not None:
         raise ConfigError("--finetune applies to a run from a pretrained model: add --base PATH")
     plan = load_plan(args.plan) if args.plan else {}
+    if plan and args.precision != "auto" and args.precision != plan["precision"]:
+        raise ConfigError(f"--precision {args.precision} disagrees with the plan's {plan['precision']!r}: "
+                          "a plan repeats its run's precision")
+    plan.setdefault("precision", args.precision)
     out = args.out or Settings.out
     summary = run_quickstart(out=out, minutes=args.minutes, seed=args.seed, preset=args.preset,
                              vocab_size=args.vocab_size, corpus=args.corpus, progress=not args.no_progress, **plan)

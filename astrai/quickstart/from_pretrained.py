@@ -367,10 +367,10 @@ def run_base_quickstart(**settings) -> dict:
 def run_from_args(args: argparse.Namespace) -> int:
     """``astrai quickstart --base PATH ...``."""
     for flag, value, default in (("--preset", args.preset, "tiny"), ("--vocab-size", args.vocab_size, 4096),
-                                 ("--corpus", args.corpus, "auto")):
+                                 ("--corpus", args.corpus, "auto"), ("--precision", args.precision, "auto")):
         if value != default:
             raise ConfigError(f"{flag} does not apply with --base: the base model brings its own shape, "
-                              "vocabulary and pre-training")
+                              "vocabulary and pre-training, and fine-tunes at the trainer's default precision")
     plan = load_plan(args.plan, BASE_STAGES) if args.plan else {}
     out = args.out or DEFAULT_OUT
     summary = run_base_quickstart(out=out, minutes=args.minutes, seed=args.seed, base=args.base,

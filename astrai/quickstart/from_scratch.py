@@ -35,7 +35,9 @@ from typing import Any, Optional
 import torch
 
 import astrai.alignment  # noqa: F401  registers the dpo and grpo train types of the later stages
+from astrai.backends import backend_for
 from astrai.config import TrainConfig
+from astrai.config.train_config import PRECISIONS
 from astrai.dataset import PreprocessOptions, run_preprocess
 from astrai.dataset.arithmetic import (HELDOUT_SIZE, grpo_record, training_problems, worked_conversation, worked_line,
                                       worked_preference_pair)
@@ -50,6 +52,7 @@ from astrai.eval.suite import DEFAULT_HELDOUT, evaluate
 from astrai.eval.task_accuracy import arithmetic_task
 from astrai.inference import InferenceEngine
 from astrai.model import AutoModel
+from astrai.parallel import get_current_device
 from astrai.serialization import latest_checkpoint
 from astrai.tokenize import AutoTokenizer
 from astrai.trainer import TrainCallback, Trainer
@@ -90,6 +93,10 @@ GRPO_TIMED_STEPS = 3
 # GRPO's learning rate rises over its first tenth: Adam's first steps move every weight by the full
 # rate, and at 1e-4 its first two steps alone took held-out accuracy from 0.84 to 0.06.
 GRPO_WARMUP = 0.1
+# Pre-training and SFT train in bf16 autocast (fp32 master weights) when the throughput probe
+# finds it this much faster than fp32: on a CPU with AVX-512-BF16 about 1.7x for `tiny`; where
+# bf16 matmuls are emulated it is slower, and the device's backend says so before any probe.
+BF16_MIN_GAIN = 1.1
 TRAIN_STAGES = tuple(STAGE_SHARES)
 PLAN_FILE = "plan.json"  # the optimizer steps each stage planned; `--plan` pins a run to it
 # With the large corpus (astrai.dataset.corpus), a run takes this much of its text per minute of
@@ -131,6 +138,7 @@ class Settings:
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
     cpu_products: Optional[dict] = None   # pinned: the planning run's fp32 CPU products decision (else measured)
+    precision: str = "auto"               # pre-training's and SFT's: fp32, bf16 (autocast), or auto (the probe's faster)
     lr: dict = field(default_factory=lambda: {"pretrain": 7e-4, "sft": 3e-4, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
     sample_max_new_tokens: int = 48
@@ -255,7 +263,9 @@ class Quickstart:
         self.out = Path(settings.out)
         self.stages_dir = self.out / "stages"
         self.summary_path = self.out / "summary.json"
-        self.tps = 0.0                         # measured training tokens/s
+        self.tps = 0.0                         # measured training tokens/s of pre-training at its precision
+        self.precision = "auto"                # pre-training's and SFT's TrainConfig.precision, from the probe
+        self.speedup = 1.0                     # that precision's tokens/s over the fp32 stages' (DPO, GRPO)
         self.eval_seconds: Optional[float] = None  # how long the last evaluation took
         self.corpus: dict = {"kind": "bundled", "heldout": {}}  # the pre-training text, chosen by stage_corpus
 
@@ -423,26 +433,54 @@ class Quickstart:
         return {**self.s.model_overrides, "vocab_size": self.tokenizer.vocab_size}
 
     def measure_throughput(self) -> float:
-        """Training tokens/s of the pre-training set-up, from a few real Trainer steps."""
+        """Training tokens/s of the pre-training set-up, from a few real Trainer steps at each
+        precision worth trying: the trainer's default (fp32 on a CPU) and, where the device's
+        bf16 matmuls are fast (``Backend.bf16_training_pays``) or ``precision`` asks for it,
+        bf16 autocast. Pre-training and SFT take the faster, by BF16_MIN_GAIN; DPO and GRPO
+        compare log-probabilities of two models and stay at the default, sized by its rate."""
         path = self.out / "throughput.json"
         if path.is_file():
-            return read_json(path)["tokens_per_s"]
+            saved = read_json(path)
+            self.precision, self.speedup = saved.get("precision", "auto"), saved.get("speedup", 1.0)
+            return saved["tokens_per_s"]
         log("[3/7] measuring training throughput to size the stages")
+        asked = self.s.precision
+        base = "fp32" if asked == "fp32" else "auto"
+        tried = [base]
+        # a pinned plan names its precision: "auto" there is the trainer's default, not a probe
+        probe_bf16 = asked == "auto" and not self.s.steps and backend_for(get_current_device()).bf16_training_pays()
+        if asked == "bf16" or probe_bf16:
+            tried.append("bf16")
+        rates = {precision: self.probe_throughput(precision) for precision in tried}
+        bf16_pays = "bf16" in rates and (asked == "bf16" or rates["bf16"] >= BF16_MIN_GAIN * rates[base])
+        self.precision = "bf16" if bf16_pays else base
+        self.speedup = rates[self.precision] / rates[base]
+        write_json(path, {"tokens_per_s": rates[self.precision], "precision": self.precision,
+                          "speedup": self.speedup, "probed": rates})
+        shown = ", ".join(f"{p} {r:.0f}" for p, r in rates.items())
+        log(f"throughput: {rates[self.precision]:.0f} training tokens/s at precision {self.precision} ({shown})")
+        return rates[self.precision]
+
+    def probe_throughput(self, precision: str) -> float:
+        """Median tokens/s of pre-training's steps 3-6 at ``precision``; the model is thrown away."""
         probe_dir = self.stage_dir("throughput")
         config = TrainConfig(train_type="seq", data_root_path=str(self.data_dir("pretrain")), model_preset=self.s.preset,
                              model_overrides=self.model_overrides(), tokenizer_path=str(self.tokenizer_dir),
                              batch_per_device=self.s.batch_size, window_size=self.s.window_size, max_steps=6,
                              ckpt_dir=str(probe_dir), ckpt_interval=1000, progress_bar=False,
-                             save_final_model=False, random_seed=self.s.seed)
+                             save_final_model=False, random_seed=self.s.seed, precision=precision)
         start = time.perf_counter()
         Trainer(config).train()
         rates = [r["tokens_per_s"] for r in _metrics(probe_dir)[2:]]
         tokens_per_s = sorted(rates)[len(rates) // 2] if rates else 6 * config.batch_per_device * config.window_size / (
             time.perf_counter() - start)
         shutil.rmtree(probe_dir, ignore_errors=True)
-        write_json(path, {"tokens_per_s": tokens_per_s})
-        log(f"throughput: {tokens_per_s:.0f} training tokens/s")
         return tokens_per_s
+
+    @property
+    def fp32_tps(self) -> float:
+        """Training tokens/s at the default precision, which DPO, GRPO and evaluation run at."""
+        return self.tps / self.speedup
 
     # --- training stages ------------------------------------------------------------------
     def training_seconds_left(self, name: str) -> float:
@@ -469,7 +507,7 @@ class Quickstart:
         ppl_tokens = len(self.heldout()) * (self.s.ppl_max_tokens or 20_000) * 4 / 3  # windows overlap by 1/4
         problems = self.s.eval_problems if self.s.eval_problems is not None else HELDOUT_SIZE
         generated = (problems * 4 + 6 * self.s.sample_max_new_tokens) * 64
-        return (ppl_tokens + generated) / (3 * self.tps) + 2.0
+        return (ppl_tokens + generated) / (3 * self.fp32_tps) + 2.0
 
     def train_config(self, index: int, name: str, seconds: float):
         s, tps = self.s, self.tps
@@ -484,7 +522,7 @@ class Quickstart:
             kw = dict(train_type="seq", **self.pretrain_data(), model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
                       window_size=s.window_size, max_lr=s.lr["pretrain"], embedding_lr_scale=PRETRAIN_EMBEDDING_LR_SCALE,
-                      **PRETRAIN_SCHEDULE)
+                      precision=self.precision, **PRETRAIN_SCHEDULE)
         elif name == "sft":
             # at most SFT_MAX_PASSES over the conversations, the replayed text coming on top
             sft_tokens = read_json(self.done_path("data"))["sft"]["tokens"] / (1 - s.sft_replay)
@@ -494,7 +532,7 @@ class Quickstart:
                 data = dict(datasets=[{"path": str(self.data_dir("sft")), "rate": 1 - s.sft_replay},
                                       {"path": str(self.data_dir("pretrain")), "rate": s.sft_replay, "type": "seq"}])
             kw = dict(train_type="sft", **data, param_path=str(self.model_dir("pretrain")), batch_per_device=s.batch_size,
-                      window_size=s.window_size, max_lr=s.lr["sft"], warmup_ratio=0.05)
+                      window_size=s.window_size, max_lr=s.lr["sft"], warmup_ratio=0.05, precision=self.precision)
         elif name == "dpo":
             steps, kw = self.dpo_plan(seconds)
         else:
@@ -523,7 +561,8 @@ class Quickstart:
         time this gives 625 for, so the stage completes the steps it plans."""
         s = self.s
         sequences = s.grpo_prompts_per_step * s.grpo_group_size
-        return 1.5 * sequences * 32 / self.tps + s.grpo_max_new_tokens * (sequences / (3 * self.tps) + 0.004)
+        tps = self.fp32_tps
+        return 1.5 * sequences * 32 / tps + s.grpo_max_new_tokens * (sequences / (3 * tps) + 0.004)
 
     def dpo_plan(self, seconds: float) -> tuple[float, dict]:
         """DPO's step count for ``seconds`` and its TrainConfig fields. Chosen + rejected go
@@ -531,7 +570,7 @@ class Quickstart:
         over the pairs: longer DPO on this small constructed set pulls the chosen answers down with
         the rejected ones (seen: arithmetic accuracy 0.24 → 0.04 after 1.3 passes at lr 5e-5)."""
         s = self.s
-        steps = min(seconds * self.tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3),
+        steps = min(seconds * self.fp32_tps / (s.batch_size * 2 * s.dpo_seq_len * 4 / 3),
                     self.records("dpo") // (2 * s.batch_size))
         return steps, dict(train_type="dpo", data_root_path=str(self.data_dir("dpo")),
                            param_path=str(self.model_dir("sft")), batch_per_device=s.batch_size,
@@ -590,7 +629,8 @@ class Quickstart:
             log(f"{name}: steps {first}-{last} ran at {pace.measured:.0f} tokens/s, not the probed {self.tps:.0f} "
                 f"(the machine's load changed): planning the stage again")
             shutil.rmtree(self.stage_dir(name))
-            write_json(self.out / "throughput.json", {"tokens_per_s": pace.measured, "probed_tokens_per_s": self.tps})
+            write_json(self.out / "throughput.json", {**read_json(self.out / "throughput.json"),
+                                                      "tokens_per_s": pace.measured, "probed_tokens_per_s": self.tps})
             self.tps = pace.measured
             return self.train_stage(index, name, check_pace=False)
         train_seconds = time.perf_counter() - start
@@ -598,7 +638,7 @@ class Quickstart:
         record = {
             "name": name, "steps": context.step, "tokens": context.tokens_seen,
             "planned_steps": replan.planned if replan is not None and replan.planned else config.max_steps,
-            "cpu_products": context.backend_state,
+            "cpu_products": context.backend_state, "precision": config.precision,
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
         }
@@ -804,9 +844,9 @@ def resumed_settings(s: Settings) -> Settings:
 def plan_of(records: list[dict], pinned: bool) -> dict:
     """The stage plan a run followed, as ``plan.json`` keeps it: each stage's planned steps
     (the length of its learning-rate schedule), for stages the deadline guard ended early
-    the step where they stopped, and the fp32 CPU products the run measured to be faster
-    (oneDNN's or the BLAS's, which round differently), so that ``--plan`` repeats the run
-    exactly."""
+    the step where they stopped, the fp32 CPU products the run measured to be faster
+    (oneDNN's or the BLAS's, which round differently) and the precision pre-training took, so
+    that ``--plan`` repeats the run exactly."""
     plan = {"steps": {r["name"]: r["planned_steps"] for r in records}}
     stopped = {r["name"]: r["steps"] for r in records if r["steps"] < r["planned_steps"]}
     if stopped:
@@ -814,6 +854,9 @@ def plan_of(records: list[dict], pinned: bool) -> dict:
     products = next((r["cpu_products"] for r in records if r.get("cpu_products")), None)
     if products:
         plan["cpu_products"] = products
+    precision = next((r["precision"] for r in records if r.get("precision")), None)
+    if precision:
+        plan["precision"] = precision
     plan["source"] = "pinned (--plan)" if pinned else "measured from throughput"
     return plan
 
@@ -821,11 +864,13 @@ def plan_of(records: list[dict], pinned: bool) -> dict:
 def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
     """A plan file (``plan.json`` of an earlier run, or ``{"steps": {"pretrain": 300, "sft":
     100, "dpo": 10, "grpo": 20}}``) as Settings fields: ``steps`` (optimizer steps per stage),
-    ``stop_at`` (where stages ended early, optional) and ``cpu_products`` (the fp32 products
-    decision, optional); ``stages`` are the run's training stages."""
+    ``stop_at`` (where stages ended early, optional), ``cpu_products`` (the fp32 products
+    decision, optional) and ``precision`` (pre-training's and SFT's, optional); ``stages`` are
+    the run's training stages."""
     try:
         plan = read_json(Path(path))
         steps, stop_at, products = plan["steps"], plan.get("stop_at", {}), plan.get("cpu_products")
+        precision = plan.get("precision", "auto")
     except FileNotFoundError:
         raise ConfigError(f"--plan {path}: file not found") from None
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
@@ -843,7 +888,9 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
                                      and all(isinstance(v, bool) for v in products.values())):
         raise ConfigError(f"--plan {path}: 'cpu_products' must be {{\"forward\": true|false, \"weight_grad\": "
                           f"true|false}}, got {products!r}")
-    return {"steps": dict(steps), "stop_at": dict(stop_at), "cpu_products": products}
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--plan {path}: 'precision' must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return {"steps": dict(steps), "stop_at": dict(stop_at), "cpu_products": products, "precision": precision}
 
 
 def print_outcome(summary: dict, out: str) -> None:

@@ -1,4 +1,4 @@
-"""The CPU backend: C kernels, serving layout, fused decode, oneDNN training products, tuning.
+"""The CPU backend: C kernels, serving layout, fused decode, oneDNN matmuls for training, tuning.
 
 It registers itself for the device kind "cpu" (astrai/backends/__init__.py) with:
 
@@ -7,7 +7,8 @@ It registers itself for the device kind "cpu" (astrai/backends/__init__.py) with
   decode steps counted as "fused", "row_kernels", "batched" or "torch";
 - the attention backend it binds (attention.py) and its decode buffers (decode_buffers.py);
 - ``agree_on_products`` and ``fast_training_products`` (training.py): a run's decision on
-  oneDNN's fp32 products and the trainer's opt-in to them;
+  oneDNN's fp32 matmuls and the trainer's opt-in to them; ``cpu_bf16_matmul_pays``: whether
+  this CPU's bf16 matmuls (AMX, AVX-512-BF16) are fast enough to try bf16 autocast training;
 - ``tune_process`` (tuning.py): the process-wide allocator tuning, and
   ``release_thread_pool``: a thread's idle OpenMP workers given back;
 - bfloat16 weights on the CPU cast the linear weights only (activations and KV cache stay fp32).
@@ -33,6 +34,7 @@ register(Backend(
     training_state_hook="astrai.backends.cpu.training:agree_on_products",
     training_products_hook="astrai.backends.cpu.training:fast_training_products",
     bf16_linears_only=True,
+    bf16_training_hook="astrai.backends.cpu.training:cpu_bf16_matmul_pays",
 ))
 
 
