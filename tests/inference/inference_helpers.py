@@ -43,7 +43,7 @@ def with_uneven_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 def padded_weight(n_out: int, n_in: int, spare: int = 0) -> torch.Tensor:
     """[out, in] weight whose rows lie ``in + spare`` floats apart; the spare floats (and one
-    more row after the last) hold NaN, so a product that reads past a row's inputs or past
+    more row after the last) hold NaN, so a matmul that reads past a row's inputs or past
     the outputs shows it."""
     storage = torch.randn(n_out + 1, n_in + spare)
     storage[:, n_in:] = float("nan")

@@ -11,7 +11,7 @@ from pathlib import Path
 import astrai.model
 
 MODEL_DIR = Path(astrai.model.__file__).parent
-FAST_PATH_NAMES = ["backends", "native", "row_product", "decode_attention", "decode_step", "kernels_available",
+FAST_PATH_NAMES = ["backends", "native", "row_matmul", "decode_attention", "decode_step", "kernels_available",
                    "packed_weight", "pack_linears", "joint_weight", "joint_linears", "linear_group", "onednn",
                    "mkldnn", "huge_page", "hugepage", "decode_buffer", "DecodeBuffers", "FusedDecode",
                    "fused_decode", "ctypes", "openmp", "mallopt", "greedy_run", "ServingLinear", "C kernel",

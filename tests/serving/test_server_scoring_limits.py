@@ -15,7 +15,7 @@ import torch
 from server_helpers import MODEL_NAME, live_server
 from starlette.testclient import TestClient
 
-from astrai.backends.cpu import dense_product
+from astrai.backends.cpu import dense_matmul
 from astrai.config import preset
 from astrai.inference import InferenceEngine
 from astrai.inference.engine import load_model
@@ -111,21 +111,21 @@ def test_scores_from_many_chunks_equal_the_plain_forward(tiny_engine, plain_mode
 
 
 def test_scoring_frees_the_scratch_of_the_thread_that_ran_it(tiny_model_dir):
-    """A bf16 model's prompt products widen weights into a per-thread slab (dense_product.py);
+    """A bf16 model's prompt matmuls widen weights into a per-thread slab (dense_matmul.py);
     the thread that scored keeps none of it afterwards."""
     model = load_model(tiny_model_dir, torch.bfloat16, "cpu")
     seen = {}
     with InferenceEngine(model, max_seq_len=64, page_size=16, in_place=True) as engine:
         def run():
             def consume(first, logits):
-                seen.setdefault("during", getattr(dense_product._scratch, "buffer", None) is not None)
+                seen.setdefault("during", getattr(dense_matmul._scratch, "buffer", None) is not None)
             engine.prompt_logits(list(range(5, 40)), consume, 8)
-            seen["after"] = getattr(dense_product._scratch, "buffer", None) is not None
+            seen["after"] = getattr(dense_matmul._scratch, "buffer", None) is not None
 
         worker = threading.Thread(target=run)
         worker.start()
         worker.join()
-    assert seen == {"during": dense_product.dense_products_available(), "after": False}
+    assert seen == {"during": dense_matmul.dense_matmul_available(), "after": False}
 
 
 def test_scoring_runs_on_one_worker_thread(tiny_engine, monkeypatch):

@@ -1,18 +1,18 @@
 """The CPU attention backend: views of the paged cache whose ``attend`` takes faster paths.
 
 The model calls ``paged_cache.attend(layer_idx, q, k, v)`` once per layer; these views
-answer it as the plain ``KvcacheView`` does, only by other routes where the CPU gains:
+answer it as the plain ``KvcacheView`` does, only through other kernels where the CPU gains:
 
 - ``CpuKvcacheView`` (prefill, and decode steps the decode buffers do not serve): rows
-  whose contexts begin with the same cached pages attend to that prefix in one product
+  whose contexts begin with the same cached pages attend to that prefix in one matmul
   for all of them (cascade attention) instead of a gathered copy per row; prefill rows of
   different lengths come ``packed``, one unpadded row of every task's tokens, and attend
   one at a time (SDPA's causal kernel skips the masked half).
 - ``DecodeView`` (decode steps over ``DecodeBuffers``): each row's context is already
   dense and heads-first, so one query per row attends through the C kernel, which reads
-  each row's own length only, or else through two batched products over the buffers.
+  each row's own length only, or else through two batched matmuls over the buffers.
 
-MLA layers pass ``expand`` and keep the plain route: what they cache is a latent that must
+MLA layers pass ``expand`` and keep the plain path: what they cache is a latent that must
 be expanded to K/V before any of these paths could read it.
 """
 
@@ -37,7 +37,7 @@ class CpuKvcacheView(KvcacheView):
         B, T, S = len(n_new), max(n_new), self._total_len
         self.shared_len = self._shared_prefix_len(page_table, start) if B > 1 and self.attn_mask is not None else 0
         # packed (several prefill rows of different lengths, no shared prefix): the rows' new
-        # tokens follow each other in one row [1, N] with no padding, so no product computes
+        # tokens follow each other in one row [1, N] with no padding, so no matmul computes
         # padding; the mask and the context slots stay per row, for attention row by row
         self.packed = packed and B > 1 and T > 1 and self.attn_mask is not None and not self.shared_len
         self.row_spans = list(zip(start, n_new)) if self.packed else None
@@ -93,7 +93,7 @@ class DecodeView(KvcacheView):
             [(p[s // ps] if s // ps < len(p) else sink) * ps + s % ps for p, s in zip(pages, start)], device=device)
         self.position_ids = torch.tensor(start, device=device).unsqueeze(1)
         # row b's context is its first start[b] + 1 positions: the kernel reads only those and
-        # needs no mask (the mask below serves the batched products)
+        # needs no mask (the mask below serves the batched matmuls)
         self.context_lens = self.position_ids.view(B) + 1
         self.attn_mask = None
         if any(s != start[0] for s in start):
@@ -147,8 +147,8 @@ class DecodeView(KvcacheView):
 
 def attend_one_query(q, k, v, attn_mask, scale: Optional[float] = None):
     """Decode attention (one query per row) as two ``bmm`` calls, for K/V [B, S, Hkv, D] views
-    of heads-first memory: each group's keys are a ready [S, D] matrix, which the products
-    stream once, and the query heads sharing a K/V head become the rows of one product, so
+    of heads-first memory: each group's keys are a ready [S, D] matrix, which the matmuls
+    stream once, and the query heads sharing a K/V head become the rows of one matmul, so
     grouped-query attention needs no K/V copy. Rows and K/V heads are flattened into bmm's
     batch, sparing 4-D ``matmul``'s reshaping."""
     B, _, H, D = q.shape
@@ -189,7 +189,7 @@ def attend_shared_prefix(q, shared, suffix, suffix_mask):
     q [B,T,H,D]; ``shared`` = (K, V) [P, Hkv, *] of the common prefix, which every query
     may see; ``suffix`` = (K, V) [B, S', Hkv, *], each row's own keys after it, masked by
     ``suffix_mask`` [B, 1, T, S']. The prefix is read once and multiplied with all rows'
-    queries in one product per K/V head, instead of being gathered into every row. One
+    queries in one matmul per K/V head, instead of being gathered into every row. One
     softmax runs over the prefix and suffix scores together, so the result is the plain
     attention over the whole context.
     """

@@ -4,7 +4,7 @@ With one row, a decode step of a small model is mostly not arithmetic: each laye
 rotary embedding, K/V writes, SiLU and residuals are some 60 PyTorch operator calls on a
 few hundred floats, each a few microseconds with the Python around it.
 ``native/decode_step.c`` does the whole step - embedding row, every layer, final norm,
-head - in one call, between the same one-row products and decode attention the unfused
+head - in one call, between the same one-row GEMVs and decode attention the unfused
 step uses, so the step costs what streaming the weights costs.
 
 It fits GQA attention (with or without q/k/v biases and QK-norm; no output gate) and dense

@@ -2,34 +2,35 @@
 
 Six kernels live in ``native/``, built into one library: the four below,
 ``native/dense_rows.c``, which widens rows of a bf16 or int8 weight to fp32 for the
-prefill's products, and ``native/quantized_rows.c``, which multiplies many rows by an int4
-weight in integers (both bound in dense_product.py).
+prefill's matmuls, and ``native/integer_matmul.c``, which multiplies many rows by an int4
+weight in integers (both bound in dense_matmul.py).
 
 Decode attention. PyTorch has no CPU kernel for attention of one query over rows of
-different lengths: batched products over every row padded to the longest context read the
+different lengths: batched matmuls over every row padded to the longest context read the
 padding too. ``native/decode_attention.c`` reads each row's own context only, once, with
 vectorised loops.
 
-One-row products. A single request's decode step is bound by streaming the weights.
-``native/row_product.c`` reads a row-major weight (nn.Linear's layout) one output row
+One-row matmuls (GEMV). A single request's decode step is bound by streaming the weights.
+``native/row_matmul.c`` reads a row-major weight (nn.Linear's layout) one output row
 at a time, each thread a contiguous stretch of rows: one stream per thread, which the
-hardware prefetcher follows on its own. ``rows_product`` is the same walk for a few rows
+hardware prefetcher follows on its own. ``rows_matmul`` is the same walk for a few rows
 (a decode step of continuous batching): each weight row, read once, serves every row of x
 in groups of four while it sits in L1. Up to ``MAX_F32_ROWS`` rows it reads a model's
-weights faster than oneDNN's product over its packed copy.
+weights faster than oneDNN's matmul over its packed copy.
 
-Products over smaller weights. ``native/typed_product.c`` is the same product for one to
-``MAX_TYPED_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
+Weight-only dequantizing matmuls. ``native/dequant_matmul.c`` is the same matmul for one to
+``MAX_DEQUANT_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
 Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout), reading the weight once for all
-rows. bf16 and int8 sum in fp32 over float activations; int4 rounds the activations to Q8_0
+rows and dequantizing each block in registers. bf16 and int8 (W8A32) sum in fp32 over float
+activations; int4 (W4A8, as llama.cpp's ``vec_dot`` with Q8_0 activations) rounds the activations to Q8_0
 blocks as ``quantize_activations`` does and sums each block's int4 x int8 products in
 integers (the plain-C build the same integer sums). ``TypedWeight`` describes such a
-weight (``typed_product`` takes it). ``rounded_activations`` is that rounding on its own,
-in one pass, for the routes that multiply an int4 weight in floats.
+weight (``dequant_matmul`` takes it). ``rounded_activations`` is that rounding on its own,
+in one pass, for the paths that multiply an int4 weight in floats.
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a GQA +
 SwiGLU model for one row - norms (QK-norm too), biases, rotary embedding, K/V writes,
-attention, SiLU, residuals and the head - in one call, between the same products (over
+attention, SiLU, residuals and the head - in one call, between the same matmuls (over
 fp32, bf16, int8 or int4 weights, each weight's type in its table) and decode attention as
 above; fused_decode.py decides when a model and a step qualify and builds its
 table of pointers. ``decode_steps`` runs several such steps of a greedy request in one
@@ -40,10 +41,10 @@ the source, the flags and this CPU's feature flags (it is compiled for this CPU;
 build deletes all but the four most recent older ones), and loaded with ctypes; its OpenMP
 calls resolve to the libgomp that torch already loaded, so its threads are torch's. Without
 a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``, nothing is built: attention keeps the
-batched products, one-row products the split and typed weights are dequantized for torch's
-product (a warning says so once; the engine's ``decode_paths`` statistic shows it).
+batched matmuls, one-row matmuls the split and typed weights are dequantized for torch's
+matmul (a warning says so once; the engine's ``decode_paths`` statistic shows it).
 
-The build targets this CPU (``-march=native``): with AVX2 and FMA the typed products widen
+The build targets this CPU (``-march=native``): with AVX2 and FMA the dequantizing matmuls widen
 their blocks with intrinsics, with F16C the scales convert in one instruction. Any other CPU
 runs the same sums as plain C. ``ASTRAI_PORTABLE_KERNELS=1`` builds that plain form for the
 generic target instead (the same tokens, slower): the fallback a CPU without those features
@@ -81,8 +82,8 @@ FAST_MATH = ["-fno-math-errno", "-fassociative-math", "-freciprocal-math", "-fno
              "-ffp-contract=fast"]
 FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]
 PORTABLE_FLAGS = ["-O3", "-DASTRAI_PORTABLE", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]
-MAX_F32_ROWS = 16  # rows serving gives rows_product (beyond, oneDNN's packed product is as fast or faster)
-MAX_TYPED_ROWS = 8  # rows a typed product takes at most (ASTRAI_MAX_TYPED_ROWS in native/typed_product.c)
+MAX_F32_ROWS = 16  # rows serving gives rows_matmul (beyond, oneDNN's packed matmul is as fast or faster)
+MAX_DEQUANT_ROWS = 8  # rows a dequantizing matmul takes at most (ASTRAI_MAX_DEQUANT_ROWS in native/dequant_matmul.c)
 
 
 def portable_forced() -> bool:
@@ -158,7 +159,7 @@ def _library() -> Optional[ctypes.CDLL]:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
-        logger.warning("no C compiler found: decode attention and one-row products keep PyTorch's ops (slower)")
+        logger.warning("no C compiler found: decode attention and one-row matmuls keep PyTorch's ops (slower)")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
@@ -171,10 +172,10 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_decode_attention_workspace_floats.restype = i64
     library.astrai_kv_kinds.argtypes = []
     library.astrai_kv_kinds.restype = ctypes.c_int
-    library.astrai_row_product_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
-    library.astrai_row_product_argmax_f32.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
-    library.astrai_rows_product_f32.argtypes = [ptr, i64] + [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
-    library.astrai_row_product_argmax_f32.restype = i64
+    library.astrai_row_matmul_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
+    library.astrai_row_matmul_argmax_f32.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
+    library.astrai_rows_matmul_f32.argtypes = [ptr, i64] + [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
+    library.astrai_row_matmul_argmax_f32.restype = i64
     library.astrai_decode_step_f32.argtypes = [ctypes.POINTER(DecodePlan)] + [i64] * 4 + [ptr]
     library.astrai_decode_step_f32.restype = i64
     library.astrai_decode_steps_f32.argtypes = ([ctypes.POINTER(DecodePlan)] + [i64] * 2 + [ptr] * 2 + [i64] + [ptr]
@@ -184,18 +185,18 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_verify_step_f32.restype = i64
     library.astrai_step_work_floats.argtypes = [ctypes.POINTER(DecodePlan), i64]
     library.astrai_step_work_floats.restype = i64
-    library.astrai_typed_product.argtypes = ([ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr] + [i64] * 5
-                                             + [ctypes.c_int] * 2)
-    library.astrai_typed_product.restype = i64
+    library.astrai_dequant_matmul.argtypes = ([ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr] + [i64] * 5
+                                              + [ctypes.c_int] * 2)
+    library.astrai_dequant_matmul.restype = i64
     library.astrai_round_activations.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     library.astrai_round_activations.restype = None
-    library.astrai_quantized_rows.argtypes = ([ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ptr, ptr]
+    library.astrai_integer_matmul.argtypes = ([ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ptr, ptr]
                                               + [i64] * 3 + [ctypes.c_int])
-    library.astrai_quantized_rows.restype = i64
-    library.astrai_typed_product_vectorised.argtypes = []
-    library.astrai_typed_product_vectorised.restype = ctypes.c_int
-    for function in (library.astrai_decode_attention_f32, library.astrai_row_product_f32,
-                     library.astrai_rows_product_f32):
+    library.astrai_integer_matmul.restype = i64
+    library.astrai_dequant_matmul_vectorised.argtypes = []
+    library.astrai_dequant_matmul_vectorised.restype = ctypes.c_int
+    for function in (library.astrai_decode_attention_f32, library.astrai_row_matmul_f32,
+                     library.astrai_rows_matmul_f32):
         function.restype = None
     return library
 
@@ -257,53 +258,53 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     return out
 
 
-def row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one row ``x`` [..., in] (fp32, contiguous) and a
     row-major fp32 ``weight`` [out, in] (contiguous rows; rows may lie further apart).
     Call only when ``kernels_available()``."""
-    _check_row_product(x, weight, bias)
+    _check_row_matmul(x, weight, bias)
     n_out, n_in = weight.shape
     out = torch.empty(n_out, dtype=x.dtype)
-    _library().astrai_row_product_f32(
+    _library().astrai_row_matmul_f32(
         x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
         n_in, n_out, weight.stride(0), max(torch.get_num_threads(), 1))
     return out.view(*x.shape[:-1], n_out)
 
 
-def rows_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a few rows ``x`` [..., in] (fp32, contiguous; up to
-    ``MAX_F32_ROWS`` is where it beats oneDNN's packed product) and a row-major fp32 ``weight``,
+    ``MAX_F32_ROWS`` is where it beats oneDNN's packed matmul) and a row-major fp32 ``weight``,
     reading the weight once for all rows. Call only when ``kernels_available()``."""
     n_out, n_in = weight.shape if weight.dim() == 2 else (0, -1)
     if not (x.shape[-1] == n_in and x.is_contiguous() and row_major(weight) and x.dtype == weight.dtype == torch.float32
             and fits_bias(bias, n_out)):
-        raise ValueError("rows_product: unsupported layout or dtype")
+        raise ValueError("rows_matmul: unsupported layout or dtype")
     rows = x.numel() // max(n_in, 1)
     out = torch.empty(rows, n_out, dtype=x.dtype)
     if rows:
-        _library().astrai_rows_product_f32(
+        _library().astrai_rows_matmul_f32(
             x.data_ptr(), rows, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
             n_in, n_out, weight.stride(0), max(torch.get_num_threads(), 1))
     return out.view(*x.shape[:-1], n_out)
 
 
-def row_product_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``row_product(x, weight)`` [out] and the index of its maximum as ``torch.argmax`` gives
-    it (the first maximum; the first NaN if any): the product the C decode step ends with,
+def row_matmul_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``row_matmul(x, weight)`` [out] and the index of its maximum as ``torch.argmax`` gives
+    it (the first maximum; the first NaN if any): the GEMV the C decode step ends with,
     for its head. Call only when ``kernels_available()``."""
-    _check_row_product(x, weight, None)
+    _check_row_matmul(x, weight, None)
     n_out, n_in = weight.shape
     out = torch.empty(n_out, dtype=x.dtype)
-    best = _library().astrai_row_product_argmax_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n_in, n_out,
+    best = _library().astrai_row_matmul_argmax_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n_in, n_out,
                                                    weight.stride(0), max(torch.get_num_threads(), 1))
     return out, best
 
 
-def _check_row_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+def _check_row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     n_in = weight.shape[1] if weight.dim() == 2 else -1
     if not (x.numel() == n_in and x.is_contiguous() and row_major(weight)
             and x.dtype == weight.dtype == torch.float32 and fits_bias(bias, weight.shape[0])):
-        raise ValueError("row_product: unsupported layout or dtype")
+        raise ValueError("row_matmul: unsupported layout or dtype")
 
 
 def fits_bias(bias: Optional[torch.Tensor], n_out: int) -> bool:
@@ -314,18 +315,18 @@ def fits_bias(bias: Optional[torch.Tensor], n_out: int) -> bool:
 
 
 def row_major(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` [out, in] has contiguous rows, as ``row_product`` reads it."""
+    """Whether ``weight`` [out, in] has contiguous rows, as ``row_matmul`` reads it."""
     return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] == 1) and weight.stride(0) >= weight.shape[1]
 
 
-# weight types of native/typed_product.c
+# weight types of native/dequant_matmul.c
 F32, BF16, Q8, Q4, Q41 = 0, 1, 2, 3, 4  # Q41: int4 with a minimum per block (GGUF's Q4_1)
 BLOCK = 32  # inputs per quantized block (one fp16 scale each)
 
 
 @dataclass(frozen=True)
 class TypedWeight:
-    """A row-major weight [out, in] as the typed products read it: ``data`` fp32 or bf16
+    """A row-major weight [out, in] as the dequantizing matmuls read it: ``data`` fp32 or bf16
     [out, >= in], or the quantized values (int8 [out, padded in], or uint8 [out, padded in / 2]
     for int4) with their fp16 ``scales`` [out, padded in / 32]; rows may lie further apart
     than their length (a block of a stacked weight), each tensor's last dimension contiguous."""
@@ -366,22 +367,22 @@ class TypedWeight:
                 0 if scales is None else scales.stride(0), self.kind)
 
 
-def typed_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dequant_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` over the weight ``weight`` describes, dequantized, for 1 to
-    ``MAX_TYPED_ROWS`` rows ``x`` [..., in] (fp32, contiguous); one row of an fp32 weight takes
-    ``row_product``'s kernel. Call only when ``kernels_available()``."""
+    ``MAX_DEQUANT_ROWS`` rows ``x`` [..., in] (fp32, contiguous); one row of an fp32 weight takes
+    ``row_matmul``'s kernel. Call only when ``kernels_available()``."""
     n_in = weight.in_features
     rows = x.numel() // n_in if n_in else 0
-    if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == n_in and 1 <= rows <= MAX_TYPED_ROWS
+    if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == n_in and 1 <= rows <= MAX_DEQUANT_ROWS
             and fits_bias(bias, weight.out_features)):
-        raise ValueError("typed_product: unsupported rows, layout or dtype")
+        raise ValueError("dequant_matmul: unsupported rows, layout or dtype")
     weight.check()
     n_out = weight.out_features
     out = torch.empty(rows, n_out, dtype=torch.float32)
     data, stride, scales, scale_ld, kind = weight.pointers()
-    _library().astrai_typed_product(x.data_ptr(), rows, n_in, data, scales, kind,
-                                    0 if bias is None else bias.data_ptr(), out.data_ptr(), n_out, n_in, n_out,
-                                    stride, scale_ld, max(torch.get_num_threads(), 1), 0)
+    _library().astrai_dequant_matmul(x.data_ptr(), rows, n_in, data, scales, kind,
+                                     0 if bias is None else bias.data_ptr(), out.data_ptr(), n_out, n_in, n_out,
+                                     stride, scale_ld, max(torch.get_num_threads(), 1), 0)
     return out.view(*x.shape[:-1], n_out)
 
 
@@ -397,10 +398,10 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def typed_products_vectorised() -> bool:
+def dequant_matmul_vectorised() -> bool:
     """Whether the loaded build reads typed weights with AVX2 intrinsics (else plain C)."""
     library = _library()
-    return bool(library is not None and library.astrai_typed_product_vectorised())
+    return bool(library is not None and library.astrai_dequant_matmul_vectorised())
 
 
 COLUMNS = 29  # int64 values per layer in decode_step.c's table

@@ -5,10 +5,10 @@ copies, huge pages), keeps the decode batch's contexts in dense buffers across s
 (decode_buffers.py), binds the CPU attention views (attention.py), and runs a single
 request's decode step, or a run of greedy steps, through the fused C step when the model
 fits it (fused_decode.py), counting the decode steps each path ran (``decode_path_counts``:
-a step of the model's forward is "row_kernels" when every product in it took the C kernels,
+a step of the model's forward is "row_kernels" when every matmul in it ran on the C kernels,
 "batched" when the others took oneDNN's packed weights or the split, "torch" when any fell
-back to plain torch, per serving.py's tally of routes). Every step's result is the one the plain runner would give; only
-the route differs. The CPU backend registers it for the device kind "cpu" (astrai/backends/cpu/__init__.py),
+back to plain torch, per serving.py's tally of kernels). Every step's result is the one the plain runner would give; only
+the kernels differ. The CPU backend registers it for the device kind "cpu" (astrai/backends/cpu/__init__.py),
 with those four path names.
 """
 
@@ -21,9 +21,9 @@ from torch import nn
 
 from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView
 from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
-from astrai.backends.cpu.dense_product import release_slab_buffer
+from astrai.backends.cpu.dense_matmul import release_slab_buffer
 from astrai.backends.cpu.fused_decode import FusedDecode
-from astrai.backends.cpu.serving import prepare_for_serving, route_counts
+from astrai.backends.cpu.serving import kernel_counts, prepare_for_serving
 from astrai.inference.cache import KVCache
 from astrai.inference.runner import GreedyRun, ModelRunner, Row
 
@@ -52,7 +52,7 @@ class CpuModelRunner(ModelRunner):
                 return fused[0], [fused[1]]
         if any(len(r.tokens) != 1 for r in rows):
             return self.model_forward(rows), None
-        counts = route_counts()
+        counts = kernel_counts()
         before = (counts["kernel"], counts["torch"] + counts["dense"], sum(counts.values()))
         logits = self.model_forward(rows)
         kernel, fallback, total = (counts["kernel"] - before[0], counts["torch"] + counts["dense"] - before[1],

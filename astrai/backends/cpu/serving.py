@@ -1,40 +1,41 @@
 """How the CPU runner prepares its model for serving: weight layout and serving modules.
 
-Without autograd, the products of a decode step are few rows by large weights, which the
-CPU runs faster by other routes than ``F.linear`` takes (``serving_product``):
+Without autograd, the matmuls of a decode step are few rows by large weights, which the
+CPU runs faster through other kernels than the one ``F.linear`` picks (``serving_linear``):
 
-- one row through the C one-row product (kernels.py), which gives each thread one
+- one row through the C GEMV (kernels.py), which gives each thread one
   contiguous stretch of the weight's rows to stream, and 2 to ``MAX_F32_ROWS`` rows (a
   decode batch) through its few-rows form, which streams the weight once for all of them;
 - more rows from the weight's oneDNN-packed copy (made once, packed again only when the
   weight changed: an ``update_weights`` copies new values in place);
-- otherwise, up to 64 rows, as one batched product over the weight's two halves of
+- otherwise, up to 64 rows, as one batched matmul over the weight's two halves of
   outputs, which keeps both threads of a small machine busy where the BLAS would not.
 
 ``prepare_for_serving`` arranges the runner's own copy of the model for them: the linears
 that read the same input (a module's ``input_projections()``: q/k/v, gate/up) are stacked
 in one buffer, every weight a view of its block of rows, and the module becomes its
-serving subclass, whose ``project`` runs the group as one product over the joint weight -
+serving subclass, whose ``project`` runs the group as one matmul over the joint weight -
 one longer stream per thread, one call instead of three; large weights sit in huge-page
 memory (huge_pages.py); every other plain linear becomes a ``ServingLinear``. Values,
 parameter names and ties never change, so the model's state dict is the same.
 
-Smaller weights take the typed products of native/typed_product.c (``typed_serving_product``):
+Smaller weights take the weight-only dequantizing matmuls of native/dequant_matmul.c
+(``dequant_serving_linear``):
 a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
-``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_TYPED_ROWS``
+``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_DEQUANT_ROWS``
 rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
-fp32 (up to ``TYPED_MAX_ROWS`` rows, ``MAX_TYPED_ROWS`` a pass); more rows (a prefill) take
-dense_product.py, which widens a bf16 or int8 weight to fp32 in C, a slab at a time into a
-buffer each thread keeps, for oneDNN's product (in fp32, bf16 activations too, on a CPU without
-native bf16 products, where torch would emulate them; without the native library torch
-multiplies the weight dequantized once for the call). An int4 weight takes the typed product
-for one to three rows only: from ``INTEGER_MIN_ROWS`` rows on, ``integer_product`` multiplies
+fp32 (up to ``DEQUANT_MAX_ROWS`` rows, ``MAX_DEQUANT_ROWS`` a pass); more rows (a prefill) take
+dense_matmul.py, which widens a bf16 or int8 weight to fp32 in C, a slab at a time into a
+buffer each thread keeps, for oneDNN's GEMM (in fp32, bf16 activations too, on a CPU without
+native bf16 matmuls, where torch would emulate them; without the native library torch
+multiplies the weight dequantized once for the call). An int4 weight takes the dequantizing matmul
+for one to three rows only: from ``INTEGER_MIN_ROWS`` rows on, ``integer_matmul`` multiplies
 it by the rounded activations in integers, which beats reading the weight once as soon as the
 sums, not the reads, are the bound. Their
 groups stack too: stacking along the outputs concatenates rows, so the joint weight of
 quantized members is their values and scales, each concatenated.
 
-Every product notes which route it took in a per-thread tally (``route_counts``), which the
+Every matmul notes which kernel ran it in a per-thread tally (``kernel_counts``), which the
 runner turns into its count of decode steps per path.
 """
 
@@ -49,41 +50,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.backends.cpu.dense_product import dense_product, dense_products_available, integer_product
+from astrai.backends.cpu.dense_matmul import dense_matmul, dense_matmul_available, integer_matmul
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
-from astrai.backends.cpu.kernels import (BF16, F32, MAX_F32_ROWS, MAX_TYPED_ROWS, Q4, Q8, Q41, TypedWeight,
-                                         cpu_flags, kernels_available, rounded_activations, row_major,
-                                         row_product, rows_product, typed_product)
+from astrai.backends.cpu.kernels import (BF16, F32, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q8, Q41, TypedWeight,
+                                         cpu_flags, dequant_matmul, kernels_available, rounded_activations,
+                                         row_major, row_matmul, rows_matmul)
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.layers import Linear
 from astrai.model.quantized import QuantizedLinear, dequantize_weight
 
-SPLIT_MAX_ROWS = 64  # products of at most this many rows are split in two (see serving_product)
+SPLIT_MAX_ROWS = 64  # matmuls of at most this many rows are split in two (see serving_linear)
 SERVED_DTYPES = (torch.float32, torch.bfloat16)
-# rows a typed product reads its weight for in passes of MAX_TYPED_ROWS: a decode batch's;
-# beyond, dequantizing the weight once for torch's product costs less than more passes
-TYPED_MAX_ROWS = 2 * MAX_TYPED_ROWS  # float weights the serving layout takes
-# rows from which an int4 product unpacks the weight for integer_product: below, the typed
-# product's one read of the weight is faster (at three rows it depends on the shape); from
+# rows a dequantizing matmul reads its weight for in passes of MAX_DEQUANT_ROWS: a decode batch's;
+# beyond, dequantizing the weight once for torch's matmul costs less than more passes
+DEQUANT_MAX_ROWS = 2 * MAX_DEQUANT_ROWS  # float weights the serving layout takes
+# rows from which an int4 linear unpacks the weight for integer_matmul: below, the dequantizing
+# matmul's one read of the weight is faster (at three rows it depends on the shape); from
 # four rows on its sums are the bound
 INTEGER_MIN_ROWS = 4
 _tally = threading.local()
 
 
-def route_counts() -> Counter:
-    """This thread's count of products by route since it started: "kernel" (astrai's C
-    products), "packed" (oneDNN's packed copy), "split" (two halves in one bmm), "dense"
-    (a typed weight dequantized for torch's product) and "torch" (F.linear as it is)."""
+def kernel_counts() -> Counter:
+    """This thread's count of matmuls by the kernel that ran them since it started: "kernel"
+    (astrai's C kernels), "packed" (oneDNN's packed copy), "split" (two halves in one bmm),
+    "dense" (a typed weight dequantized for torch's matmul) and "torch" (F.linear as it is)."""
     counts = getattr(_tally, "counts", None)
     if counts is None:
         counts = _tally.counts = Counter()
     return counts
 
 
-def _note(route: str) -> None:
-    route_counts()[route] += 1
+def _note(kernel: str) -> None:
+    kernel_counts()[kernel] += 1
 
 
 def onednn_available() -> bool:
@@ -107,21 +108,21 @@ class PackedWeight:
             self._stamp = stamp
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            except RuntimeError:  # a build whose oneDNN refuses this shape: the other products remain
+            except RuntimeError:  # a build whose oneDNN refuses this shape: the other kernels remain
                 self._packed = None
         return self._packed
 
 
-def serving_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                    packed: Optional[PackedWeight]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, by the fastest route for an fp32 CPU product without
+def serving_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   packed: Optional[PackedWeight]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the fastest kernel for an fp32 CPU matmul without
     autograd (see the module's docstring)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
         rows = x.numel() // max(x.shape[-1], 1)
         if (1 < rows <= MAX_F32_ROWS and weight.dtype == torch.float32 and x.is_contiguous() and row_major(weight)
                 and (bias is None or bias.dtype == torch.float32) and kernels_available()):
             _note("kernel")  # a few rows stream the plain weight faster than oneDNN reads its packed copy
-            return rows_product(x, weight, None if bias is None else bias.contiguous())
+            return rows_matmul(x, weight, None if bias is None else bias.contiguous())
         if rows != 1:
             copy = None if packed is None else packed.get()
             if copy is not None:
@@ -130,69 +131,69 @@ def serving_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         elif (weight.dtype == torch.float32 and x.is_contiguous() and row_major(weight)
               and (bias is None or bias.dtype == torch.float32) and kernels_available()):
             _note("kernel")
-            return row_product(x, weight, None if bias is None else bias.contiguous())
+            return row_matmul(x, weight, None if bias is None else bias.contiguous())
         if (x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and weight.dtype == torch.float32 and weight.is_contiguous()
                 and weight.shape[0] % 2 == 0 and torch.get_num_threads() > 1):
             _note("split")
-            return _split_product(x, weight, bias)
+            return _split_matmul(x, weight, bias)
     _note("torch")
     return F.linear(x, weight, bias)
 
 
-def typed_serving_product(x: torch.Tensor, weight: Optional[TypedWeight], bias: Optional[torch.Tensor],
-                          dense: Callable[[], torch.Tensor]) -> torch.Tensor:
+def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias: Optional[torch.Tensor],
+                           dense: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, dense(), bias)`` for a bf16 or quantized weight that ``weight`` describes
     (None: not readable by the kernels), ``dense()`` giving it as a float tensor: up to
-    ``TYPED_MAX_ROWS`` rows of a product without autograd through ``typed_product``,
-    ``MAX_TYPED_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
-    through ``dense_product`` (slabs of the weight widened in C), an int4 weight from
-    ``INTEGER_MIN_ROWS`` rows on through ``integer_product``, anything else through torch
+    ``DEQUANT_MAX_ROWS`` rows of a matmul without autograd through ``dequant_matmul``,
+    ``MAX_DEQUANT_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
+    through ``dense_matmul`` (slabs of the weight widened in C), an int4 weight from
+    ``INTEGER_MIN_ROWS`` rows on through ``integer_matmul``, anything else through torch
     over ``dense()``, made once for the call. An int4 weight multiplies ``x``
-    rounded as ``quantize_activations`` does on every route, as QuantizedLinear's forward
-    does: the kernels round fp32 rows themselves, exactly so, and torch's route takes
+    rounded as ``quantize_activations`` does on every path, as QuantizedLinear's forward
+    does: the kernels round fp32 rows themselves, exactly so, and torch's path takes
     ``rounded_activations`` (one native pass)."""
     rows = x.numel() // max(x.shape[-1], 1)
     native = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
               and x.shape[-1] == weight.in_features)
-    if native and weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS and dense_products_available():
+    if native and weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS and dense_matmul_available():
         _note("kernel")
-        out = integer_product(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
+        out = integer_matmul(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)
-    kernel = native and 1 <= rows <= TYPED_MAX_ROWS and kernels_available()
+    kernel = native and 1 <= rows <= DEQUANT_MAX_ROWS and kernels_available()
     if weight is not None and weight.kind in (Q4, Q41) and not (kernel and x.dtype == torch.float32):
         x = rounded_activations(x)
     if kernel:
         _note("kernel")
         flat = x.reshape(rows, -1).float().contiguous()
         b = None if bias is None else bias.float().contiguous()
-        if rows <= MAX_TYPED_ROWS:
-            out = typed_product(flat, weight, b)
+        if rows <= MAX_DEQUANT_ROWS:
+            out = dequant_matmul(flat, weight, b)
         else:
-            out = torch.cat([typed_product(flat[i:i + MAX_TYPED_ROWS], weight, b)
-                             for i in range(0, rows, MAX_TYPED_ROWS)])
+            out = torch.cat([dequant_matmul(flat[i:i + MAX_DEQUANT_ROWS], weight, b)
+                             for i in range(0, rows, MAX_DEQUANT_ROWS)])
         return out.view(*x.shape[:-1], -1).to(x.dtype)
     _note("dense")
-    if (native and weight.kind in (BF16, Q8) and not (x.dtype == torch.bfloat16 and native_bf16_products())
-            and dense_products_available()):
-        out = dense_product(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
+    if (native and weight.kind in (BF16, Q8) and not (x.dtype == torch.bfloat16 and native_bf16_matmul())
+            and dense_matmul_available()):
+        out = dense_matmul(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)
     weight_values = dense().to(x.dtype)
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_products():
-        # the same bf16 values multiplied in fp32: torch's bf16 product is emulated (slower) here
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_matmul():
+        # the same bf16 values multiplied in fp32: torch's bf16 matmul is emulated (slower) here
         out = F.linear(x.float(), weight_values.float(), None if bias is None else bias.to(x.dtype).float())
         return out.to(x.dtype)
     return F.linear(x, weight_values, None if bias is None else bias.to(x.dtype))
 
 
 @functools.lru_cache(maxsize=1)
-def native_bf16_products() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where torch's bf16 product
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where torch's bf16 matmul
     beats converting to fp32; elsewhere it is emulated, several times slower than fp32's."""
     flags = set(cpu_flags().split())
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _split_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a contiguous ``weight`` with an even number of
     outputs, as one ``bmm`` over its two halves of rows (one thread each)."""
     n_out, n_in = weight.shape
@@ -205,7 +206,7 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 
 def typed_weight(module: nn.Module) -> Optional[TypedWeight]:
-    """How the C products read ``module``'s weight: a QuantizedLinear's blocks, a plain linear's
+    """How the C kernels read ``module``'s weight: a QuantizedLinear's blocks, a plain linear's
     fp32 or bf16 weight; None for anything else."""
     if isinstance(module, QuantizedLinear):
         kind = Q8 if module.bits == 8 else Q41 if module.asymmetric else Q4
@@ -241,8 +242,8 @@ class CheckedWeight:
 
 
 class ServingLinear(Linear):
-    """A linear whose forward is ``serving_product`` over its weight and packed copy (fp32),
-    or ``typed_serving_product`` (bf16)."""
+    """A linear whose forward is ``serving_linear`` over its weight and packed copy (fp32),
+    or ``dequant_serving_linear`` (bf16)."""
 
     packed: Optional[PackedWeight] = None
     checked: Optional[CheckedWeight] = None
@@ -251,12 +252,12 @@ class ServingLinear(Linear):
         if self.weight.dtype == torch.bfloat16:
             if self.checked is None:
                 self.checked = CheckedWeight()
-            return typed_serving_product(x, self.checked.get(self), self.bias, lambda: self.weight)
-        return serving_product(x, self.weight, self.bias, self.packed)
+            return dequant_serving_linear(x, self.checked.get(self), self.bias, lambda: self.weight)
+        return serving_linear(x, self.weight, self.bias, self.packed)
 
 
 class ServingQuantizedLinear(QuantizedLinear):
-    """A QuantizedLinear whose forward is ``typed_serving_product``: the same numbers as its
+    """A QuantizedLinear whose forward is ``dequant_serving_linear``: the same numbers as its
     own forward (but for the order of the additions), from the packed blocks."""
 
     checked: Optional[CheckedWeight] = None
@@ -264,7 +265,7 @@ class ServingQuantizedLinear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checked is None:
             self.checked = CheckedWeight()
-        return typed_serving_product(x, self.checked.get(self), self.bias, self.dequantize)
+        return dequant_serving_linear(x, self.checked.get(self), self.bias, self.dequantize)
 
 
 def stored_weight(module: nn.Module) -> torch.Tensor:
@@ -272,10 +273,10 @@ def stored_weight(module: nn.Module) -> torch.Tensor:
     return module.qweight if isinstance(module, QuantizedLinear) else module.weight
 
 
-class JointProduct:
-    """The linears of one group as one product over their stacked weight, split afterwards.
+class JointMatmul:
+    """The linears of one group as one matmul over their stacked weight, split afterwards.
 
-    Checks before each product that the weights still lie where they were stacked (a caller
+    Checks before each matmul that the weights still lie where they were stacked (a caller
     that consented to in-place preparation may assign new tensors); if not, the group runs
     module by module."""
 
@@ -300,7 +301,7 @@ class JointProduct:
         return self.weight if self._member_addresses() == self._addresses else None
 
     def typed_weight(self) -> Optional[TypedWeight]:
-        """The joint weight as the C products read it, while ``current``."""
+        """The joint weight as the C kernels read it, while ``current``."""
         return self.typed if self.current() is not None else None
 
     def _dense(self) -> torch.Tensor:
@@ -313,9 +314,9 @@ class JointProduct:
         if self.current() is None:
             return [m(x) for m in self.modules]
         if self.typed.kind == F32:
-            out = serving_product(x, self.weight, self.bias, self.packed)
+            out = serving_linear(x, self.weight, self.bias, self.packed)
         else:
-            out = typed_serving_product(x, self.typed, self.bias, self._dense)
+            out = dequant_serving_linear(x, self.typed, self.bias, self._dense)
         parts = out.split(self.sizes, dim=-1)
         if self.bias is not None:
             return list(parts)
@@ -323,9 +324,9 @@ class JointProduct:
 
 
 class _JointProjection:
-    """Serving subclasses' ``project``: the module's input projections as one product."""
+    """Serving subclasses' ``project``: the module's input projections as one matmul."""
 
-    joint: JointProduct
+    joint: JointMatmul
 
     def project(self, x: torch.Tensor) -> list[torch.Tensor]:
         modules = self.input_projections()
@@ -335,15 +336,15 @@ class _JointProjection:
 
 
 class ServingGQA(_JointProjection, GQA):
-    """GQA whose q/k/v (and gate) projections run as one product."""
+    """GQA whose q/k/v (and gate) projections run as one matmul."""
 
 
 class ServingMLA(_JointProjection, MLA):
-    """MLA whose q and latent (and gate) projections run as one product."""
+    """MLA whose q and latent (and gate) projections run as one matmul."""
 
 
 class ServingMLP(_JointProjection, MLP):
-    """SwiGLU MLP whose gate and up projections run as one product."""
+    """SwiGLU MLP whose gate and up projections run as one matmul."""
 
 
 SERVING_CLASSES = {GQA: ServingGQA, MLA: ServingMLA, MLP: ServingMLP}
@@ -364,7 +365,7 @@ def prepare_for_serving(model: nn.Module) -> None:
             stacked = _stack(group, in_groups)
             if stacked is not None:
                 module.__class__ = serving
-                module.joint = JointProduct(group, stacked)
+                module.joint = JointMatmul(group, stacked)
                 _pack_now(module.joint.packed)
         laid: set[int] = set()
         for module in model.modules():
@@ -399,7 +400,7 @@ def _movable(weight: torch.Tensor) -> bool:
 
 class Stacked:
     """A group's joint weight: ``weight`` the stacked tensor (the values, for quantized
-    members), ``typed`` how the C products read it, ``bias`` the stacked biases when every
+    members), ``typed`` how the C kernels read it, ``bias`` the stacked biases when every
     member has one (each member's bias then a view of its block), else None."""
 
     def __init__(self, weight: torch.Tensor, typed: TypedWeight, bias: Optional[torch.Tensor]):

@@ -1,5 +1,5 @@
 """The C decode attention kernel: built here, equal to plain attention, used by the engine's
-decode steps, refusing what it cannot read safely; and the batched-product fallback."""
+decode steps, refusing what it cannot read safely; and the batched-matmul fallback."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_kernel_equals_attention_over_each_rows_own_context(heads, kv_heads, wid
     assert torch.allclose(got, _reference(q, k, v, lens, 0.3), atol=1e-5)
 
 
-def test_kernel_matches_the_batched_products_it_replaces():
+def test_kernel_matches_the_batched_matmuls_it_replaces():
     torch.manual_seed(0)
     rows, kv_heads, group, width, capacity = 5, 2, 2, 16, 64
     lens = torch.tensor([30, 4, 50, 50, 1])
@@ -107,7 +107,7 @@ def test_engine_decode_steps_run_the_kernel(monkeypatch):
     assert calls and max(calls) > 1  # batched decode steps of several rows
 
 
-def test_without_the_kernel_decode_falls_back_to_batched_products(monkeypatch):
+def test_without_the_kernel_decode_falls_back_to_batched_matmuls(monkeypatch):
     monkeypatch.setenv("ASTRAI_FUSED_DECODE", "0")  # its one-row steps run the kernel inside C
     monkeypatch.setattr(attention, "kernels_available", lambda: False)
     monkeypatch.setattr(attention, "decode_attention", lambda *a: pytest.fail("kernel called"))

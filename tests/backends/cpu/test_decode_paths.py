@@ -42,8 +42,8 @@ EXPECTED = {
     # the fused C step is GQA + SwiGLU only; MoE's experts and MLA's projections take the row kernels
     **{("tiny-moe", weights): ("row_kernels", {"row_kernels"}) for weights in WEIGHTS},
     # a batch's MLA step expands every cached position's latent (kv_b_proj over batch x context
-    # rows): oneDNN's packed copy in fp32, the integer product in int4, and in int8 and bf16, once
-    # the context outgrows the typed product's rows, the weight widened for torch (counted "torch")
+    # rows): oneDNN's packed copy in fp32, the integer matmul in int4, and in int8 and bf16, once
+    # the context outgrows the dequantizing matmul's rows, the weight widened for torch (counted "torch")
     ("tiny-mla", "fp32"): ("row_kernels", {"batched"}),
     ("tiny-mla", "int4"): ("row_kernels", {"row_kernels"}),
     ("tiny-mla", "int8"): ("row_kernels", {"row_kernels", "torch"}),

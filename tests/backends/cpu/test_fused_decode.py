@@ -48,7 +48,7 @@ def fused_calls(monkeypatch):
 
 def with_random_biases(model):
     """``model`` with its biases (q/k/v's, where it has them) drawn at random: zero biases
-    left out of a product would change nothing."""
+    left out of a matmul would change nothing."""
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if name.endswith(".bias"):

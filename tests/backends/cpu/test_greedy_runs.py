@@ -72,7 +72,7 @@ def test_a_lone_greedy_request_decodes_in_runs_with_the_tokens_of_recomputation(
 
 @pytest.mark.timeout(60)
 def test_runs_on_several_threads_give_the_same_tokens(runs):
-    """The C loop runs every step of a run in one parallel region, the products and attention
+    """The C loop runs every step of a run in one parallel region, the matmuls and attention
     shared among the threads: three threads (an uneven split) decode what one does."""
     model = with_uneven_norms(make_model("tiny", n_heads=6, n_kv_heads=3, dim=96))
     before = torch.get_num_threads()

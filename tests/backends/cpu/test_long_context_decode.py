@@ -123,7 +123,7 @@ def test_a_long_context_decodes_the_plain_models_tokens_on_its_path(long_model, 
         paths = engine.get_stats()["decode_paths"]
     assert got == expected[0]
     assert buffers.rows == 1
-    ran = "row_kernels" if path == "torch" else path  # the products still take the C kernels
+    ran = "row_kernels" if path == "torch" else path  # the matmuls still take the C kernels
     assert paths[ran] == NEW - 1 and sum(paths.values()) == NEW - 1
 
 

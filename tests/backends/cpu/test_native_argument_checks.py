@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai.backends.cpu import dense_product as dense
+from astrai.backends.cpu import dense_matmul as dense
 from astrai.backends.cpu.kernels import (BF16, COLUMNS, F32, Q4, Q8, Q41, TypedWeight, decode_attention, decode_plan,
                                         decode_step, decode_steps, kernels_available, rounded_activations, row_major,
-                                        row_product, row_product_argmax, rows_product, typed_product)
+                                        row_matmul, row_matmul_argmax, rows_matmul, dequant_matmul)
 from astrai.model.quantized import quantize_activations, quantize_weight
 from inference_helpers import make_model
 from test_fused_decode import _runner
@@ -35,29 +35,29 @@ def blocks(kind: int, n_out: int = 8, n_in: int = 64) -> TypedWeight:
 
 
 @pytest.mark.parametrize("bias", SHORT_BIASES, ids=["short", "long", "fp64", "strided", "2d"])
-def test_every_product_refuses_a_bias_that_is_not_one_fp32_value_per_output(bias):
+def test_every_matmul_refuses_a_bias_that_is_not_one_fp32_value_per_output(bias):
     x = torch.randn(1, 64)
-    with pytest.raises(ValueError, match="integer_product"):
-        dense.integer_product(torch.randn(5, 64), blocks(Q4), bias)
-    with pytest.raises(ValueError, match="dense_product"):
-        dense.dense_product(torch.randn(5, 64), blocks(Q8), bias)
-    with pytest.raises(ValueError, match="typed_product"):
-        typed_product(x, blocks(Q8), bias)
+    with pytest.raises(ValueError, match="integer_matmul"):
+        dense.integer_matmul(torch.randn(5, 64), blocks(Q4), bias)
+    with pytest.raises(ValueError, match="dense_matmul"):
+        dense.dense_matmul(torch.randn(5, 64), blocks(Q8), bias)
+    with pytest.raises(ValueError, match="dequant_matmul"):
+        dequant_matmul(x, blocks(Q8), bias)
     weight = torch.randn(8, 64)
-    with pytest.raises(ValueError, match="row_product"):
-        row_product(x, weight, bias)
-    with pytest.raises(ValueError, match="rows_product"):
-        rows_product(torch.randn(3, 64), weight, bias)
+    with pytest.raises(ValueError, match="row_matmul"):
+        row_matmul(x, weight, bias)
+    with pytest.raises(ValueError, match="rows_matmul"):
+        rows_matmul(torch.randn(3, 64), weight, bias)
 
 
 def test_a_right_bias_is_added():
     """The checks above refuse only what is wrong: the same calls with an fp32 bias of the output's length run."""
     bias = torch.arange(8.0)
     x = torch.randn(5, 64)
-    plain = dense.integer_product(x, blocks(Q4))
-    assert torch.allclose(dense.integer_product(x, blocks(Q4), bias), plain + bias, atol=1e-5)
+    plain = dense.integer_matmul(x, blocks(Q4))
+    assert torch.allclose(dense.integer_matmul(x, blocks(Q4), bias), plain + bias, atol=1e-5)
     weight = torch.randn(8, 64)
-    assert torch.allclose(row_product(x[0], weight, bias), row_product(x[0], weight) + bias, atol=1e-5)
+    assert torch.allclose(row_matmul(x[0], weight, bias), row_matmul(x[0], weight) + bias, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", [F32, BF16, Q8, Q4, Q41])
@@ -69,13 +69,13 @@ def test_a_weight_narrower_than_its_inputs_is_refused(kind):
     with pytest.raises(ValueError, match="typed weight"):
         claimed.check()
     with pytest.raises(ValueError, match="typed weight"):
-        typed_product(torch.randn(1, 64), claimed)
+        dequant_matmul(torch.randn(1, 64), claimed)
     if kind in (Q4, Q41):
         with pytest.raises(ValueError, match="typed weight"):
-            dense.integer_product(torch.randn(5, 64), claimed)
+            dense.integer_matmul(torch.randn(5, 64), claimed)
     if kind in (BF16, Q8):
         with pytest.raises(ValueError, match="typed weight"):
-            dense.dense_product(torch.randn(5, 64), claimed)
+            dense.dense_matmul(torch.randn(5, 64), claimed)
 
 
 @pytest.mark.parametrize("kind", [Q8, Q4, Q41])
@@ -101,12 +101,12 @@ def test_weight_rows_must_be_contiguous_and_apart():
         TypedWeight(weight, None, 7, 64).check()  # no such type
     x = torch.randn(64)
     for data in (OVERLAPPING, SKIPPING, weight.t().contiguous().t()):
-        with pytest.raises(ValueError, match="row_product"):
-            row_product(x, data)
-        with pytest.raises(ValueError, match="row_product"):
-            row_product_argmax(x, data)
-        with pytest.raises(ValueError, match="rows_product"):
-            rows_product(torch.randn(3, 64), data)
+        with pytest.raises(ValueError, match="row_matmul"):
+            row_matmul(x, data)
+        with pytest.raises(ValueError, match="row_matmul"):
+            row_matmul_argmax(x, data)
+        with pytest.raises(ValueError, match="rows_matmul"):
+            rows_matmul(torch.randn(3, 64), data)
     assert not row_major(torch.randn(2, 3, 4)) and not row_major(torch.randn(4)) and row_major(weight)
 
 
@@ -119,21 +119,21 @@ def test_block_scales_of_another_shape_or_layout_are_refused(kind):
             TypedWeight(weight.data, scales, kind, 64).check()
 
 
-def test_typed_product_refuses_rows_it_cannot_read():
+def test_dequant_matmul_refuses_rows_it_cannot_read():
     weight = blocks(Q8)
     for x in (torch.randn(1, 128)[:, ::2], torch.randn(2, 32), torch.randn(0, 64)):
-        with pytest.raises(ValueError, match="typed_product"):
-            typed_product(x, weight)
-    with pytest.raises(ValueError, match="row_product"):
-        row_product(torch.randn(128)[::2], torch.randn(8, 64))
+        with pytest.raises(ValueError, match="dequant_matmul"):
+            dequant_matmul(x, weight)
+    with pytest.raises(ValueError, match="row_matmul"):
+        row_matmul(torch.randn(128)[::2], torch.randn(8, 64))
 
 
-def test_prompt_products_refuse_rows_of_another_dtype_or_width():
+def test_prompt_matmuls_refuse_rows_of_another_dtype_or_width():
     for x in (torch.randn(5, 64).double(), torch.randn(5, 32), torch.randn(5, 64).bfloat16()):
-        with pytest.raises(ValueError, match="integer_product"):
-            dense.integer_product(x, blocks(Q4))
-        with pytest.raises(ValueError, match="dense_product"):
-            dense.dense_product(x, blocks(Q8))
+        with pytest.raises(ValueError, match="integer_matmul"):
+            dense.integer_matmul(x, blocks(Q4))
+        with pytest.raises(ValueError, match="dense_matmul"):
+            dense.dense_matmul(x, blocks(Q8))
 
 
 def test_rounded_activations_leaves_what_c_cannot_read_to_torch():

@@ -1,4 +1,4 @@
-"""Serving int8, int4 and bf16 weights on the CPU (serving.py's typed products, the fused C step
+"""Serving int8, int4 and bf16 weights on the CPU (serving.py's dequantizing matmuls, the fused C step
 over typed weights): greedy tokens equal those of the plain model under the same weights, one
 request and a batch, every architecture option takes a fast path and the engine's stats say
 which, and the forced portable build gives the same tokens."""
@@ -13,7 +13,7 @@ import torch
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.kernels import kernels_available
 from astrai.backends.cpu.serving import (ServingQuantizedLinear, prepare_for_serving,
-                                         route_counts)
+                                         kernel_counts)
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.quantized import quantize_model
 from inference_helpers import greedy_reference, make_model, with_uneven_norms
@@ -49,7 +49,7 @@ def run(model, prompts, max_batch_size=1):
 @pytest.mark.parametrize("tied", [True, False])
 def test_greedy_tokens_equal_the_plain_model_under_the_same_weights(weights, tied):
     """One request at a time (the fused step where it fits) and all three together (a few rows
-    in one typed product) give the tokens of the model's own forward, recomputed."""
+    in one dequantizing matmul) give the tokens of the model's own forward, recomputed."""
     model = served(weights, tie_weight=tied)
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in PROMPTS]
     alone, paths = run(model, PROMPTS)
@@ -76,7 +76,7 @@ def test_llama_qwen2_and_qwen3_shapes_decode_fused_and_the_stats_say_so(override
     assert paths == {"fused": 2 * (GREEDY.max_tokens - 1), "row_kernels": 0, "batched": 0, "torch": 0}
     together, paths = run(model, PROMPTS[:2], max_batch_size=2)
     assert together == want and paths["torch"] == 0
-    # a batch's few rows take the C products, fp32 (rows_product) and typed alike
+    # a batch's few rows take the C kernels, fp32 (rows_matmul) and typed alike
     assert paths["row_kernels"] > 0 and paths["batched"] == 0
 
 
@@ -100,7 +100,7 @@ def test_bf16_linear_weights_under_fp32_activations_decode_fused():
 
 
 def test_a_batch_of_more_rows_than_one_pass_takes_stays_in_the_kernels():
-    """Twelve rows: two passes of the typed product over each weight, the tokens the model's own."""
+    """Twelve rows: two passes of the dequantizing matmul over each weight, the tokens the model's own."""
     model = served("int8", seed=1)
     prompts = [[3 + i, 7, 11 * i % 256] for i in range(12)]
     want = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
@@ -120,24 +120,24 @@ def test_a_model_the_fast_paths_do_not_fit_is_counted_as_torch(monkeypatch):
     assert paths == {"fused": 0, "row_kernels": 0, "batched": 0, "torch": GREEDY.max_tokens - 1}
 
 
-@pytest.mark.parametrize("weights,route", [("int4", "kernel"), ("bf16", "dense")])
-def test_a_prefill_multiplies_the_dequantized_weight_once_per_product(weights, route):
-    """Many rows take the integer product over int4 blocks (the "kernel" route: no typed product
-    takes 37 rows) or the product over the widened weight ("dense"; bf16 activations in fp32
-    where the CPU has no bf16 products); its logits are the model's own."""
+@pytest.mark.parametrize("weights,kernel", [("int4", "kernel"), ("bf16", "dense")])
+def test_a_prefill_multiplies_the_dequantized_weight_once_per_matmul(weights, kernel):
+    """Many rows take the integer matmul over int4 blocks (the "kernel" tally: no dequantizing matmul
+    takes 37 rows) or the matmul over the widened weight ("dense"; bf16 activations in fp32
+    where the CPU has no bf16 matmuls); its logits are the model's own."""
     model = served(weights)
     with InferenceEngine(model, None, page_size=4, num_pages=32) as engine:
         served_model = engine.model
         if weights == "int4":
             assert any(type(m) is ServingQuantizedLinear for m in served_model.modules())
         ids = torch.tensor([list(range(3, 40))])
-        before = route_counts()[route]
+        before = kernel_counts()[kernel]
         with torch.no_grad():
             got = served_model(ids)["logits"].float()
             want = model(ids)["logits"].float()
-        assert route_counts()[route] > before
+        assert kernel_counts()[kernel] > before
         if weights == "int4":
-            # the integer sums add in another order than torch's float product: equal to about
+            # the integer sums add in another order than torch's float matmul: equal to about
             # 1e-6, except where that moves an activation of a later layer across a rounding
             # boundary of its Q8_0 block (one step of d, a few 1e-4 in the logits)
             close = (got - want).abs().amax(dim=-1) < 1e-5
@@ -180,7 +180,7 @@ def test_the_portable_build_gives_the_same_tokens(weights, monkeypatch):
     monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
     kernels._library.cache_clear()
     try:
-        assert not kernels.typed_products_vectorised()
+        assert not kernels.dequant_matmul_vectorised()
         portable, paths = run(model, PROMPTS)
     finally:
         monkeypatch.delenv("ASTRAI_PORTABLE_KERNELS")

@@ -1,6 +1,6 @@
 """How the CPU runner prepares its model (astrai/backends/cpu/serving.py): stacked groups,
-serving modules and packed copies keep values, names and ties, and every route of
-``serving_product`` equals ``F.linear``; engines decode with them exactly, before and after
+serving modules and packed copies keep values, names and ties, and every kernel of
+``serving_linear`` equals ``F.linear``; engines decode with them exactly, before and after
 a weight update, and a LoRA layer swapped in later is honoured."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 
 from astrai.backends.cpu import serving
 from astrai.backends.cpu.serving import (PackedWeight, ServingGQA, ServingLinear, ServingMLA, ServingMLP,
-                                         prepare_for_serving, serving_product)
+                                         prepare_for_serving, serving_linear)
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model import AutoModel
 from astrai.model.components.layers import Linear
@@ -23,17 +23,17 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
-def routes(monkeypatch):
-    """Row counts of the products that took the few-rows kernel, the packed copy and the
+def kernels(monkeypatch):
+    """Row counts of the matmuls that took the few-rows kernel, the packed copy and the
     two-half split, with a second thread pretended (the suite runs single-threaded, where the
     split is skipped)."""
     seen = {"rows": [], "packed": [], "split": []}
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    real_rows = serving.rows_product
-    monkeypatch.setattr(serving, "rows_product",
+    real_rows = serving.rows_matmul
+    monkeypatch.setattr(serving, "rows_matmul",
                         lambda x, *a: seen["rows"].append(x.numel() // x.shape[-1]) or real_rows(x, *a))
-    real_split = serving._split_product
-    monkeypatch.setattr(serving, "_split_product",
+    real_split = serving._split_matmul
+    monkeypatch.setattr(serving, "_split_matmul",
                         lambda x, *a: seen["split"].append(x.numel() // x.shape[-1]) or real_split(x, *a))
     real_packed = torch.ops.mkldnn._linear_pointwise
 
@@ -75,7 +75,7 @@ def test_preparation_keeps_parameters_values_and_ties():
     assert type(other.layers[0].attention).__name__ == "GQA" and type(other.lm_head) is Linear
 
 
-def test_every_route_of_the_serving_product_equals_f_linear(routes, monkeypatch):
+def test_every_kernel_of_the_serving_linear_equals_f_linear(kernels, monkeypatch):
     torch.manual_seed(0)
     for bias in (False, True):
         weight, b = torch.randn(48, 64), (torch.randn(48) if bias else None)
@@ -84,31 +84,31 @@ def test_every_route_of_the_serving_product_equals_f_linear(routes, monkeypatch)
             x = torch.randn(shape)
             for copy in (packed, None):
                 with torch.no_grad():
-                    got = serving_product(x, weight, b, copy)
+                    got = serving_linear(x, weight, b, copy)
                 assert torch.allclose(got, nn.functional.linear(x, weight, b), atol=1e-5), (shape, copy)
-    assert routes["rows"] == [2, 2, 4, 4] * 2  # 2 to MAX_F32_ROWS rows stream the plain weight, copy or not
+    assert kernels["rows"] == [2, 2, 4, 4] * 2  # 2 to MAX_F32_ROWS rows stream the plain weight, copy or not
     if serving.onednn_available():
-        assert routes["packed"] == [40, 300] * 2  # more rows read the packed copy
-    assert routes["split"] == [40] * 2  # no packed copy: up to 64 rows take the split
-    routes["split"].clear()
+        assert kernels["packed"] == [40, 300] * 2  # more rows read the packed copy
+    assert kernels["split"] == [40] * 2  # no packed copy: up to 64 rows take the split
+    kernels["split"].clear()
     monkeypatch.setattr(serving, "kernels_available", lambda: False)
     with torch.no_grad():
-        serving_product(torch.randn(1, 64), torch.randn(48, 64), None, None)  # one row without the kernel: split
-        serving_product(torch.randn(65, 64), torch.randn(48, 64), None, None)  # more rows: the plain product
-        serving_product(torch.randn(1, 64), torch.randn(47, 64), None, None)  # odd outputs have no halves
-    serving_product(torch.randn(2, 64, requires_grad=True), torch.randn(48, 64), None, None)  # autograd: plain
-    assert routes["split"] == [1]
+        serving_linear(torch.randn(1, 64), torch.randn(48, 64), None, None)  # one row without the kernel: split
+        serving_linear(torch.randn(65, 64), torch.randn(48, 64), None, None)  # more rows: the plain matmul
+        serving_linear(torch.randn(1, 64), torch.randn(47, 64), None, None)  # odd outputs have no halves
+    serving_linear(torch.randn(2, 64, requires_grad=True), torch.randn(48, 64), None, None)  # autograd: plain
+    assert kernels["split"] == [1]
 
 
 @pytest.mark.skipif(not serving.onednn_available(), reason="this PyTorch build has no oneDNN")
-def test_a_changed_weight_is_packed_again_before_its_next_product():
+def test_a_changed_weight_is_packed_again_before_its_next_matmul():
     weight = torch.randn(16, 32)
     packed = PackedWeight(weight, [weight])
     x = torch.randn(5, 32)
 
     def check():
         with torch.no_grad():
-            assert torch.allclose(serving_product(x, weight, None, packed), x @ weight.t(), atol=1e-5)
+            assert torch.allclose(serving_linear(x, weight, None, packed), x @ weight.t(), atol=1e-5)
 
     check()
     first = packed.get()
@@ -120,7 +120,7 @@ def test_a_changed_weight_is_packed_again_before_its_next_product():
 
 @pytest.mark.parametrize("kind", ["tiny", "tiny-mla", "tiny-moe"])
 @pytest.mark.parametrize("packing", [True, False])
-def test_engine_decodes_exactly_and_keeps_its_layout_through_updates(kind, packing, routes, monkeypatch, tmp_path):
+def test_engine_decodes_exactly_and_keeps_its_layout_through_updates(kind, packing, kernels, monkeypatch, tmp_path):
     if packing and not serving.onednn_available():
         pytest.skip("this PyTorch build has no oneDNN")
     monkeypatch.setattr(serving, "onednn_available", lambda: packing)
@@ -138,7 +138,7 @@ def test_engine_decodes_exactly_and_keeps_its_layout_through_updates(kind, packi
         joint = served.layers[0].attention.joint.current()
         got = [h.result(timeout=60).token_ids for h in [engine.submit(p, GREEDY) for p in prompts]]
         assert got == expected
-        assert any(r > 1 for r in routes["packed" if packing else "split"])  # batched steps took the route
+        assert any(r > 1 for r in kernels["packed" if packing else "split"])  # batched steps took that kernel
         engine.update_weights(other)  # copied in place: the layout stays, stale packed copies are redone
         assert served.layers[0].attention.joint.current() is joint
         got = [h.result(timeout=60).token_ids for h in [engine.submit(p, GREEDY) for p in prompts]]

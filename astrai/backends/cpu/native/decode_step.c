@@ -3,17 +3,17 @@
  * For one row, each layer's norms, rotary embedding, K/V writes, SiLU and residual
  * additions are a few hundred floats of arithmetic, but through PyTorch each is an
  * operator call of a few microseconds plus Python around it: some 60 calls a layer.
- * Here that arithmetic is plain loops between the same one-row products and decode
- * attention the unfused step calls (row_product.c, decode_attention.c), so the step's
+ * Here that arithmetic is plain loops between the same one-row GEMVs and decode
+ * attention the unfused step calls (row_matmul.c, decode_attention.c), so the step's
  * time is theirs. Python (astrai/backends/cpu/fused_decode.py) checks that the model is
  * of this shape and fills a `struct astrai_decode_plan` once: the weights, the decode
  * buffers, rotary tables and scratch memory, all that stays fixed from step to step, so
  * that a step's call passes only the token, its position and where its K/V go (a ctypes
  * call's cost grows with its arguments).
  *
- * A call runs in one OpenMP parallel region, however many steps it takes: the products and
+ * A call runs in one OpenMP parallel region, however many steps it takes: the matmuls and
  * attention are shared out among the team inside it, the arithmetic between them runs on
- * thread 0 between barriers, so no region is opened and closed per product.
+ * thread 0 between barriers, so no region is opened and closed per matmul.
  *
  * Those barriers (some ten a layer) are the team's own, not OpenMP's. libgomp's barrier spins
  * up to GOMP_SPINCOUNT pauses (300,000 by default: milliseconds) before it sleeps, which suits
@@ -32,12 +32,12 @@
  *   9-13 the joint q/k/v weight [q + 2 kv rows] (q, k, v rows)   14-18 o [dim rows]
  *  19-23 the joint gate/up weight [2 ffn rows]   24-28 down [dim rows]
  * where each weight is five values: its data, the elements between its rows, its fp16 scales
- * (quantized types) or 0, the scales between rows, and its type (typed_product.c's: fp32,
+ * (quantized types) or 0, the scales between rows, and its type (dequant_matmul.c's: fp32,
  * bf16, int8 or int4 blocks), so one table serves a model of any of those weights, mixed.
  * The table changes only when the decode buffers are replaced; the token's place in the page
  * store comes per step as `k_offset`/`v_offset` (floats from a layer's start).
  * The step returns the index of the logits' maximum (as torch.argmax gives it), which the
- * head's product finds as it writes them: a greedy request needs no other pass.
+ * head's GEMV finds as it writes them: a greedy request needs no other pass.
  * Every weight is row-major, nn.Linear's [out][in].
  */
 #include <limits.h>
@@ -76,13 +76,13 @@ struct astrai_decode_plan {
 };
 
 enum { MAX_TEAM = 256 };  /* threads at most: one argmax slot each, on the stack */
-enum { ASTRAI_MAX_VERIFY_ROWS = 8 };  /* tokens of one verify step at most (typed_product.c's row limit) */
+enum { ASTRAI_MAX_VERIFY_ROWS = 8 };  /* tokens of one verify step at most (dequant_matmul.c's row limit) */
 
-/* typed_product.c, row_product.c and decode_attention.c: the work of one thread of a team, no
+/* dequant_matmul.c, row_matmul.c and decode_attention.c: the work of one thread of a team, no
  * parallel region of their own */
-void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, const void *weight,
-                               const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
-                               int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top);
+void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, const void *weight,
+                                const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
+                                int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top);
 int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
 void astrai_decode_attention_team(
     const float *q, const void *k, const void *v, float *out, const int64_t *lens, float *workspace,
@@ -174,11 +174,11 @@ static inline const float *f32(int64_t address) { return (const float *)(intptr_
 
 /* This thread's share of y = x W^T (+ bias) for `rows` rows (x and y `x_stride` / `y_stride`
  * floats apart), W given by its five table values. */
-static inline void product(const int64_t *w, const float *x, int64_t rows, int64_t x_stride, const float *bias,
-                           float *y, int64_t y_stride, int64_t n_in, int64_t n_out, int64_t *best, float *top)
+static inline void matmul(const int64_t *w, const float *x, int64_t rows, int64_t x_stride, const float *bias,
+                          float *y, int64_t y_stride, int64_t n_in, int64_t n_out, int64_t *best, float *top)
 {
-    astrai_team_typed_product(x, rows, x_stride, (const void *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[2],
-                              (int)w[4], bias, y, y_stride, n_in, n_out, w[1], w[3], best, top);
+    astrai_team_dequant_matmul(x, rows, x_stride, (const void *)(intptr_t)w[0], (const uint16_t *)(intptr_t)w[2],
+                               (int)w[4], bias, y, y_stride, n_in, n_out, w[1], w[3], best, top);
 }
 
 /* The scratch floats one token of a step needs (team_step's layout; `plan->work` holds one token's). */
@@ -188,7 +188,7 @@ static int64_t row_floats(const struct astrai_decode_plan *plan)
 }
 
 /* One step of `n` consecutive tokens of one row (positions pos .. pos + n - 1), run by every
- * thread of the team: the products of all n rows read each weight once and are shared out,
+ * thread of the team: the matmuls of all n rows read each weight once and are shared out,
  * the few hundred floats of arithmetic between them run on thread 0 while the others wait at
  * the barrier. Token r attends to positions up to pos + r, so the n tokens see each other
  * causally, as a prefill chunk would. `work` holds row_floats(plan) floats per token.
@@ -218,7 +218,7 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
     team_barrier(barrier, team);
     for (int64_t l = 0; l < plan->n_layers; ++l) {
         const int64_t *p = plan->layers + COLUMNS * l;
-        product(p + QKV, h, n, dim, f32(p[2]), qkv, qkv_width, dim, qkv_width, 0, 0);
+        matmul(p + QKV, h, n, dim, f32(p[2]), qkv, qkv_width, dim, qkv_width, 0, 0);
         team_barrier(barrier, team);
         char *k_buffer = (char *)(intptr_t)p[7], *v_buffer = (char *)(intptr_t)p[8];
         const int kv_kind = (int)plan->kv_kind;
@@ -251,7 +251,7 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
                                      heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
                                      0, capacity * head_dim, head_dim, plan->scale, capacity, kv_kind);
         team_barrier(barrier, team);
-        product(p + O, attended, n, q_width, 0, out, dim, q_width, dim, 0, 0);
+        matmul(p + O, attended, n, q_width, 0, out, dim, q_width, dim, 0, 0);
         team_barrier(barrier, team);
         if (lead) {
             for (int64_t r = 0; r < n; ++r) {
@@ -260,7 +260,7 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
             }
         }
         team_barrier(barrier, team);
-        product(p + GATE_UP, h, n, dim, 0, gate_up, 2 * ffn, dim, 2 * ffn, 0, 0);
+        matmul(p + GATE_UP, h, n, dim, 0, gate_up, 2 * ffn, dim, 2 * ffn, 0, 0);
         team_barrier(barrier, team);
         if (lead) {
             for (int64_t r = 0; r < n; ++r) {
@@ -273,7 +273,7 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
             }
         }
         team_barrier(barrier, team);
-        product(p + DOWN, gate_up, n, 2 * ffn, 0, out, dim, ffn, dim, 0, 0);
+        matmul(p + DOWN, gate_up, n, 2 * ffn, 0, out, dim, ffn, dim, 0, 0);
         team_barrier(barrier, team);
         if (lead) {  /* the residual, and the next layer's input norm (or the final one) */
             for (int64_t r = 0; r < n; ++r) {
@@ -284,7 +284,7 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
         }
         team_barrier(barrier, team);
     }
-    product(plan->head, h, n, dim, 0, logits, plan->vocab, dim, plan->vocab, n == 1 ? best : 0, top);
+    matmul(plan->head, h, n, dim, 0, logits, plan->vocab, dim, plan->vocab, n == 1 ? best : 0, top);
     team_barrier(barrier, team);
 }
 

@@ -1,15 +1,15 @@
-/* Rows of a bf16 or int8 weight widened to fp32, for a prefill's blocked product.
+/* Rows of a bf16 or int8 weight widened to fp32, for a prefill's blocked GEMM.
  *
- * A prompt of many rows is multiplied by a BLAS (or oneDNN) product over fp32 weights; a
+ * A prompt of many rows is multiplied by a BLAS (or oneDNN) GEMM over fp32 weights; a
  * weight stored smaller is widened for it a slab of output rows at a time into a buffer the
  * caller reuses, so the fp32 copy stays in cache and never costs a page fault. One pass, the
  * rows shared among `threads` OpenMP threads. With AVX2 a block is widened in registers
  * (integers to floats, times the block's scale, eight at a time); elsewhere plain C loops
  * compute the same products (the same values on every target: each is one exact
- * conversion and one float multiplication). int4 weights have their own product in
- * integers (quantized_rows.c).
+ * conversion and one float multiplication). int4 weights have their own matmul in
+ * integers (integer_matmul.c).
  *
- * Kinds, as native/typed_product.c numbers them (astrai/model/quantized.py's layout):
+ * Kinds, as native/dequant_matmul.c numbers them (astrai/model/quantized.py's layout):
  *   1  bf16 [out, >= in]
  *   2  int8 [out, padded in] with one fp16 scale per 32 inputs (GGUF's Q8_0)
  * `data_ld` and `scale_ld` are the distance between two rows (elements of data, fp16 values).

@@ -1,11 +1,11 @@
 """Many rows (a prefill) by a bf16 or block-quantized weight.
 
-``integer_product`` multiplies by an int4 weight in integers (native/quantized_rows.c): the
-activations rounded to Q8_0 blocks, as every int4 route rounds them, times the nibbles, 32
-products per instruction, about twice an fp32 product's rate on the same cores.
+``integer_matmul`` multiplies by an int4 weight in integers (W4A8, native/integer_matmul.c):
+the activations rounded to Q8_0 blocks, as every int4 path rounds them, times the nibbles, 32
+multiply-adds per instruction, about twice an fp32 matmul's rate on the same cores.
 
-``dense_product`` serves the other types. A prompt's product is compute bound: it wants
-oneDNN's (or the BLAS's) fp32 product. Dequantizing
+``dense_matmul`` serves the other types. A prompt's GEMM is compute bound: it wants
+oneDNN's (or the BLAS's) fp32 GEMM. Dequantizing
 in torch for each call makes several passes and a fresh allocation the size of the fp32 weight
 (page faults included); instead native/dense_rows.c widens the weight in one threaded pass,
 ``SLAB_BYTES`` of fp32 rows at a time, into a buffer that this thread keeps, and every row of the
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from astrai.backends.cpu.kernels import BF16, Q4, Q8, Q41, TypedWeight, _library, fits_bias
 
-# fp32 weight rows widened per product: a whole projection of a small model, or a few slabs of a
+# fp32 weight rows widened per matmul: a whole projection of a small model, or a few slabs of a
 # large one's, bounding the buffer each thread keeps
 SLAB_BYTES = 32 << 20
 _scratch = threading.local()  # each thread's slab buffer: the engine may run in a worker thread
@@ -44,7 +44,7 @@ def _dense_rows() -> Optional[ctypes._CFuncPtr]:
     return function
 
 
-def dense_products_available() -> bool:
+def dense_matmul_available() -> bool:
     """Whether the native widening is built (else the caller dequantizes the whole weight)."""
     return _dense_rows() is not None
 
@@ -71,8 +71,8 @@ def _onednn_linear() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _product(rows: torch.Tensor, slab: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(rows, slab, bias)``: through oneDNN where the build has it (its product of a
+def _matmul(rows: torch.Tensor, slab: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(rows, slab, bias)``: through oneDNN where the build has it (its GEMM over a
     plain fp32 weight beats the BLAS's on many rows), else the BLAS."""
     if _onednn_linear():
         return torch.ops.mkldnn._linear_pointwise(rows, slab, bias, "none", [], "")
@@ -91,29 +91,29 @@ def _prompt_rows(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tens
     return x.reshape(-1, weight.in_features).contiguous()
 
 
-def integer_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def integer_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(quantize_activations(x), w, bias)`` for ``x`` [..., in] fp32 and the int4 weight
-    ``w`` (Q4_0 or Q4_1 blocks) that ``weight`` describes, dequantized: native/quantized_rows.c
+    ``w`` (Q4_0 or Q4_1 blocks) that ``weight`` describes, dequantized: native/integer_matmul.c
     rounds ``x`` to Q8_0 blocks and sums each block's products in integers. Call only when
-    ``dense_products_available()``."""
+    ``dense_matmul_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    rows = _prompt_rows(x, weight, bias, (Q4, Q41), "integer_product")
+    rows = _prompt_rows(x, weight, bias, (Q4, Q41), "integer_matmul")
     out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
     data, data_ld, scales, scale_ld, kind = weight.pointers()
-    status = _library().astrai_quantized_rows(rows.data_ptr(), rows.shape[0], n_in, data, data_ld, scales, scale_ld,
+    status = _library().astrai_integer_matmul(rows.data_ptr(), rows.shape[0], n_in, data, data_ld, scales, scale_ld,
                                               kind, 0 if bias is None else bias.data_ptr(), out.data_ptr(), n_out,
                                               n_in, n_out, max(torch.get_num_threads(), 1))
     if status == -2:
-        raise MemoryError("integer_product: no memory for the quantized rows")
+        raise MemoryError("integer_matmul: no memory for the quantized rows")
     return out.view(*x.shape[:-1], n_out)
 
 
-def dense_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dense_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` in fp32 for ``x`` [..., in] fp32 and the bf16 or int8 weight
     ``w`` that ``weight`` describes, dequantized; ``bias`` fp32 [out] or None. Call only when
-    ``dense_products_available()``."""
+    ``dense_matmul_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    rows = _prompt_rows(x, weight, bias, (BF16, Q8), "dense_product")
+    rows = _prompt_rows(x, weight, bias, (BF16, Q8), "dense_matmul")
     data, data_ld, scales, scale_ld, kind = weight.pointers()
     step = min(slab_rows(n_in), n_out)
     buffer = _slab_buffer(step * n_in)
@@ -126,6 +126,6 @@ def dense_product(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Ten
         widen(data, data_ld, scales, scale_ld, kind, n_in, first, count, slab.data_ptr(), n_in, threads)
         part_bias = None if bias is None else bias[first:first + count]
         if count == n_out:
-            return _product(rows, slab, part_bias).view(*x.shape[:-1], n_out)
-        out[:, first:first + count] = _product(rows, slab, part_bias)
+            return _matmul(rows, slab, part_bias).view(*x.shape[:-1], n_out)
+        out[:, first:first + count] = _matmul(rows, slab, part_bias)
     return out.view(*x.shape[:-1], n_out)

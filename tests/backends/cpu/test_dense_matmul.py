@@ -1,8 +1,8 @@
-"""A prefill's product over bf16 and int8 weights (astrai/backends/cpu/dense_product.py and
-native/dense_rows.c; int4 has its integer product, test_integer_product.py): many rows equal the float64 product with the dequantized weight on shapes
+"""A prefill's matmul over bf16 and int8 weights (astrai/backends/cpu/dense_matmul.py and
+native/dense_rows.c; int4 has its integer matmul, test_integer_matmul.py): many rows equal the float64 product with the dequantized weight on shapes
 that are not multiples of a block, over one slab or several; the widening is exact (every
-fp16 scale, subnormal ones too); each thread keeps its own buffer; the serving product takes
-this route for many rows and falls back to torch without the native library; the plain-C
+fp16 scale, subnormal ones too); each thread keeps its own buffer; the serving linear takes
+this kernel for many rows and falls back to torch without the native library; the plain-C
 build gives the same numbers."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
-from astrai.backends.cpu import dense_product as dense
+from astrai.backends.cpu import dense_matmul as dense
 from astrai.backends.cpu import kernels, serving
 from astrai.backends.cpu.kernels import BF16, Q4, Q8, TypedWeight, kernels_available
 from astrai.model.quantized import dequantize_weight, quantize_weight
-from test_typed_product_kernel import typed  # the weight in a kind and the float64 weight it stands for
+from test_dequant_matmul_kernel import typed  # the weight in a kind and the float64 weight it stands for
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
@@ -28,21 +28,21 @@ def test_many_rows_equal_the_float64_product_of_the_dequantized_weight(kind, n_o
     weight, reference = typed(torch.randn(n_out, n_in), kind)
     x = torch.randn(2, rows, n_in)
     bias = torch.randn(n_out) if with_bias else None
-    got = dense.dense_product(x, weight, bias)
+    got = dense.dense_matmul(x, weight, bias)
     want = x.double() @ reference.t() + (0 if bias is None else bias.double())
     assert got.shape == (2, rows, n_out) and got.dtype == torch.float32
     assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", [Q8, BF16])
-def test_several_slabs_and_a_short_last_one_give_the_same_product(kind, monkeypatch):
+def test_several_slabs_and_a_short_last_one_give_the_same_matmul(kind, monkeypatch):
     """A weight wider than one slab is widened and multiplied slab by slab, the last one shorter."""
     torch.manual_seed(1)
     weight, reference = typed(torch.randn(83, 70), kind)
     x, bias = torch.randn(40, 70), torch.randn(83)
     monkeypatch.setattr(dense, "SLAB_BYTES", 16 * 70 * 4)
     assert dense.slab_rows(70) == 16
-    got = dense.dense_product(x, weight, bias)
+    got = dense.dense_matmul(x, weight, bias)
     assert torch.allclose(got.double(), x.double() @ reference.t() + bias.double(), atol=1e-4, rtol=1e-4)
 
 
@@ -54,7 +54,7 @@ def test_the_widening_is_exact(kind):
     n_in = 77
     weight = torch.randn(12, n_in) * torch.tensor([1e-9, 1e-7, 3e-6, 1e-3, 1, 50, 3e3, 6e4, 1, 1, 1, 1])[:, None]
     typed_weight, reference = typed(weight, kind)
-    got = dense.dense_product(torch.eye(n_in), typed_weight)
+    got = dense.dense_matmul(torch.eye(n_in), typed_weight)
     assert torch.equal(got, reference.float().t())
 
 
@@ -65,7 +65,7 @@ def test_a_block_of_a_stacked_weight_reads_only_its_rows():
     block = TypedWeight(values[10:30], scales[10:30], Q8, 64)
     x = torch.randn(20, 64)
     want = x @ dequantize_weight(values, scales, 8, 64)[10:30].t()
-    assert torch.allclose(dense.dense_product(x, block), want, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(dense.dense_matmul(x, block), want, atol=1e-4, rtol=1e-4)
 
 
 def test_each_thread_keeps_its_own_buffer():
@@ -77,7 +77,7 @@ def test_each_thread_keeps_its_own_buffer():
 
     def work(i):
         for _ in range(20):
-            results[i] = dense.dense_product(xs[i], weights[i][0])
+            results[i] = dense.dense_matmul(xs[i], weights[i][0])
         buffers[i] = dense._scratch.buffer
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(weights))]
@@ -91,38 +91,38 @@ def test_each_thread_keeps_its_own_buffer():
 
 
 @pytest.mark.parametrize("kind", [Q8, BF16])
-def test_the_serving_product_takes_this_route_for_many_rows_and_torch_without_it(kind, monkeypatch):
+def test_the_serving_linear_takes_this_kernel_for_many_rows_and_torch_without_it(kind, monkeypatch):
     torch.manual_seed(5)
     weight, reference = typed(torch.randn(48, 40), kind)
-    x, bias = torch.randn(serving.TYPED_MAX_ROWS + 1, 40), torch.randn(48)
+    x, bias = torch.randn(serving.DEQUANT_MAX_ROWS + 1, 40), torch.randn(48)
     calls = []
-    real = dense.dense_product
-    monkeypatch.setattr(serving, "dense_product", lambda *args: calls.append(1) or real(*args))
+    real = dense.dense_matmul
+    monkeypatch.setattr(serving, "dense_matmul", lambda *args: calls.append(1) or real(*args))
     with torch.no_grad():
-        fast = serving.typed_serving_product(x, weight, bias, lambda: reference.float())
-        monkeypatch.setattr(serving, "dense_products_available", lambda: False)
-        fallback = serving.typed_serving_product(x, weight, bias, lambda: reference.float())
+        fast = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
+        monkeypatch.setattr(serving, "dense_matmul_available", lambda: False)
+        fallback = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
     assert len(calls) == 1
     assert torch.allclose(fast, fallback, atol=1e-4, rtol=1e-4)
 
 
 def test_int4_weights_are_refused():
-    """int4 prompts take integer_product; widening them is not this function's job."""
+    """int4 prompts take integer_matmul; widening them is not this function's job."""
     weight, _ = typed(torch.randn(8, 32), Q4)
-    with pytest.raises(ValueError, match="dense_product"):
-        dense.dense_product(torch.randn(20, 32), weight)
+    with pytest.raises(ValueError, match="dense_matmul"):
+        dense.dense_matmul(torch.randn(20, 32), weight)
 
 
-def test_the_portable_build_gives_the_same_products(monkeypatch):
+def test_the_portable_build_gives_the_same_matmuls(monkeypatch):
     """ASTRAI_PORTABLE_KERNELS=1 builds the library for the generic target: the same numbers."""
     torch.manual_seed(6)
     weight, _ = typed(torch.randn(45, 100), Q8)
     x = torch.randn(30, 100)
-    native = dense.dense_product(x, weight)
+    native = dense.dense_matmul(x, weight)
     monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
     kernels._library.cache_clear()
     try:
-        portable = dense.dense_product(x, weight)
+        portable = dense.dense_matmul(x, weight)
     finally:
         monkeypatch.delenv("ASTRAI_PORTABLE_KERNELS")
         kernels._library.cache_clear()

@@ -1,4 +1,4 @@
-"""The typed products (astrai/backends/cpu/native/typed_product.c through kernels.typed_product):
+"""The dequantizing matmuls (astrai/backends/cpu/native/dequant_matmul.c through kernels.dequant_matmul):
 one to eight rows against int8 and int4 blocks (Q4_0's and Q4_1's), bf16 and fp32 weights equal the float64 product with
 the dequantized weight (int4: of the activations rounded to Q8_0 blocks, the integer sums of
 the kernel), on shapes that are not multiples of a block or of a thread's stretch, and the
@@ -11,7 +11,7 @@ import torch
 
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.kernels import (BF16, F32, Q4, Q8, Q41, TypedWeight, kernels_available,
-                                        rounded_activations, typed_product)
+                                        rounded_activations, dequant_matmul)
 from astrai.model.quantized import dequantize_weight, quantize_activations, quantize_weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
@@ -30,21 +30,21 @@ def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
 
 
 def multiplied(x: torch.Tensor, kind: int) -> torch.Tensor:
-    """The activations a product of ``kind`` multiplies, in float64: int4 rounds them to Q8_0 blocks."""
+    """The activations a matmul of ``kind`` multiplies, in float64: int4 rounds them to Q8_0 blocks."""
     return (quantize_activations(x) if kind in (Q4, Q41) else x).double()
 
 
 @pytest.mark.parametrize("kind", [Q8, Q4, Q41, BF16, F32])
 @pytest.mark.parametrize("n_out,n_in", [(37, 45), (5, 31), (70, 96), (129, 200)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_typed_product_equals_the_float64_product_of_the_dequantized_weight(kind, n_out, n_in, rows, monkeypatch):
+def test_dequant_matmul_equals_the_float64_product_of_the_dequantized_weight(kind, n_out, n_in, rows, monkeypatch):
     torch.manual_seed(n_out * n_in + rows)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # stretches of 13, 2, 24, 43 rows: uneven ends
     weight, reference = typed(torch.randn(n_out, n_in), kind)
     x, bias = torch.randn(rows, n_in), torch.randn(n_out)
     for b in (None, bias):
         want = torch.nn.functional.linear(multiplied(x, kind), reference, None if b is None else b.double())
-        got = typed_product(x, weight, b)
+        got = dequant_matmul(x, weight, b)
         assert got.shape == (rows, n_out) and got.dtype == torch.float32
         assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
 
@@ -62,7 +62,7 @@ def test_rows_further_apart_and_subnormal_scales_are_read(kind):
     x = torch.randn(2, 64)
     dense = dequantize_weight(weight.data, weight.scales, BITS[kind], 64).double()
     want = multiplied(x, kind) @ dense.T
-    assert torch.allclose(typed_product(x, strided).double(), want, atol=1e-12, rtol=1e-5)
+    assert torch.allclose(dequant_matmul(x, strided).double(), want, atol=1e-12, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n_in", [7, 45, 96, 1000])
@@ -79,12 +79,12 @@ def test_int4_rounds_the_activations_as_the_reference_does(n_in, rows, kind, mon
     x = torch.randn(rows, n_in) * torch.rand(n_in).add(0.5)
     x[:, :min(n_in, 32)] = 0.0
     want = multiplied(x, kind) @ dense.T
-    assert torch.allclose(typed_product(x, weight).double(), want, rtol=0, atol=2e-5)
+    assert torch.allclose(dequant_matmul(x, weight).double(), want, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (5, 45), (3, 96), (512, 200)])
 def test_native_rounding_of_activations_equals_quantize_activations(shape, monkeypatch):
-    """A prompt's int4 products round their activations in C: bit for bit torch's rounding,
+    """A prompt's int4 matmuls round their activations in C: bit for bit torch's rounding,
     with a zero block (d = 0), a partial last block, an infinity and a NaN (their blocks NaN)."""
     torch.manual_seed(shape[0] * shape[1])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -99,35 +99,35 @@ def test_native_rounding_of_activations_equals_quantize_activations(shape, monke
     assert torch.equal(rounded_activations(x[:, :0].contiguous()), x[:, :0])
 
 
-def test_typed_product_refuses_what_it_cannot_read():
+def test_dequant_matmul_refuses_what_it_cannot_read():
     values, scales = quantize_weight(torch.randn(8, 40), 8)
     good = TypedWeight(values, scales, Q8, 40)
     with pytest.raises(ValueError):
-        typed_product(torch.randn(9, 40), good)  # more rows than one pass takes
+        dequant_matmul(torch.randn(9, 40), good)  # more rows than one pass takes
     with pytest.raises(ValueError):
-        typed_product(torch.randn(1, 40).double(), good)
+        dequant_matmul(torch.randn(1, 40).double(), good)
     with pytest.raises(ValueError):
-        typed_product(torch.randn(1, 40), TypedWeight(values, scales[:, :1], Q8, 40))  # scales for one block
+        dequant_matmul(torch.randn(1, 40), TypedWeight(values, scales[:, :1], Q8, 40))  # scales for one block
     with pytest.raises(ValueError):
-        typed_product(torch.randn(1, 40), TypedWeight(values.to(torch.uint8), scales, Q8, 40))
+        dequant_matmul(torch.randn(1, 40), TypedWeight(values.to(torch.uint8), scales, Q8, 40))
     with pytest.raises(ValueError):
-        typed_product(torch.randn(9, 40), TypedWeight(torch.randn(8, 40), None, F32, 40))  # fp32 rows: the same limit
+        dequant_matmul(torch.randn(9, 40), TypedWeight(torch.randn(8, 40), None, F32, 40))  # fp32 rows: the same limit
     nibbles, steps = quantize_weight(torch.randn(8, 40), 4, asymmetric=True)
     with pytest.raises(ValueError):  # Q4_1 without its minimums after the scales
-        typed_product(torch.randn(1, 40), TypedWeight(nibbles, steps[:, :2], Q41, 40))
+        dequant_matmul(torch.randn(1, 40), TypedWeight(nibbles, steps[:, :2], Q41, 40))
 
 
-def test_the_portable_build_gives_the_same_products(monkeypatch):
+def test_the_portable_build_gives_the_same_matmuls(monkeypatch):
     """ASTRAI_PORTABLE_KERNELS=1 builds the plain-C form for the generic target: no intrinsics,
-    the same products (summed in another order)."""
+    the same matmuls (summed in another order)."""
     torch.manual_seed(2)
     cases = [(typed(torch.randn(33, 70), kind)[0], torch.randn(3, 70)) for kind in (Q8, Q4, Q41, BF16, F32)]
-    native = [typed_product(x, w) for w, x in cases]
+    native = [dequant_matmul(x, w) for w, x in cases]
     monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
     kernels._library.cache_clear()
     try:
-        assert kernels_available() and not kernels.typed_products_vectorised()
-        portable = [typed_product(x, w) for w, x in cases]
+        assert kernels_available() and not kernels.dequant_matmul_vectorised()
+        portable = [dequant_matmul(x, w) for w, x in cases]
     finally:
         monkeypatch.delenv("ASTRAI_PORTABLE_KERNELS")
         kernels._library.cache_clear()
@@ -138,7 +138,7 @@ def test_the_portable_build_gives_the_same_products(monkeypatch):
 def test_a_cpu_with_avx2_and_fma_gets_the_vectorised_build():
     flags = kernels.cpu_flags().split()
     if "avx2" in flags and "fma" in flags:
-        assert kernels.typed_products_vectorised()
+        assert kernels.dequant_matmul_vectorised()
 
 
 def test_values_near_a_tie_round_as_the_reference_does():
@@ -155,11 +155,11 @@ def test_values_near_a_tie_round_as_the_reference_does():
     assert near_ties.sum() > 100
     x, want = x[near_ties].contiguous(), want[near_ties]
     assert torch.equal(rounded_activations(x), want)
-    # the products round them too: through the identity (near 1 on the diagonal) each output
+    # the matmuls round them too: through the identity (near 1 on the diagonal) each output
     # is its rounded input, to float error far below a step d (at least 1e-3 here)
-    from astrai.backends.cpu.dense_product import integer_product
+    from astrai.backends.cpu.dense_matmul import integer_matmul
     for kind in (Q4, Q41):
         identity, reference = typed(torch.eye(32), kind)
         through = want.double() @ reference.t()
-        assert torch.allclose(typed_product(x[:8], identity).double(), through[:8], rtol=0, atol=1e-5)
-        assert torch.allclose(integer_product(x, identity).double(), through, rtol=0, atol=1e-5)
+        assert torch.allclose(dequant_matmul(x[:8], identity).double(), through[:8], rtol=0, atol=1e-5)
+        assert torch.allclose(integer_matmul(x, identity).double(), through, rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-/* One-row product y = x W^T (+ bias) for a row-major weight W [out][ld] (nn.Linear's own
+/* One-row matmul (GEMV) y = x W^T (+ bias) for a row-major weight W [out][ld] (nn.Linear's own
  * layout, ld >= in): the decode step of a single request, where the whole step is the
  * time it takes to stream the weights.
  *
@@ -20,7 +20,7 @@
 
 enum {
     LANES = 32,   /* independent partial sums per row: one chain of adds would wait on each add's latency */
-    ROWS_AHEAD = 256, /* floats of W the few-rows product prefetches ahead: with several rows of x per
+    ROWS_AHEAD = 256, /* floats of W the few-rows matmul prefetches ahead: with several rows of x per
                          weight row the loop reads W more slowly, and there a prefetch measured faster */
     MAX_TEAM = 256, /* threads at most (the argmax keeps one answer per thread on the stack) */
 };
@@ -53,8 +53,8 @@ static inline int beats(float value, float top) { return value > top || (value !
  * stretch's argmax in best[t] / top[t] (-1 for an empty stretch) for `astrai_team_argmax`.
  * No barrier: the caller puts one before y is read. Exported for decode_step.c, which runs
  * a whole step inside one parallel region. */
-void astrai_team_row_product(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
-                             int64_t n_out, int64_t ld, int64_t *best, float *top)
+void astrai_team_row_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
+                            int64_t n_out, int64_t ld, int64_t *best, float *top)
 {
     const int t = omp_get_thread_num();
     const int64_t size = omp_get_num_threads(), per = (n_out + size - 1) / size;
@@ -80,8 +80,8 @@ int64_t astrai_team_argmax(const int64_t *best, const float *top, int team)
     return answer;
 }
 
-static int64_t products(const float *x, const float *w, const float *bias, float *y, int64_t n_in, int64_t n_out,
-                        int64_t ld, int threads, int want_argmax)
+static int64_t gemv(const float *x, const float *w, const float *bias, float *y, int64_t n_in, int64_t n_out,
+                    int64_t ld, int threads, int want_argmax)
 {
     if (threads > MAX_TEAM) threads = MAX_TEAM;
     int64_t best[MAX_TEAM];
@@ -89,30 +89,30 @@ static int64_t products(const float *x, const float *w, const float *bias, float
     int team = 1;
     #pragma omp parallel num_threads(threads)
     {
-        astrai_team_row_product(x, w, bias, y, n_in, n_out, ld, want_argmax ? best : 0, top);
+        astrai_team_row_matmul(x, w, bias, y, n_in, n_out, ld, want_argmax ? best : 0, top);
         if (omp_get_thread_num() == 0) team = omp_get_num_threads();
     }
     return want_argmax ? astrai_team_argmax(best, top, team) : -1;
 }
 
-void astrai_row_product_f32(
+void astrai_row_matmul_f32(
     const float *x, const float *w, const float *bias, float *y, int64_t n_in, int64_t n_out, int64_t ld,
     int threads)
 {
-    products(x, w, bias, y, n_in, n_out, ld, threads, 0);
+    gemv(x, w, bias, y, n_in, n_out, ld, threads, 0);
 }
 
-/* The same product, returning the index torch.argmax would give of y: for a greedy decode
+/* The same GEMV, returning the index torch.argmax would give of y: for a greedy decode
  * step's head, where each thread notes its stretch's maximum as it writes it, which costs
- * nothing beside the product, where torch's argmax would read the logits once more. */
-int64_t astrai_row_product_argmax_f32(
+ * nothing beside the GEMV, where torch's argmax would read the logits once more. */
+int64_t astrai_row_matmul_argmax_f32(
     const float *x, const float *w, float *y, int64_t n_in, int64_t n_out, int64_t ld, int threads)
 {
-    return products(x, w, 0, y, n_in, n_out, ld, threads, 1);
+    return gemv(x, w, 0, y, n_in, n_out, ld, threads, 1);
 }
 
 /* A few rows: y[r] = x[r] W^T (+ bias) for r < rows, x [rows][n_in] and y [rows][n_out]
- * contiguous: a decode step of continuous batching, where oneDNN's product over its packed
+ * contiguous: a decode step of continuous batching, where oneDNN's matmul over its packed
  * copy reads the weight more slowly than one stream does. Here each thread again walks its
  * stretch of W front to back, one output row at a time; the row is read from memory once,
  * by the first group of (up to) four rows of x, and stays in L1 for the groups after it. */
@@ -169,8 +169,8 @@ static inline void put(float *y, int64_t n_out, int64_t r, int64_t j, float sum,
     y[r * n_out + j] = bias ? sum + bias[j] : sum;
 }
 
-void astrai_rows_product_f32(const float *x, int64_t rows, const float *w, const float *bias, float *y,
-                             int64_t n_in, int64_t n_out, int64_t ld, int threads)
+void astrai_rows_matmul_f32(const float *x, int64_t rows, const float *w, const float *bias, float *y,
+                            int64_t n_in, int64_t n_out, int64_t ld, int threads)
 {
     #pragma omp parallel num_threads(threads)
     {

@@ -1,5 +1,6 @@
-/* Products of a few rows by a weight stored in a smaller type: y[r] = x[r] W^T (+ bias) for
- * r < rows (1 to ASTRAI_MAX_TYPED_ROWS), x fp32, W [out][in] in one of
+/* Weight-only dequantizing matmul of a few rows by a weight stored in a smaller type
+ * (W8A32, bf16; W4A8 for int4): y[r] = x[r] W^T (+ bias) for
+ * r < rows (1 to ASTRAI_MAX_DEQUANT_ROWS), x fp32, W [out][in] in one of
  *
  *   ASTRAI_BF16  bfloat16, `ld` elements between rows;
  *   ASTRAI_Q8    blocks of 32 int8 along the input with one fp16 scale each (GGUF's Q8_0):
@@ -10,7 +11,7 @@
  *   ASTRAI_Q41   the same nibbles with a step d and a minimum m per block (GGUF's Q4_1):
  *                w[o][i] = nibble * d[o][i / 32] + m[o][i / 32], the row's d's then its m's
  *                in its scales;
- *   ASTRAI_F32   fp32, `ld` elements between rows (one row goes to row_product.c's kernel;
+ *   ASTRAI_F32   fp32, `ld` elements between rows (one row goes to row_matmul.c's kernel;
  *                several, a speculative step's drafted tokens, are summed here);
  *
  * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
@@ -31,7 +32,7 @@
  * call with the activations, in the same eight lanes): no per-block sign juggling, and the
  * weight scales are widened and multiplied eight blocks at a time.
  *
- * As row_product.c, each thread takes a contiguous stretch of the outputs, so each reads one
+ * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
  * stream (two: values and scales) front to back, prefetched non-temporally ahead. With AVX2
  * and FMA (x86-64 builds for a CPU that has them), blocks are widened to fp32 in registers by
  * intrinsics; otherwise, or built with ASTRAI_PORTABLE, the same sums run as plain C loops.
@@ -43,19 +44,19 @@
 #include <omp.h>
 
 #if (defined(__AVX2__) && defined(__FMA__)) && !defined(ASTRAI_PORTABLE)
-#define TYPED_AVX2 1
+#define DEQUANT_AVX2 1
 #include <immintrin.h>
 #else
-#define TYPED_AVX2 0
+#define DEQUANT_AVX2 0
 #endif
-#if TYPED_AVX2 && defined(__AVX512F__)
-#define TYPED_AVX512 1
+#if DEQUANT_AVX2 && defined(__AVX512F__)
+#define DEQUANT_AVX512 1
 #else
-#define TYPED_AVX512 0
+#define DEQUANT_AVX512 0
 #endif
 
 enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4 };
-enum { ASTRAI_MAX_TYPED_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
+enum { ASTRAI_MAX_DEQUANT_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
 
 static inline float half_to_float(uint16_t h)
 {
@@ -111,7 +112,7 @@ static inline void prefetch_ahead(const uint8_t *p, const uint8_t *end)
 }
 
 
-#if TYPED_AVX2
+#if DEQUANT_AVX2
 static inline float horizontal_sum(__m256 a)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -180,7 +181,7 @@ static inline __m256 block_dot(const __m256 w[4], const float *x)
 }
 #endif
 
-#if TYPED_AVX512
+#if DEQUANT_AVX512
 /* Several rows (a speculative step's verified tokens) against one int8 weight row, sixteen lanes
  * at a time: each block is widened and scaled once, then every row adds two fused
  * multiply-adds into its own two sums, so a row costs two loads and two FMAs per block (the
@@ -188,7 +189,7 @@ static inline __m256 block_dot(const __m256 w[4], const float *x)
 static inline __attribute__((always_inline)) void rows_q8_avx512(const uint8_t *w, const uint16_t *scales, const float *x, int64_t x_stride,
                                   int rows, int64_t full, float *sum, const uint8_t *end)
 {
-    __m512 low[ASTRAI_MAX_TYPED_ROWS], high[ASTRAI_MAX_TYPED_ROWS];
+    __m512 low[ASTRAI_MAX_DEQUANT_ROWS], high[ASTRAI_MAX_DEQUANT_ROWS];
     for (int r = 0; r < rows; ++r) low[r] = high[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < full; ++b) {
         if ((b & 1) == 0) prefetch_ahead(w + b * BLOCK, end);
@@ -209,7 +210,7 @@ static inline __attribute__((always_inline)) void rows_q8_avx512(const uint8_t *
 static inline __attribute__((always_inline)) int64_t rows_f32_avx512(const float *w, const float *x, int64_t x_stride, int rows, int64_t n_in,
                                       float *sum, const uint8_t *end)
 {
-    __m512 low[ASTRAI_MAX_TYPED_ROWS], high[ASTRAI_MAX_TYPED_ROWS];
+    __m512 low[ASTRAI_MAX_DEQUANT_ROWS], high[ASTRAI_MAX_DEQUANT_ROWS];
     for (int r = 0; r < rows; ++r) low[r] = high[r] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n_in; i += 32) {
@@ -236,16 +237,16 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
                                                          const uint8_t *end)
 {
     const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
-    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t b = 0;
-#if TYPED_AVX512
+#if DEQUANT_AVX512
     if (rows > 1) {
         b = n_in / BLOCK;
         rows_q8_avx512(w, scales, x, x_stride, rows, b, sum, end);
     }
 #endif
-#if TYPED_AVX2
-    __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS], values[4];
+#if DEQUANT_AVX2
+    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS], values[4];
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     const int64_t full = n_in / BLOCK;  /* when the sixteen-lane loop ran, b is already there */
     for (; b + 2 <= full; b += 2) {
@@ -294,7 +295,7 @@ static inline float block_step(const float *xb, int64_t n, float *inverse)
     return finite ? half_to_float(float_to_half(d)) : NAN;
 }
 
-#if TYPED_AVX2
+#if DEQUANT_AVX2
 /* quantize_activations for one whole block in registers: the same step, the same products
  * rounded the same way (cvtps rounds to nearest even, as rintf does), and the sums of fours
  * taken by maddubs against ones. */
@@ -351,7 +352,7 @@ static void quantize_activations(const float *x, int64_t x_stride, int64_t rows,
             const float *xb = x + r * x_stride + b * BLOCK;
             int8_t *q = values + (r * blocks + b) * BLOCK;
             const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
-#if TYPED_AVX2
+#if DEQUANT_AVX2
             if (n == BLOCK) {
                 quantize_block(xb, q, scales + r * blocks + b, offsets ? offsets + (r * blocks + b) * 8 : NULL,
                                sums + r * blocks + b);
@@ -385,11 +386,11 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
                                                          const int8_t *xq, const float *xd, const int32_t *xo,
                                                          int rows, int64_t blocks, float *out, const uint8_t *end)
 {
-    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t b = 0;
-#if TYPED_AVX2
-    __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS];
-    float factor[ASTRAI_MAX_TYPED_ROWS][8] __attribute__((aligned(32)));
+#if DEQUANT_AVX2
+    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS];
+    float factor[ASTRAI_MAX_DEQUANT_ROWS][8] __attribute__((aligned(32)));
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (; b + 8 <= blocks; b += 8) {
         prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
@@ -442,11 +443,11 @@ static inline __attribute__((always_inline)) void dot_q41(const uint8_t *w, cons
                                                           int rows, int64_t blocks, float *out, const uint8_t *end)
 {
     const uint16_t *mins = scales + blocks;
-    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t b = 0;
-#if TYPED_AVX2
-    __m256 even[ASTRAI_MAX_TYPED_ROWS], odd[ASTRAI_MAX_TYPED_ROWS], low[ASTRAI_MAX_TYPED_ROWS];
-    float factor[ASTRAI_MAX_TYPED_ROWS][8] __attribute__((aligned(32)));
+#if DEQUANT_AVX2
+    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS], low[ASTRAI_MAX_DEQUANT_ROWS];
+    float factor[ASTRAI_MAX_DEQUANT_ROWS][8] __attribute__((aligned(32)));
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = low[r] = _mm256_setzero_ps();
     for (; b + 8 <= blocks; b += 8) {
         prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
@@ -496,10 +497,10 @@ static inline __attribute__((always_inline)) void dot_q41(const uint8_t *w, cons
 static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
                             const uint8_t *end)
 {
-    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t i = 0;
-#if TYPED_AVX2
-    __m256 acc0[ASTRAI_MAX_TYPED_ROWS], acc1[ASTRAI_MAX_TYPED_ROWS];
+#if DEQUANT_AVX2
+    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS];
     for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (; i + 16 <= n_in; i += 16) {
         if ((i & 31) == 0) prefetch_ahead((const uint8_t *)(w + i), end);
@@ -531,18 +532,18 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
-/* The fp32 weight row's products with several rows of x (one row takes row_product.c's kernel):
+/* The fp32 weight row's products with several rows of x (one row takes row_matmul.c's kernel):
  * a speculative step's verification of drafted tokens, each weight element loaded once for all. */
 static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *x, int64_t x_stride, int rows,
                                                           int64_t n_in, float *out, const uint8_t *end)
 {
-    float sum[ASTRAI_MAX_TYPED_ROWS] = {0.0f};
+    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t i = 0;
-#if TYPED_AVX512
+#if DEQUANT_AVX512
     i = rows_f32_avx512(w, x, x_stride, rows, n_in, sum, end);
 #endif
-#if TYPED_AVX2
-    __m256 acc0[ASTRAI_MAX_TYPED_ROWS], acc1[ASTRAI_MAX_TYPED_ROWS];
+#if DEQUANT_AVX2
+    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS];
     for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (; i + 16 <= n_in; i += 16) {
         prefetch_ahead((const uint8_t *)(w + i), end);
@@ -562,15 +563,15 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
 
 static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
 
-/* row_product.c: the fp32 weights' one-row product and the team's argmax */
-void astrai_team_row_product(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
-                             int64_t n_out, int64_t ld, int64_t *best, float *top);
+/* row_matmul.c: the fp32 weights' one-row GEMV and the team's argmax */
+void astrai_team_row_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
+                            int64_t n_out, int64_t ld, int64_t *best, float *top);
 int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
 
 /* One weight row's products with every row of x (int4: of its quantized form xq, xd). `rows`
  * is a literal at each call below, so the compiler makes a copy of the loops for one row with
  * its sums in registers. */
-static inline __attribute__((always_inline)) void typed_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
+static inline __attribute__((always_inline)) void dequant_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
                              int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
                              const uint8_t *end, const int8_t *xq, const float *xd, const int32_t *xo,
                              const float *xs)
@@ -596,16 +597,16 @@ static inline __attribute__((always_inline)) void typed_dot(int type, const uint
 
 static int64_t row_bytes(int type, int64_t ld) { return type == ASTRAI_F32 ? 4 * ld : type == ASTRAI_BF16 ? 2 * ld : ld; }
 
-/* This thread's stretch of the product, for every thread of the team running it: the typed
- * counterpart of row_product.c's astrai_team_row_product, which it hands one row of an fp32
+/* This thread's stretch of the matmul, for every thread of the team running it: the dequantizing
+ * counterpart of row_matmul.c's astrai_team_row_matmul, which it hands one row of an fp32
  * weight (ASTRAI_F32), so that decode_step.c calls one function for every weight type. With
  * `best`, each thread notes its stretch's argmax of row 0 for astrai_team_argmax. No barrier. */
-void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, const void *weight,
-                               const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
-                               int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top)
+void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, const void *weight,
+                                const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
+                                int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top)
 {
     if (type == ASTRAI_F32 && rows == 1) {
-        astrai_team_row_product(x, (const float *)weight, bias, y, n_in, n_out, ld, best, top);
+        astrai_team_row_matmul(x, (const float *)weight, bias, y, n_in, n_out, ld, best, top);
         return;
     }
     const int t = omp_get_thread_num();
@@ -614,7 +615,7 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
     const uint8_t *w = (const uint8_t *)weight;
     const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
     int64_t mine = -1;
-    float highest = 0.0f, out[ASTRAI_MAX_TYPED_ROWS];
+    float highest = 0.0f, out[ASTRAI_MAX_DEQUANT_ROWS];
     /* int4: each thread quantizes x for itself (a few microseconds), so no barrier is needed */
     const int64_t blocks = (type == ASTRAI_Q4 || type == ASTRAI_Q41) && first < last ? (n_in + BLOCK - 1) / BLOCK : 0;
     int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
@@ -624,10 +625,10 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
     for (int64_t j = first; j < last; ++j) {
         /* a literal row count per case: each copy keeps its rows' sums in registers */
         switch (rows) {
-#define ROWS_CASE(n) case n: typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs); break;
+#define ROWS_CASE(n) case n: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-        default: typed_dot(type, w, j, ld, scales, scale_ld, x, x_stride, ASTRAI_MAX_TYPED_ROWS, n_in, out, end, xq, xd,
-                           xo, xs);
+        default: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, ASTRAI_MAX_DEQUANT_ROWS, n_in, out, end, xq, xd,
+                             xo, xs);
 #undef ROWS_CASE
         }
         const float b = bias ? bias[j] : 0.0f;
@@ -639,19 +640,19 @@ void astrai_team_typed_product(const float *x, int64_t rows, int64_t x_stride, c
 
 /* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias), shared among `threads`; with
  * `want_argmax` (one row), returns torch.argmax of y's row, else -1. */
-int64_t astrai_typed_product(const float *x, int64_t rows, int64_t x_stride, const void *weight,
-                             const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
-                             int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int threads, int want_argmax)
+int64_t astrai_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, const void *weight,
+                              const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
+                              int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int threads, int want_argmax)
 {
     if (threads > MAX_TEAM) threads = MAX_TEAM;
-    if (rows < 1 || rows > ASTRAI_MAX_TYPED_ROWS) return -2;
+    if (rows < 1 || rows > ASTRAI_MAX_DEQUANT_ROWS) return -2;
     int64_t best[MAX_TEAM];
     float top[MAX_TEAM];
     int team = 1;
     #pragma omp parallel num_threads(threads)
     {
-        astrai_team_typed_product(x, rows, x_stride, weight, scales, type, bias, y, y_stride, n_in, n_out, ld,
-                                  scale_ld, want_argmax ? best : 0, top);
+        astrai_team_dequant_matmul(x, rows, x_stride, weight, scales, type, bias, y, y_stride, n_in, n_out, ld,
+                                   scale_ld, want_argmax ? best : 0, top);
         if (omp_get_thread_num() == 0) team = omp_get_num_threads();
     }
     return want_argmax ? astrai_team_argmax(best, top, team) : -1;
@@ -660,7 +661,7 @@ int64_t astrai_typed_product(const float *x, int64_t rows, int64_t x_stride, con
 /* out = x rounded to Q8_0 blocks along its rows of n_in, as floats: quantized.py's
  * `quantize_activations` in one pass (d = max|x| * (1/127), q = x / d rounded to even, q
  * times the fp16-rounded d; a block holding a NaN or an infinity becomes NaN, as there). For
- * a prompt's int4 products, whose activations torch would round in several passes. */
+ * a prompt's int4 matmuls, whose activations torch would round in several passes. */
 void astrai_round_activations(const float *x, int64_t rows, int64_t n_in, float *out, int threads)
 {
     const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
@@ -676,7 +677,7 @@ void astrai_round_activations(const float *x, int64_t rows, int64_t n_in, float 
     }
 }
 
-/* Rows of x rounded to Q8_0 blocks as above, without the offsets: quantized_rows.c's input. */
+/* Rows of x rounded to Q8_0 blocks as above, without the offsets: integer_matmul.c's input. */
 void astrai_quantize_rows_q8(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
                              float *steps, float *sums)
 {
@@ -687,4 +688,4 @@ void astrai_quantize_rows_q8(const float *x, int64_t x_stride, int64_t rows, int
 float astrai_half_value(uint16_t h) { return half_to_float(h); }
 
 /* Whether this build reads blocks with AVX2 intrinsics (1) or plain C loops (0). */
-int astrai_typed_product_vectorised(void) { return TYPED_AVX2; }
+int astrai_dequant_matmul_vectorised(void) { return DEQUANT_AVX2; }

@@ -1,11 +1,11 @@
-/* Many rows (a prompt) by an int4 weight, multiplied in integers: y = x W^T (+ bias) for
- * W in GGUF's Q4_0 or Q4_1 blocks (typed_product.c's ASTRAI_Q4 / ASTRAI_Q41 layout) and x
+/* Integer matmul (W4A8) of many rows (a prompt) by an int4 weight: y = x W^T (+ bias) for
+ * W in GGUF's Q4_0 or Q4_1 blocks (dequant_matmul.c's ASTRAI_Q4 / ASTRAI_Q41 layout) and x
  * fp32 [rows][n_in].
  *
- * Widening the nibbles to floats for an fp32 product (as dense_rows.c does for bf16 and
- * int8) leaves the prompt's products at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
+ * Widening the nibbles to floats for an fp32 GEMM (as dense_rows.c does for bf16 and
+ * int8) leaves the prompt's matmuls at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
  * int8 activations with maddubs makes 32 per instruction, so here x is first rounded to Q8_0
- * blocks, exactly as the int4 products of a decode step (and QuantizedLinear's forward) round
+ * blocks, exactly as the int4 matmuls of a decode step (and QuantizedLinear's forward) round
  * it, and each block's dot product is summed in integers.
  *
  * What keeps the integer work from drowning in conversions is the layout. Each thread takes
@@ -20,7 +20,7 @@
  * Per block b of a row of x (d_x its fp16-rounded step, s its sum of int8 values) and a weight
  * row (d its step; Q4_0 values u - 8, Q4_1 values u d + m), the block adds
  *     Q4_0:  d d_x (sum u q) - 8 d (d_x s)      Q4_1:  d d_x (sum u q) + m (d_x s)
- * the same numbers as the float product of the rounded x and the dequantized weight, summed in
+ * the same numbers as the float matmul of the rounded x and the dequantized weight, summed in
  * another order. A block of x holding an infinity or a NaN has a NaN step, so its outputs are
  * NaN, as the reference's are. The unpacked rows (8 x padded n_in bytes a group, and their
  * steps) stay in the thread's cache while every row of x passes over them: for a prompt two
@@ -44,7 +44,7 @@ enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, PAIR_MIN_ROWS = 24, TYPE_Q4 = 3, T
 
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
-/* typed_product.c's rounding of x to Q8_0 blocks and its fp16 conversion */
+/* dequant_matmul.c's rounding of x to Q8_0 blocks and its fp16 conversion */
 void astrai_quantize_rows_q8(const float *x, int64_t x_stride, int64_t rows, int64_t n_in, int8_t *values,
                              float *steps, float *sums);
 float astrai_half_value(uint16_t h);
@@ -209,7 +209,7 @@ static void group_rows(const uint8_t *bytes, const float *steps, const float *ex
 /* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias) for an int4 weight W [n_out][n_in]
  * (type 3: Q4_0, 4: Q4_1; `ld` bytes and `scale_ld` fp16 values between two rows), shared
  * among `threads`. Returns 0, -1 for another type, -2 when memory ran out. */
-int64_t astrai_quantized_rows(const float *x, int64_t rows, int64_t x_stride, const uint8_t *weight, int64_t ld,
+int64_t astrai_integer_matmul(const float *x, int64_t rows, int64_t x_stride, const uint8_t *weight, int64_t ld,
                               const uint16_t *scales, int64_t scale_ld, int type, const float *bias, float *y,
                               int64_t y_stride, int64_t n_in, int64_t n_out, int threads)
 {

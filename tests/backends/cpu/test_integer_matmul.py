@@ -1,9 +1,9 @@
-"""Many rows by an int4 weight in integers (astrai/backends/cpu/native/quantized_rows.c through
-dense_product.integer_product): equal to the float64 product of the activations rounded to
+"""Many rows by an int4 weight in integers (astrai/backends/cpu/native/integer_matmul.c through
+dense_matmul.integer_matmul): equal to the float64 product of the activations rounded to
 Q8_0 blocks and the dequantized Q4_0 or Q4_1 weight on shapes that are not multiples of a
 block, of the eight rows unpacked together or of a thread's share; a NaN or an infinity poisons
 its row as in the reference; a block of a stacked weight reads its own rows; the serving
-product takes this route from four rows on (prefill and batched decode alike); the plain-C
+linear takes this kernel from four rows on (prefill and batched decode alike); the plain-C
 build gives the same sums."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai.backends.cpu import dense_product as dense
+from astrai.backends.cpu import dense_matmul as dense
 from astrai.backends.cpu import kernels, serving
 from astrai.backends.cpu.kernels import Q4, Q8, Q41, TypedWeight, kernels_available
 from astrai.model.quantized import dequantize_weight, quantize_activations, quantize_weight
-from test_typed_product_kernel import multiplied, typed
+from test_dequant_matmul_kernel import multiplied, typed
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
@@ -35,7 +35,7 @@ def test_many_rows_equal_the_float64_product_of_the_rounded_activations(kind, n_
     x = torch.randn(2, rows, n_in) * torch.rand(n_in).add(0.5)
     x[..., :min(n_in, 32)] = 0.0  # a block of zeros: d = 0
     bias = torch.randn(n_out) if with_bias else None
-    got = dense.integer_product(x, weight, bias)
+    got = dense.integer_matmul(x, weight, bias)
     want = multiplied(x, kind) @ reference.t() + (0 if bias is None else bias.double())
     assert got.shape == (2, rows, n_out) and got.dtype == torch.float32
     # one activation rounded a step the other way would move an output by about 1e-2
@@ -48,7 +48,7 @@ def test_an_infinity_or_a_nan_makes_its_row_nan_as_the_reference_does(kind):
     weight, reference = typed(torch.randn(20, 70), kind)
     x = torch.randn(4, 70)
     x[1, 40], x[2, 3] = float("inf"), float("nan")
-    got = dense.integer_product(x, weight)
+    got = dense.integer_matmul(x, weight)
     want = torch.nn.functional.linear(quantize_activations(x).double(), reference)
     assert torch.equal(got.isnan(), want.isnan()) and got[1:3].isnan().all()
     assert torch.allclose(got[[0, 3]].double(), want[[0, 3]], rtol=0, atol=2e-4)
@@ -62,37 +62,37 @@ def test_a_block_of_a_stacked_weight_reads_only_its_rows(kind):
     block = TypedWeight(values[10:29], scales[10:29], kind, 64)
     x = torch.randn(9, 64)
     want = multiplied(x, kind) @ dequantize_weight(values, scales, 4, 64)[10:29].double().t()
-    assert torch.allclose(dense.integer_product(x, block).double(), want, rtol=0, atol=2e-4)
+    assert torch.allclose(dense.integer_matmul(x, block).double(), want, rtol=0, atol=2e-4)
 
 
 def test_it_refuses_what_it_cannot_multiply():
     weight, _ = typed(torch.randn(8, 32), Q8)
-    with pytest.raises(ValueError, match="integer_product"):
-        dense.integer_product(torch.randn(4, 32), weight)
+    with pytest.raises(ValueError, match="integer_matmul"):
+        dense.integer_matmul(torch.randn(4, 32), weight)
     weight, _ = typed(torch.randn(8, 32), Q4)
-    with pytest.raises(ValueError, match="integer_product"):
-        dense.integer_product(torch.randn(4, 31), weight)
+    with pytest.raises(ValueError, match="integer_matmul"):
+        dense.integer_matmul(torch.randn(4, 31), weight)
 
 
 @pytest.mark.parametrize("kind", [Q4, Q41])
-@pytest.mark.parametrize("rows", [serving.INTEGER_MIN_ROWS, serving.TYPED_MAX_ROWS + 1, 64])
-def test_the_serving_product_takes_this_route_from_four_rows(kind, rows, monkeypatch):
-    """Four rows or more (a batched decode step or a prompt) go through integer_product and
-    match torch over the dequantized weight and rounded activations; fewer take the typed
-    product, which reads the weight once."""
+@pytest.mark.parametrize("rows", [serving.INTEGER_MIN_ROWS, serving.DEQUANT_MAX_ROWS + 1, 64])
+def test_the_serving_linear_takes_this_kernel_from_four_rows(kind, rows, monkeypatch):
+    """Four rows or more (a batched decode step or a prompt) go through integer_matmul and
+    match torch over the dequantized weight and rounded activations; fewer take the dequantizing
+    matmul, which reads the weight once."""
     torch.manual_seed(3)
     weight, reference = typed(torch.randn(48, 40), kind)
     bias = torch.randn(48)
     calls = []
-    real = dense.integer_product
-    monkeypatch.setattr(serving, "integer_product", lambda *args: calls.append(1) or real(*args))
+    real = dense.integer_matmul
+    monkeypatch.setattr(serving, "integer_matmul", lambda *args: calls.append(1) or real(*args))
     with torch.no_grad():
         x = torch.randn(rows, 40)
-        fast = serving.typed_serving_product(x, weight, bias, lambda: reference.float())
-        serving.typed_serving_product(x[:serving.INTEGER_MIN_ROWS - 1], weight, bias, lambda: reference.float())
-        monkeypatch.setattr(serving, "dense_products_available", lambda: False)
+        fast = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
+        serving.dequant_serving_linear(x[:serving.INTEGER_MIN_ROWS - 1], weight, bias, lambda: reference.float())
+        monkeypatch.setattr(serving, "dense_matmul_available", lambda: False)
         monkeypatch.setattr(serving, "kernels_available", lambda: False)
-        fallback = serving.typed_serving_product(x, weight, bias, lambda: reference.float())
+        fallback = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
     assert len(calls) == 1
     assert torch.allclose(fast, fallback, rtol=0, atol=2e-4)
 
@@ -102,11 +102,11 @@ def test_the_portable_build_gives_the_same_sums(monkeypatch):
     additions in another order."""
     torch.manual_seed(4)
     cases = [(typed(torch.randn(45, 100), kind)[0], torch.randn(30, 100)) for kind in (Q4, Q41)]
-    native = [dense.integer_product(x, w) for w, x in cases]
+    native = [dense.integer_matmul(x, w) for w, x in cases]
     monkeypatch.setenv("ASTRAI_PORTABLE_KERNELS", "1")
     kernels._library.cache_clear()
     try:
-        portable = [dense.integer_product(x, w) for w, x in cases]
+        portable = [dense.integer_matmul(x, w) for w, x in cases]
     finally:
         monkeypatch.delenv("ASTRAI_PORTABLE_KERNELS")
         kernels._library.cache_clear()
