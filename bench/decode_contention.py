@@ -6,7 +6,7 @@ quiet and busy rounds that alternate inside each worker, for a single greedy req
 fused C decode step) and for four requests decoded as one batch:
 
 - ``native``: astrai's C kernels (the default);
-- ``torch``: PyTorch's own products (``ASTRAI_NATIVE_KERNELS=0``), the reference;
+- ``torch``: PyTorch's own matmuls (``ASTRAI_NATIVE_KERNELS=0``), the reference;
 - ``native@<path>``, with ``--baseline PATH``: the C kernels of another checkout (the kernels
   before a change), for an A/B of the same thing in the same run.
 

@@ -5,7 +5,7 @@ target's own greedy replies to the user turns of data/sft/valid.jsonl (held out 
 training), which the engine decodes. Cost: microseconds per draft token (the head alone,
 one row, ``k`` tokens a call) against one target decode step at batch 1, the step's time
 taken as (time for 65 tokens - time for 1 token) / 64 through the engine, in fp32 and int8.
-The head runs in fp32 (cast to bf16 its small products ran about 18x slower on the test machine).
+The head runs in fp32 (cast to bf16 its small matmuls ran about 18x slower on the test machine).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/draft_head.py --target ~/.cache/astrai/bench-models/smollm2/hf \\
         --head ~/.cache/astrai/draft-heads/smollm2-135m

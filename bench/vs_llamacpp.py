@@ -75,7 +75,7 @@ class NotAvailable(Exception):
 def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Streaming-read bandwidth in bytes/s: the best of ``repeats`` sums of a buffer far larger
     than any last-level cache, on ``threads`` threads; a sum reads and writes nothing back,
-    the access pattern of a one-row matrix product."""
+    the access pattern of a one-row matmul (GEMV)."""
     torch.set_num_threads(threads)
     buffer = torch.ones(nbytes // 4)
     buffer.sum()
