@@ -160,7 +160,7 @@ class RowMasks:
 
 def spare_core() -> bool:
     """Whether a core is left beside the model's threads. Where every core runs the model's
-    products, a mask thread beside them displaces one member of a team that waits at barriers:
+    matmuls, a mask thread beside them displaces one member of a team that waits at barriers:
     SmolLM2-135M on 2 cores and 2 threads lost 11-12% of its decode rate to overlapped masks
     and 1-5% to masks written after the step (bench/constrained.py)."""
     return torch.get_num_threads() < (os.cpu_count() or 1)

@@ -141,4 +141,4 @@ class ModelRunner:
         self.backend.release_idle()
 
     def release_scratch(self) -> None:
-        """Free the scratch memory the calling thread's products keep between calls (none here)."""
+        """Free the scratch memory the calling thread's matmuls keep between calls (none here)."""

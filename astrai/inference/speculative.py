@@ -171,7 +171,7 @@ class SpeculationControl:
     """Which rows draft this step, and counts of what speculation did (``stats``).
 
     Two switches, since a verify step costs more than a plain one (each drafted token is one
-    more row of every product; on int8 weights that is arithmetic, not only reading):
+    more row of every matmul; on int8 weights that is arithmetic, not only reading):
     - per row: a row whose recent drafts were mostly rejected (kept fraction below
       ``min_kept``) pauses drafting for a while, longer each time; prompt lookup finds no
       guess at all where the output does not repeat, which costs nothing;

@@ -6,7 +6,7 @@ its lm_head reads) and the embedding of t_{p+1}, one small layer predicts the hi
 target will have at p+1 and, through its own output projection, t_{p+2}; fed its own hidden
 state and guess, the same layer goes on to t_{p+3}, and so on. Its output covers a reduced
 vocabulary (the tokens the target emits most, after FR-Spec / EAGLE-3), mapped back to target
-ids, so a draft token costs a few small products instead of a full-vocabulary GEMV. The
+ids, so a draft token costs a few small matmuls instead of a full-vocabulary GEMV. The
 token embedding is the target's own, frozen and never saved with the head.
 
 On disk: ``draft_head.json`` (DraftHeadConfig) and ``draft_head.safetensors`` in one

@@ -105,7 +105,7 @@ def quantize_weight(weight: torch.Tensor, bits: int, asymmetric: bool = False) -
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded along its last dimension to Q8_0 blocks, as the int4 products multiply it.
+    """``x`` rounded along its last dimension to Q8_0 blocks, as the int4 matmuls multiply it.
 
     Per block of 32 (the last one zero-padded): d = max|x| * (1/127) in float32, q = x / d
     rounded to the nearest integer (ties to even), and q times d rounded to fp16. Returned

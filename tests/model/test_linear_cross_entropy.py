@@ -20,7 +20,7 @@ def reference(hidden, weight, targets, smoothing=0.0):
 @pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, given):
-    """fp32 with either product: torch.mm's written in place per chunk, or a given ``product``
+    """fp32 with either matmul: torch.mm's written in place per chunk, or a given ``product``
     (a training head's) with the weight gradient taken per group of chunks (here 2 chunks:
     32 + 32 + 11 rows)."""
     monkeypatch.setattr(lce, "CHUNK_ROWS", 16)  # 3 x 25 rows: several chunks, the last one partial
@@ -64,7 +64,7 @@ def test_the_projection_follows_autocast_unless_the_installed_matmuls_say_it_doe
     assert asked == [("cpu", torch.bfloat16)]
 
 
-def test_an_installed_product_takes_the_fp32_products():
+def test_an_installed_product_takes_the_fp32_matmuls():
     calls = []
     matmuls = lce.HeadMatmuls(product=lambda a, b: calls.append(a.shape) or a @ b.t())
     hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
@@ -81,7 +81,7 @@ def test_an_installed_product_takes_the_fp32_products():
 def test_bf16_autocast_stays_close_to_fp32(monkeypatch, bf16_pays):
     """Where bf16 matmuls are no faster the projection stays fp32 under CPU bf16 autocast
     (then it is exact); where they are, it runs in bf16 like any autocast linear, its
-    weight gradient one product per group of chunks (here 24 + 24 + 16 rows)."""
+    weight gradient one matmul per group of chunks (here 24 + 24 + 16 rows)."""
     monkeypatch.setattr(lce, "_installed", lce.HeadMatmuls(low_precision_pays=lambda device, dtype: bf16_pays))
     monkeypatch.setattr(lce, "CHUNK_ROWS", 8)
     monkeypatch.setattr(lce, "GRADIENT_ROWS_BYTES", 40 * 2 * 24)

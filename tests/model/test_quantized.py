@@ -1,4 +1,4 @@
-"""Weight-only int8/int4: GGUF's Q8_0/Q4_0/Q4_1 numbers, bounded round-trip error, products
+"""Weight-only int8/int4: GGUF's Q8_0/Q4_0/Q4_1 numbers, bounded round-trip error, matmuls
 against a float reference on odd shapes, and quantize_model's choice of layers."""
 
 import numpy as np
@@ -68,7 +68,7 @@ def test_round_trip_error_is_bounded_per_block(bits, step, steps, in_features):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("out_features,in_features", [(1, 45), (13, 45), (64, 32), (3, 200)])
 @pytest.mark.parametrize("rows", [1, 9])
-def test_products_equal_float_reference(bits, out_features, in_features, rows):
+def test_matmuls_equal_float_reference(bits, out_features, in_features, rows):
     linear = torch.nn.Linear(in_features, out_features, bias=True)
     module = QuantizedLinear.from_linear(linear, bits)
     x = torch.randn(2, rows, in_features)
@@ -175,7 +175,7 @@ def test_asymmetric_round_trip_error_is_half_a_step_of_the_blocks_range(in_featu
 
 
 @pytest.mark.parametrize("out_features,in_features", [(1, 45), (13, 45), (64, 32)])
-def test_asymmetric_products_equal_float_reference(out_features, in_features):
+def test_asymmetric_matmuls_equal_float_reference(out_features, in_features):
     linear = torch.nn.Linear(in_features, out_features, bias=True)
     module = QuantizedLinear.from_linear(linear, 4, asymmetric=True)
     assert module.asymmetric and "asymmetric" in repr(module)

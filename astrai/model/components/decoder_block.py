@@ -29,7 +29,7 @@ class DecoderBlock(nn.Module):
         The model's last block gets ``keep`` when only some positions' logits are wanted (a
         prefill wants each prompt's last): every position's K/V is still made and cached,
         but the output projection, residual and feed-forward run on the kept rows only,
-        sparing that layer's larger products for the rest."""
+        sparing that layer's larger matmuls for the rest."""
         attended = self.attention(self.input_norm(x), rotary_emb, attention_mask, paged_cache, keep)
         x = (x if keep is None else select_positions(x, keep)) + attended
         return x + self.mlp(self.post_attention_norm(x))

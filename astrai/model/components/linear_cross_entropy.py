@@ -9,15 +9,15 @@ gradients of the hidden states and the weight. Backward then only scales those b
 incoming gradient. The arithmetic is the same; only the memory traffic is gone.
 
 Each chunk's logits are computed transposed, ``weight @ hidden.T`` = [vocab, rows]: with
-the vocabulary as the product's long side the CPU BLAS runs it faster, and the two
-gradient products then take the transposed chunk as it lies.
+the vocabulary as the matmul's long side the CPU BLAS runs it faster, and the two
+gradient matmuls then take the transposed chunk as it lies.
 
-The products run on ``torch.mm`` unless the caller passes ``product`` (a function giving
+The matmuls run on ``torch.mm`` unless the caller passes ``product`` (a function giving
 ``a @ bᵀ``), or a device backend installed one for a training run (``head_matmuls``: the
-CPU's faster fp32 product): then the forward product and the weight gradient take it, the latter
-as one product per group of chunks.
+CPU's faster fp32 matmul): then the forward matmul and the weight gradient take it, the latter
+as one matmul per group of chunks.
 In bf16 the weight gradient is grouped the same way, because it has to end in fp32: a
-bf16 product per chunk added into the fp32 gradient would cost a widening pass and a
+bf16 matmul per chunk added into the fp32 gradient would cost a widening pass and a
 weight-sized temporary each time.
 """
 
@@ -32,7 +32,7 @@ import torch
 
 IGNORE_INDEX = -100
 CHUNK_ROWS = 256  # tokens per chunk: fewer rows starve the matmuls, more buy little (measured, 8k and 32k vocabularies)
-GRADIENT_ROWS_BYTES = 64 * 2 ** 20  # the chunks' logit gradients kept for one weight-gradient product
+GRADIENT_ROWS_BYTES = 64 * 2 ** 20  # the chunks' logit gradients kept for one weight-gradient matmul
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -48,26 +48,26 @@ class LinearCrossEntropy(torch.autograd.Function):
         row_weight = valid.to(torch.float32) / count.clamp_min(1)
         w = weight.to(compute_dtype)
         h_all = hidden.to(compute_dtype)
-        products = HeadProducts(w, product)
+        matmuls = ChunkMatmuls(w, product)
         chunk = min(CHUNK_ROWS, max(n, 1))
-        group = products.gradient_group_rows(chunk) if need_weight else chunk
-        # the chunks' fp32 logits, reused; a given product returns its own
-        workspace = None if products.product is not None else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
+        group = matmuls.gradient_group_rows(chunk) if need_weight else chunk
+        # the chunks' fp32 logits, reused; a given product function returns its own
+        workspace = None if matmuls.product is not None else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
         need_gradients = need_hidden or need_weight
         # a group's logit gradients; ungrouped (fp32 on MKL) each chunk's go in place of its logits
         gradients = (torch.empty(vocab, min(group, n), dtype=compute_dtype, device=hidden.device)
-                     if need_gradients and products.grouped else None)
+                     if need_gradients and matmuls.grouped else None)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        allocate = torch.empty if n else torch.zeros  # no rows: no product writes the weight gradient
+        allocate = torch.empty if n else torch.zeros  # no rows: no matmul writes the weight gradient
         grad_weight = allocate(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             rows = min(chunk, n - start)
             target = safe_targets[None, start:start + rows]
-            # logits transposed, [vocab, rows]: the product runs faster with the vocabulary as
+            # logits transposed, [vocab, rows]: the matmul runs faster with the vocabulary as
             # its long side (see the module's docstring); softmax is taken down the columns
             out = None if workspace is None else workspace[:vocab * rows].view(vocab, rows)
-            logits = products.logits(h_all[start:start + rows], out)
+            logits = matmuls.logits(h_all[start:start + rows], out)
             target_logit = logits.gather(0, target)
             mean_logit = logits.mean(dim=0, keepdim=True) if label_smoothing else None
             row_max = logits.amax(dim=0, keepdim=True)
@@ -90,11 +90,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                 exp.sub_(label_smoothing / vocab * exp_sum)
             torch.mul(exp, scale / exp_sum, out=grad)
             if need_hidden:
-                products.hidden_gradient(grad, grad_hidden[start:start + rows])
+                matmuls.hidden_gradient(grad, grad_hidden[start:start + rows])
             if need_weight and (column + rows == group or start + rows == n):
                 first = start - column
                 group_grad = grad if gradients is None else gradients[:, :column + rows]
-                products.weight_gradient(group_grad, h_all[first:start + rows], grad_weight, accumulate=first > 0)
+                matmuls.weight_gradient(group_grad, h_all[first:start + rows], grad_weight, accumulate=first > 0)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         # mean over counted tokens; 0/0 = nan when nothing counts, as F.cross_entropy gives
@@ -110,15 +110,15 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-class HeadProducts:
-    """The projection's three products for one call, each on the kernel that runs it fastest.
+class ChunkMatmuls:
+    """The projection's three matmuls for one call, each on the kernel that runs it fastest.
 
-    In fp32 the forward product ``W @ hᵀ`` and the weight gradient ``G @ h`` take
-    ``product`` when one is given, else ``torch.mm`` writing in place. In bf16 every product
+    In fp32 the forward matmul ``W @ hᵀ`` and the weight gradient ``G @ h`` take
+    ``product`` when one is given, else ``torch.mm`` writing in place. In bf16 every matmul
     is the BLAS's; there the logits come out in bf16 and are
     widened into the fp32 workspace, and the weight gradient, which has to end in fp32,
-    is one product over a whole group of chunks (``gradient_group_rows``) instead of a
-    bf16 product per chunk added into fp32, which cost a widening pass and a fresh
+    is one matmul over a whole group of chunks (``gradient_group_rows``) instead of a
+    bf16 matmul per chunk added into fp32, which cost a widening pass and a fresh
     temporary of the weight's size each time.
     """
 
@@ -126,11 +126,11 @@ class HeadProducts:
         self.weight = weight
         fp32 = weight.dtype == torch.float32
         self.product = product if fp32 else None
-        # a weight gradient product per chunk, accumulated in place, is free in fp32 on the BLAS
+        # a weight gradient matmul per chunk, accumulated in place, is free in fp32 on the BLAS
         self.grouped = not fp32 or self.product is not None
 
     def gradient_group_rows(self, chunk: int) -> int:
-        """Rows per weight-gradient product: a multiple of ``chunk`` whose gradients fit
+        """Rows per weight-gradient matmul: a multiple of ``chunk`` whose gradients fit
         ``GRADIENT_ROWS_BYTES`` (at least one chunk)."""
         if not self.grouped:
             return chunk
@@ -146,8 +146,8 @@ class HeadProducts:
         return out.copy_(self.weight @ h.t())
 
     def hidden_gradient(self, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` = ``gradᵀ @ W`` [rows, dim]: the BLAS's product in either precision, written in
-        place (with the vocabulary as its inner dimension a given product gains nothing here)."""
+        """``out`` = ``gradᵀ @ W`` [rows, dim]: the BLAS's matmul in either precision, written in
+        place (with the vocabulary as its inner dimension a given ``product`` gains nothing here)."""
         if self.weight.dtype == out.dtype:
             torch.mm(grad.t(), self.weight, out=out)
         else:
@@ -158,15 +158,15 @@ class HeadProducts:
         if not self.grouped:
             torch.addmm(out, grad, h, beta=1 if accumulate else 0, out=out)
             return
-        product = self.product(grad, h.t()) if self.product is not None else grad @ h
-        out.add_(product) if accumulate else out.copy_(product)
+        gradient = self.product(grad, h.t()) if self.product is not None else grad @ h
+        out.add_(gradient) if accumulate else out.copy_(gradient)
 
 
 @dataclass(frozen=True)
 class HeadMatmuls:
     """How the fused loss multiplies where a device backend knows better than the defaults, for
-    the block it installs them in (``head_matmuls``; the CPU backend's training products do):
-    ``product(a, b)`` = ``a @ bᵀ`` replaces ``torch.mm`` for the fp32 products, and
+    the block it installs them in (``head_matmuls``; the CPU backend's training matmuls do):
+    ``product(a, b)`` = ``a @ bᵀ`` replaces ``torch.mm`` for the fp32 matmuls, and
     ``low_precision_pays(device_type, dtype)`` says whether the projection should take
     autocast's ``dtype`` (else it stays in the weights' dtype)."""
 
@@ -195,8 +195,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
     ``hidden`` [..., D] and ``targets`` [...] are flattened. The projections run in
     ``projection_dtype``; softmax and the loss are always fp32. ``product(a, b)`` = ``a @ bᵀ``
-    replaces ``torch.mm`` for the fp32 products (see the module's docstring); without it,
-    the installed ``HeadMatmuls``' product does, if any.
+    replaces ``torch.mm`` for the fp32 matmuls (see the module's docstring); without it,
+    the installed ``HeadMatmuls``' ``product`` does, if any.
     """
     compute_dtype = projection_dtype(hidden.device.type, weight.dtype)
     product = product if product is not None else _installed.product
@@ -207,7 +207,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the vocabulary projection: the autocast dtype where autocast is on, unless
-    the installed ``HeadMatmuls`` says a product in that dtype does not pay on this device
+    the installed ``HeadMatmuls`` says a matmul in that dtype does not pay on this device
     (the CPU backend's, for a CPU whose bf16 matmuls are no faster than its fp32 ones: there
     the largest matmul of a small model would lose time and the precision of the logits).
     The rest of the model follows autocast."""
