@@ -337,7 +337,7 @@ static inline void quantize_block(const float *xb, int8_t *q, float *step, int32
 }
 #endif
 
-/* Rows of x quantized for the int4 products: `values` [rows][blocks * 32] int8 (zero past
+/* Rows of x quantized for the int4 matmul: `values` [rows][blocks * 32] int8 (zero past
  * n_in), `scales` [rows][blocks] the fp16-rounded d of each block as a float. A block holding
  * an infinity or a NaN gets NaN for its d, so that its products are NaN as the
  * reference's are. `offsets` [rows][blocks][8] (unless NULL): 8 times the sum of each block's values

@@ -9,7 +9,7 @@
  * vector expf only under -ffinite-math-only, which the NaN checks here cannot have). The
  * decode step's SiLU takes a layer's feed-forward width of them, and decode attention one per
  * head and position of the context: without it they are most of what a step spends outside
- * its products, and most of a long context's attention. The usual reduction: x = k ln2 + r with
+ * its matmuls, and most of a long context's attention. The usual reduction: x = k ln2 + r with
  * |r| <= ln2 / 2 (ln2 split in two so k ln2 is exact), e^r by a degree-6 polynomial
  * (Cephes' coefficients; within 1 ulp of expf over -87..88), times 2^k built in the
  * exponent bits. Inputs are clamped to where 2^k is a normal float; a NaN passes the
