@@ -45,9 +45,9 @@ def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 20) -> floa
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     kernels = [lambda: a @ b]
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        from astrai.backends.cpu.training import onednn_product
+        from astrai.backends.cpu.training import onednn_matmul
 
-        kernels.append(lambda: onednn_product(a, b))
+        kernels.append(lambda: onednn_matmul(a, b))
     best = float("inf")
     for kernel in kernels:
         kernel()

@@ -10,8 +10,8 @@ no device. What they ask of a device they ask its ``Backend``, looked up by the 
   its idle OpenMP workers);
 - ``prepare_process()``: the process-wide tuning a CLI compute verb asks for (never done
   behind a library user's back);
-- ``training_state(model, recorded)`` and ``training_products(model, state)``: a run's
-  decision on faster training products, kept in its checkpoints, and the block it holds;
+- ``training_state(model, recorded)`` and ``training_matmuls(model, state)``: a run's
+  decision on faster training matmuls, kept in its checkpoints, and the block it holds;
 - ``bf16_linears_only``: whether bfloat16 weights mean the linear weights only;
 - ``bf16_training_pays()``: whether bf16 autocast could train faster than fp32 here (worth a
   caller's probe; the plain answer is no, and a GPU's ``auto`` precision decides for itself).
@@ -55,7 +55,7 @@ class Backend:
     release_idle_hook: Optional[str] = None  # "module:function()"
     prepare_process_hook: Optional[str] = None  # "module:function()"
     training_state_hook: Optional[str] = None  # "module:function(model, recorded) -> state or None"
-    training_products_hook: Optional[str] = None  # "module:function(model, state) -> context manager"
+    training_matmuls_hook: Optional[str] = None  # "module:function(model, state) -> context manager"
     bf16_linears_only: bool = False
     bf16_training_hook: Optional[str] = None  # "module:function() -> bool"
 
@@ -84,18 +84,18 @@ class Backend:
         return self.bf16_training_hook is not None and bool(_resolve(self.bf16_training_hook)())
 
     def training_state(self, model: Any, recorded: Any = None) -> Optional[dict]:
-        """The run's decision on faster training products for ``model`` (JSON, kept in its
+        """The run's decision on faster training matmuls for ``model`` (JSON, kept in its
         checkpoints), taking ``recorded`` (an earlier run's) where the backend accepts it; None
         when there is nothing to decide. A collective under torch.distributed: every rank calls it."""
         if self.training_state_hook is None:
             return None
         return _resolve(self.training_state_hook)(model, recorded)
 
-    def training_products(self, model: Any, state: Optional[dict]) -> ContextManager:
-        """The block within which ``model`` trains with the products ``state`` decided."""
-        if self.training_products_hook is None:
+    def training_matmuls(self, model: Any, state: Optional[dict]) -> ContextManager:
+        """The block within which ``model`` trains with the matmuls ``state`` decided."""
+        if self.training_matmuls_hook is None:
             return contextlib.nullcontext()
-        return _resolve(self.training_products_hook)(model, state)
+        return _resolve(self.training_matmuls_hook)(model, state)
 
 
 def register(backend: Backend) -> None:

@@ -272,12 +272,12 @@ class BaseQuickstart(Quickstart):
         """SFT with LoRA trains adapters on the frozen base and leaves a merged model directory
         (the next stages train every weight of it, at their small learning rates)."""
         if not config.strategy_kwargs.get("lora"):
-            return Trainer(config, callbacks=callbacks, strategy_extra=extra, backend_state=self.s.cpu_products)
+            return Trainer(config, callbacks=callbacks, strategy_extra=extra, backend_state=self.s.cpu_matmuls)
         torch.manual_seed(config.random_seed)
         model = prepare_model(config)
         config.save_final_model = False
         return Trainer(config, callbacks=[*callbacks, LoraSaveCallback(Path(config.ckpt_dir))], model=model,
-                       strategy_extra=extra, backend_state=self.s.cpu_products)
+                       strategy_extra=extra, backend_state=self.s.cpu_matmuls)
 
     # --- evaluation --------------------------------------------------------------------------------
     def estimate_eval_seconds(self) -> float:

@@ -99,6 +99,7 @@ GRPO_WARMUP = 0.1
 BF16_MIN_GAIN = 1.1
 TRAIN_STAGES = tuple(STAGE_SHARES)
 PLAN_FILE = "plan.json"  # the optimizer steps each stage planned; `--plan` pins a run to it
+OLD_MATMULS_KEY = "cpu_products"  # cpu_matmuls in plans, settings.json and stage records written before the name
 # With the large corpus (astrai.dataset.corpus), a run takes this much of its text per minute of
 # budget: more than the tiny preset reads on two cores (about 1 MB a minute), so nothing repeats, yet a short run
 # does not tokenise all of it. The tokenizer learns from the first TOKENIZER_SAMPLE_BYTES of it.
@@ -137,7 +138,7 @@ class Settings:
     eval_max_new_tokens: int = 32         # the task's answers: the working, the number and the stop token
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
-    cpu_products: Optional[dict] = None   # pinned: the planning run's fp32 CPU products decision (else measured)
+    cpu_matmuls: Optional[dict] = None    # pinned: the planning run's fp32 CPU matmuls decision (else measured)
     precision: str = "auto"               # pre-training's and SFT's: fp32, bf16 (autocast), or auto (the probe's faster)
     lr: dict = field(default_factory=lambda: {"pretrain": 7e-4, "sft": 3e-4, "dpo": 1e-5, "grpo": 1e-5})
     ppl_max_tokens: Optional[int] = 8000  # per held-out file (whole documents); None = all of it
@@ -638,7 +639,7 @@ class Quickstart:
         record = {
             "name": name, "steps": context.step, "tokens": context.tokens_seen,
             "planned_steps": replan.planned if replan is not None and replan.planned else config.max_steps,
-            "cpu_products": context.backend_state, "precision": config.precision,
+            "cpu_matmuls": context.backend_state, "precision": config.precision,
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
         }
@@ -653,7 +654,7 @@ class Quickstart:
 
     def trainer(self, config, callbacks: list, extra: Optional[dict]):
         """The Trainer of one stage (a subclass may prepare the model itself, e.g. with LoRA adapters)."""
-        return Trainer(config, callbacks=callbacks, strategy_extra=extra, backend_state=self.s.cpu_products)
+        return Trainer(config, callbacks=callbacks, strategy_extra=extra, backend_state=self.s.cpu_matmuls)
 
     def follow_throughput(self, record: dict) -> None:
         """Size later stages with the throughput just measured (the machine's load may have
@@ -829,8 +830,10 @@ def resumed_settings(s: Settings) -> Settings:
     path = Path(s.out) / "settings.json"
     if path.is_file():
         try:
-            saved = type(s)(**read_json(path))
-        except (TypeError, json.JSONDecodeError) as exc:
+            fields = read_json(path)
+            fields.setdefault("cpu_matmuls", fields.pop(OLD_MATMULS_KEY, None))
+            saved = type(s)(**fields)
+        except (TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: not the settings of a quick start run ({exc}); use a new --out") from None
         if (saved.minutes, saved.preset, saved.vocab_size) != (s.minutes, s.preset, s.vocab_size):
             log(f"{path}: resuming a run started with other settings; keeping those ({saved.minutes:g} min, "
@@ -844,16 +847,16 @@ def resumed_settings(s: Settings) -> Settings:
 def plan_of(records: list[dict], pinned: bool) -> dict:
     """The stage plan a run followed, as ``plan.json`` keeps it: each stage's planned steps
     (the length of its learning-rate schedule), for stages the deadline guard ended early
-    the step where they stopped, the fp32 CPU products the run measured to be faster
+    the step where they stopped, the fp32 CPU matmuls the run measured to be faster
     (oneDNN's or the BLAS's, which round differently) and the precision pre-training took, so
     that ``--plan`` repeats the run exactly."""
     plan = {"steps": {r["name"]: r["planned_steps"] for r in records}}
     stopped = {r["name"]: r["steps"] for r in records if r["steps"] < r["planned_steps"]}
     if stopped:
         plan["stop_at"] = stopped
-    products = next((r["cpu_products"] for r in records if r.get("cpu_products")), None)
-    if products:
-        plan["cpu_products"] = products
+    matmuls = next(filter(None, (r.get("cpu_matmuls") or r.get(OLD_MATMULS_KEY) for r in records)), None)
+    if matmuls:
+        plan["cpu_matmuls"] = matmuls
     precision = next((r["precision"] for r in records if r.get("precision")), None)
     if precision:
         plan["precision"] = precision
@@ -864,12 +867,13 @@ def plan_of(records: list[dict], pinned: bool) -> dict:
 def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
     """A plan file (``plan.json`` of an earlier run, or ``{"steps": {"pretrain": 300, "sft":
     100, "dpo": 10, "grpo": 20}}``) as Settings fields: ``steps`` (optimizer steps per stage),
-    ``stop_at`` (where stages ended early, optional), ``cpu_products`` (the fp32 products
-    decision, optional) and ``precision`` (pre-training's and SFT's, optional); ``stages`` are
-    the run's training stages."""
+    ``stop_at`` (where stages ended early, optional), ``cpu_matmuls`` (the fp32 matmuls
+    decision, optional; read under its older name ``cpu_products`` too) and ``precision``
+    (pre-training's and SFT's, optional); ``stages`` are the run's training stages."""
     try:
         plan = read_json(Path(path))
-        steps, stop_at, products = plan["steps"], plan.get("stop_at", {}), plan.get("cpu_products")
+        steps, stop_at = plan["steps"], plan.get("stop_at", {})
+        matmuls = plan.get("cpu_matmuls", plan.get(OLD_MATMULS_KEY))
         precision = plan.get("precision", "auto")
     except FileNotFoundError:
         raise ConfigError(f"--plan {path}: file not found") from None
@@ -884,13 +888,13 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
             for name, n in stop_at.items()):
         raise ConfigError(f"--plan {path}: 'stop_at' must give, for stages of the plan, a positive step no later "
                           f"than the stage's planned steps, got {stop_at!r}")
-    if products is not None and not (isinstance(products, dict) and set(products) == {"forward", "weight_grad"}
-                                     and all(isinstance(v, bool) for v in products.values())):
-        raise ConfigError(f"--plan {path}: 'cpu_products' must be {{\"forward\": true|false, \"weight_grad\": "
-                          f"true|false}}, got {products!r}")
+    if matmuls is not None and not (isinstance(matmuls, dict) and set(matmuls) == {"forward", "weight_grad"}
+                                    and all(isinstance(v, bool) for v in matmuls.values())):
+        raise ConfigError(f"--plan {path}: 'cpu_matmuls' must be {{\"forward\": true|false, \"weight_grad\": "
+                          f"true|false}}, got {matmuls!r}")
     if precision not in PRECISIONS:
         raise ConfigError(f"--plan {path}: 'precision' must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return {"steps": dict(steps), "stop_at": dict(stop_at), "cpu_products": products, "precision": precision}
+    return {"steps": dict(steps), "stop_at": dict(stop_at), "cpu_matmuls": matmuls, "precision": precision}
 
 
 def print_outcome(summary: dict, out: str) -> None:

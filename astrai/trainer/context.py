@@ -58,7 +58,7 @@ class TrainContext:
     metrics: dict = field(default_factory=dict)
     stop_requested: bool = False
     error: Optional[BaseException] = None
-    backend_state: Optional[dict] = None  # the run's training products decision (its device's Backend.training_state)
+    backend_state: Optional[dict] = None  # the run's training matmuls decision (its device's Backend.training_state)
     # a checkpoint's RNG streams, restored by the loop just before the resumed run's first step
     resume_rng: Optional[dict] = None
 

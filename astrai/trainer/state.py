@@ -13,7 +13,7 @@ import torch.distributed as dist
 from astrai.parallel.wrap import full_model_state, full_optimizer_state, load_full_optimizer_state
 from astrai.serialization import Checkpoint, prune_checkpoints
 
-BACKEND_STATE_KEY = "backend_state"  # the run's training products decision (Backend.training_state), kept for a resume
+BACKEND_STATE_KEY = "backend_state"  # the run's training matmuls decision (Backend.training_state), kept for a resume
 OLD_BACKEND_STATE_KEY = "cpu_products"  # the same decision in checkpoints written before the backend registry
 
 
@@ -70,7 +70,7 @@ def save_training_checkpoint(context, ckpt_dir: Path, keep: int) -> Path | None:
 
 
 def recorded_backend_state(meta: dict):
-    """The training products decision a checkpoint's meta records (under its older name too), or None."""
+    """The training matmuls decision a checkpoint's meta records (under its older name too), or None."""
     recorded = meta.get(BACKEND_STATE_KEY)
     return recorded if recorded is not None else meta.get(OLD_BACKEND_STATE_KEY)
 

@@ -45,7 +45,7 @@ class Trainer:
                  model: Optional[nn.Module] = None, train_dataset: Optional[Dataset] = None,
                  val_dataset: Optional[Dataset] = None, tokenizer: Any = None, strategy_extra: Optional[dict] = None,
                  backend_state: Optional[dict] = None):
-        """``backend_state`` pins the device backend's training products decision (what an
+        """``backend_state`` pins the device backend's training matmuls decision (what an
         earlier run's ``TrainContext.backend_state`` recorded, astrai/backends'
         ``Backend.training_state``) instead of measuring it, so that a repeated run rounds as
         that one did; a resumed checkpoint's own decision comes first."""
@@ -107,13 +107,13 @@ class Trainer:
 
         try:
             fire("on_train_begin")
-            # the device backend's faster training products, for this run only, decided once for all
-            # ranks and kept across a resume: products that round differently diverge
+            # the device backend's faster training matmuls, for this run only, decided once for all
+            # ranks and kept across a resume: matmuls that round differently diverge
             model, backend = unwrap_model(context.model), backend_for(context.device)
             recorded = recorded_backend_state(context.checkpoint.meta) if context.checkpoint is not None else None
             recorded = recorded if recorded is not None else self.backend_state
             context.backend_state = backend.training_state(model, recorded)
-            with backend.training_products(model, context.backend_state):
+            with backend.training_matmuls(model, context.backend_state):
                 while not context.done and not context.stop_requested:
                     self._run_epoch(context, fire)
             fire("on_train_end")
@@ -134,7 +134,7 @@ class Trainer:
             fire("on_epoch_begin")
         batches = iter(context.dataloader)
         if context.resume_rng is not None:
-            # only now: starting a run draws too (the loader's seed above, the products' measurement),
+            # only now: starting a run draws too (the loader's seed above, the matmuls' measurement),
             # and the saved step's streams must reach the next step as they did in the unbroken run
             restore_rng(context.resume_rng)
             context.resume_rng = None

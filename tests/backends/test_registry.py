@@ -56,13 +56,13 @@ def test_the_cpu_backends_hooks_reach_its_functions(monkeypatch, tiny):
     calls = []
     monkeypatch.setattr(tuning, "tune_process", lambda: calls.append("tune"))
     monkeypatch.setattr(tuning, "release_thread_pool", lambda: calls.append("release"))
-    monkeypatch.setattr(training, "agree_on_products", lambda model, recorded: {"asked": recorded})
+    monkeypatch.setattr(training, "agree_on_matmuls", lambda model, recorded: {"asked": recorded})
     backend = backend_for("cpu")
     backend.prepare_process()
     backend.release_idle()
     assert calls == ["tune", "release"]
     assert backend.training_state(tiny, {"forward": False}) == {"asked": {"forward": False}}
-    with backend.training_products(tiny, {"forward": True, "weight_grad": True}) as switched:
+    with backend.training_matmuls(tiny, {"forward": True, "weight_grad": True}) as switched:
         assert switched > 0  # the linears run as OneDnnLinear within the block
 
 
@@ -75,7 +75,7 @@ def test_an_unregistered_kind_gets_the_plain_behaviour(monkeypatch, tiny):
     backend.prepare_process()
     backend.release_idle()
     assert backend.training_state(tiny, {"forward": True, "weight_grad": True}) is None
-    assert isinstance(backend.training_products(tiny, None), contextlib.nullcontext)
+    assert isinstance(backend.training_matmuls(tiny, None), contextlib.nullcontext)
     runner = _runner_for(make_model("tiny").to("meta"))
     assert type(runner) is ModelRunner and runner.decode_path_counts() == {"torch": 0}
     runner.release_idle()

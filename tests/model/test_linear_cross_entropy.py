@@ -20,13 +20,13 @@ def reference(hidden, weight, targets, smoothing=0.0):
 @pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, given):
-    """fp32 with either matmul: torch.mm's written in place per chunk, or a given ``product``
+    """fp32 with either matmul: torch.mm's written in place per chunk, or a given ``matmul``
     (a training head's) with the weight gradient taken per group of chunks (here 2 chunks:
     32 + 32 + 11 rows)."""
     monkeypatch.setattr(lce, "CHUNK_ROWS", 16)  # 3 x 25 rows: several chunks, the last one partial
     monkeypatch.setattr(lce, "GRADIENT_ROWS_BYTES", 50 * 4 * 32)
     calls = []
-    product = (lambda a, b: calls.append(a.shape) or a @ b.t()) if given else None
+    matmul = (lambda a, b: calls.append(a.shape) or a @ b.t()) if given else None
     torch.manual_seed(0)
     hidden = torch.randn(3, 25, 32, requires_grad=True)
     weight = (torch.randn(50, 32) * 0.3).requires_grad_()
@@ -34,7 +34,7 @@ def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, g
     targets[0, :7] = -100  # ignored tokens: no loss, no gradient
     want = reference(hidden, weight, targets, smoothing)
     want_h, want_w = torch.autograd.grad(want * 3.0, (hidden, weight))
-    got = lce.linear_cross_entropy(hidden, weight, targets, label_smoothing=smoothing, product=product)
+    got = lce.linear_cross_entropy(hidden, weight, targets, label_smoothing=smoothing, matmul=matmul)
     got_h, got_w = torch.autograd.grad(got * 3.0, (hidden, weight))
     assert len(calls) == (5 + 3 if given else 0)  # 5 chunks' logits, 3 groups' weight gradients
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
@@ -64,9 +64,9 @@ def test_the_projection_follows_autocast_unless_the_installed_matmuls_say_it_doe
     assert asked == [("cpu", torch.bfloat16)]
 
 
-def test_an_installed_product_takes_the_fp32_matmuls():
+def test_an_installed_matmul_takes_the_fp32_matmuls():
     calls = []
-    matmuls = lce.HeadMatmuls(product=lambda a, b: calls.append(a.shape) or a @ b.t())
+    matmuls = lce.HeadMatmuls(matmul=lambda a, b: calls.append(a.shape) or a @ b.t())
     hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
     targets = torch.randint(0, 10, (12,))
     with lce.head_matmuls(matmuls):

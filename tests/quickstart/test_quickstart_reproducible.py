@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from astrai.cli import main
 from astrai.errors import ConfigError
-from astrai.quickstart.from_scratch import PLAN_FILE, load_plan, run_quickstart
+from astrai.quickstart.from_scratch import (PLAN_FILE, Settings, load_plan, plan_of, resumed_settings,
+                                          run_quickstart)
 
 SMALL = dict(
     minutes=5, vocab_size=300, window_size=64, batch_size=4, eval_problems=24, ppl_max_tokens=300,
@@ -30,7 +31,7 @@ def numbers(summary: dict) -> list:
 def test_same_seed_and_plan_give_identical_numbers(tmp_path, monkeypatch):
     """Pre-training stops at step 4 of its 6 (as when the deadline guard ends a stage): the
     plan keeps both, and the rerun stops there too with the 6-step schedule. The first run
-    measures oneDNN's fp32 products to be faster, the second would measure the BLAS's (a
+    measures oneDNN's fp32 matmuls to be faster, the second would measure the BLAS's (a
     busier machine): the plan pins the first's, whose rounding the numbers depend on."""
     from astrai.backends.cpu import training
 
@@ -39,13 +40,13 @@ def test_same_seed_and_plan_give_identical_numbers(tmp_path, monkeypatch):
     first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, stop_at=STOP_AT, **SMALL)
     written = json.loads((tmp_path / "a" / PLAN_FILE).read_text())
     assert written["steps"] == PLAN and written["stop_at"] == STOP_AT and written["source"] == "pinned (--plan)"
-    assert written["cpu_products"] == measured and first["plan"] == written
+    assert written["cpu_matmuls"] == measured and first["plan"] == written
     assert (first["stages"][0]["steps"], first["stages"][0]["planned_steps"]) == (4, 6)
     assert f"--seed 3 --plan {(tmp_path / 'a' / PLAN_FILE).resolve()} --minutes 5 --corpus bundled" in \
         first["commands"]["rerun"]
     measured["forward"] = False
     again = run_quickstart(out=str(tmp_path / "b"), seed=3, **load_plan(tmp_path / "a" / PLAN_FILE), **SMALL)
-    assert all(stage["cpu_products"] == written["cpu_products"] for stage in again["stages"])
+    assert all(stage["cpu_matmuls"] == written["cpu_matmuls"] for stage in again["stages"])
     assert numbers(again) == numbers(first)
     task = first["stages"][-1]["eval"]["task"]
     assert task["n"] == SMALL["eval_problems"] and len(task["interval"]) == 2
@@ -60,7 +61,7 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
     import re
 
     from astrai.dataset.arithmetic import heldout_problems, problem_key
-    from astrai.quickstart.from_scratch import Quickstart, Settings
+    from astrai.quickstart.from_scratch import Quickstart
 
     qs = Quickstart(Settings(out=str(tmp_path), **{**SMALL, "pretrain_arithmetic": 2000}))
     qs.stage_corpus()
@@ -83,8 +84,8 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
     (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"pretrain": 6}}),
      "'stop_at' must give"),
     (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"rm": 1}}), "'stop_at' must give"),
-    (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "cpu_products": {"forward": 1}}),
-     "'cpu_products' must be"),
+    (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "cpu_matmuls": {"forward": 1}}),
+     "'cpu_matmuls' must be"),
 ])
 def test_bad_plan_files_are_refused(tmp_path, capsys, content, message):
     path = tmp_path / "plan.json"
@@ -94,3 +95,19 @@ def test_bad_plan_files_are_refused(tmp_path, capsys, content, message):
         load_plan(path)
     assert main(["quickstart", "--plan", str(path), "--out", str(tmp_path / "run")]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_plan_and_settings_that_name_the_decision_cpu_products_are_read(tmp_path):
+    """Plans and run directories written before the decision was named ``cpu_matmuls`` call it
+    ``cpu_products``: a ``--plan`` still pins it, and a resumed run still keeps it and writes
+    it into its plan."""
+    decision = {"forward": True, "weight_grad": False}
+    done = {"name": "pretrain", "steps": 6, "planned_steps": 6, "cpu_products": decision}
+    assert plan_of([done], pinned=False)["cpu_matmuls"] == decision
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"steps": PLAN, "cpu_products": decision}))
+    assert load_plan(plan)["cpu_matmuls"] == decision
+    fields = dict(Settings(out=str(tmp_path)).__dict__)
+    del fields["cpu_matmuls"]
+    (tmp_path / "settings.json").write_text(json.dumps({**fields, "cpu_products": decision}))
+    assert resumed_settings(Settings(out=str(tmp_path))).cpu_matmuls == decision

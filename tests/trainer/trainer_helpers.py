@@ -68,8 +68,8 @@ class WeightSums(TrainCallback):
         (self.out / f"r{context.rank}_s{context.step}.json").write_text(json.dumps(sums))
 
 
-class ProductsByRank(TrainCallback):
-    """Makes each rank's own measurement of the fp32 products disagree (oneDNN pays on rank 0
+class MatmulsByRank(TrainCallback):
+    """Makes each rank's own measurement of the fp32 matmuls disagree (oneDNN pays on rank 0
     only) and writes, per rank, the classes its head ran as to ``<out>/r<rank>.json``
     (importable, so spawned processes can unpickle it)."""
 

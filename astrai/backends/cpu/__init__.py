@@ -6,7 +6,7 @@ It registers itself for the device kind "cpu" (astrai/backends/__init__.py) with
   its own copy of the model for serving and runs fused decode steps and greedy runs, its
   decode steps counted as "fused", "row_kernels", "batched" or "torch";
 - the attention backend it binds (attention.py) and its decode buffers (decode_buffers.py);
-- ``agree_on_products`` and ``fast_training_products`` (training.py): a run's decision on
+- ``agree_on_matmuls`` and ``fast_training_matmuls`` (training.py): a run's decision on
   oneDNN's fp32 matmuls and the trainer's opt-in to them; ``cpu_bf16_matmul_pays``: whether
   this CPU's bf16 matmuls (AMX, AVX-512-BF16) are fast enough to try bf16 autocast training;
 - ``tune_process`` (tuning.py): the process-wide allocator tuning, and
@@ -22,8 +22,8 @@ import importlib
 
 from astrai.backends import Backend, register
 
-__all__ = ["fast_training_products", "tune_process"]
-_HOMES = {"fast_training_products": "astrai.backends.cpu.training", "tune_process": "astrai.backends.cpu.tuning"}
+__all__ = ["fast_training_matmuls", "tune_process"]
+_HOMES = {"fast_training_matmuls": "astrai.backends.cpu.training", "tune_process": "astrai.backends.cpu.tuning"}
 
 register(Backend(
     kind="cpu",
@@ -31,8 +31,8 @@ register(Backend(
     decode_paths=("fused", "row_kernels", "batched", "torch"),
     release_idle_hook="astrai.backends.cpu.tuning:release_thread_pool",
     prepare_process_hook="astrai.backends.cpu.tuning:tune_process",
-    training_state_hook="astrai.backends.cpu.training:agree_on_products",
-    training_products_hook="astrai.backends.cpu.training:fast_training_products",
+    training_state_hook="astrai.backends.cpu.training:agree_on_matmuls",
+    training_matmuls_hook="astrai.backends.cpu.training:fast_training_matmuls",
     bf16_linears_only=True,
     bf16_training_hook="astrai.backends.cpu.training:cpu_bf16_matmul_pays",
 ))

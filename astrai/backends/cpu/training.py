@@ -1,6 +1,6 @@
-"""fp32 training products through oneDNN on the CPU, for the trainer to opt into.
+"""fp32 training matmuls through oneDNN on the CPU, for the trainer to opt into.
 
-PyTorch sends an fp32 ``F.linear`` on CPU, and both products of its backward, to the
+PyTorch sends an fp32 ``F.linear`` on CPU, and both matmuls of its backward, to the
 MKL BLAS, which keeps its fastest code for Intel CPUs. oneDNN's matmul, which PyTorch
 ships beside it and uses for bf16, does the same fp32 arithmetic with its own kernels;
 how much faster that is depends on the CPU, and may differ between the forward layout
@@ -8,22 +8,22 @@ how much faster that is depends on the CPU, and may differ between the forward l
 transposed). So each layout is asked of the CPU once per process (``measured_choice``),
 and ``ASTRAI_ONEDNN_LINEAR=0`` or ``=1`` decides both without the measurement. The results
 differ from MKL's by rounding only, which is enough to make two runs differ: so a run decides
-once (``agree_on_products``) and every process of it keeps that decision. Under
+once (``agree_on_matmuls``) and every process of it keeps that decision. Under
 torch.distributed every rank takes rank 0's; a resumed run takes the one its checkpoint
 records (the environment variable still overrides both).
 
-The trainer opts in with ``fast_training_products(model, choice)``: for the duration of a run
+The trainer opts in with ``fast_training_matmuls(model, choice)``: for the duration of a run
 the model's plain linears become ``OneDnnLinear`` (same parameters, nothing copied), and the
 model is given back with its own classes afterwards. The block also installs the fused
 loss's matmuls (``HeadMatmuls``, astrai/model/components/linear_cross_entropy.py): the
-vocabulary projection's fp32 products on oneDNN likewise, and, under bf16 autocast, the
+vocabulary projection's fp32 matmuls on oneDNN likewise, and, under bf16 autocast, the
 projection in bf16 only where this CPU's bf16 matmul is clearly faster
 (``cpu_bf16_matmul_pays``): some CPUs with bf16 instructions multiply bf16 matrices slower
 than fp32 ones. Autocast (bf16 on a CPU already goes
-to oneDNN), other devices and dtypes and tensor subclasses keep the plain product. Inside
-``torch.compile`` the product is a custom op the compiler leaves as it is
-(``astrai::onednn_product``), and the two answers are constants, so a compiled fp32 step
-keeps oneDNN's products.
+to oneDNN), other devices and dtypes and tensor subclasses keep the plain matmul. Inside
+``torch.compile`` the matmul is a custom op the compiler leaves as it is
+(``astrai::onednn_matmul``), and the two answers are constants, so a compiled fp32 step
+keeps oneDNN's matmuls.
 """
 
 from __future__ import annotations
@@ -44,32 +44,32 @@ from astrai.model.components.layers import Linear
 from astrai.model.components.linear_cross_entropy import HeadMatmuls, head_matmuls
 
 
-def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` by oneDNN's fp32 matmul; either operand may be a
-    transposed view. Inside ``torch.compile`` it is the opaque ``astrai::onednn_product``."""
+    transposed view. Inside ``torch.compile`` it is the opaque ``astrai::onednn_matmul``."""
     if torch.compiler.is_compiling():
-        return _compiled_product(x, weight, bias)
+        return _compiled_matmul(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("astrai::onednn_product", mutates_args=())
-def _compiled_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+@torch.library.custom_op("astrai::onednn_matmul", mutates_args=())
+def _compiled_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@_compiled_product.register_fake
+@_compiled_matmul.register_fake
 def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-class OneDnnProduct(torch.autograd.Function):
-    """``F.linear`` whose forward product and input gradient run on oneDNN, and its
+class OneDnnMatmul(torch.autograd.Function):
+    """``F.linear`` whose forward matmul and input gradient run on oneDNN, and its
     weight gradient too where that layout pays as well."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         rows = x.reshape(-1, x.shape[-1])
-        out = onednn_product(rows, weight, bias)
+        out = onednn_matmul(rows, weight, bias)
         ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, weight)
         ctx.input_shape = x.shape
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -81,27 +81,27 @@ class OneDnnProduct(torch.autograd.Function):
         grad = grad_out.reshape(-1, weight.shape[0])
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = onednn_product(grad, weight.t()).view(ctx.input_shape)
+            grad_x = onednn_matmul(grad, weight.t()).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:
-            # oneDNN refuses a product over no rows (an expert no token chose); MKL gives zeros
+            # oneDNN refuses a matmul over no rows (an expert no token chose); MKL gives zeros
             transposed = onednn_weight_grad_pays() and grad.shape[0] > 0
-            grad_weight = onednn_product(grad.t(), rows.t()) if transposed else grad.t() @ rows
+            grad_weight = onednn_matmul(grad.t(), rows.t()) if transposed else grad.t() @ rows
         if ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
 
 
 class OneDnnLinear(Linear):
-    """A linear whose fp32 CPU products with autograd take ``OneDnnProduct``."""
+    """A linear whose fp32 CPU matmuls with autograd take ``OneDnnMatmul``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return training_linear(x, self.weight, self.bias)
 
 
-def head_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ bᵀ`` for the fused loss's fp32 products (``HeadMatmuls.product``): through oneDNN where it applies."""
+def head_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ bᵀ`` for the fused loss's fp32 matmuls (``HeadMatmuls.matmul``): through oneDNN where it applies."""
     fits = _plain_fp32(a) and _plain_fp32(b) and not torch.is_autocast_enabled("cpu") and onednn_fp32_pays()
-    return onednn_product(a, b) if fits else a @ b.t()
+    return onednn_matmul(a, b) if fits else a @ b.t()
 
 
 def low_precision_pays(device_type: str, dtype: torch.dtype) -> bool:
@@ -110,21 +110,21 @@ def low_precision_pays(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def training_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``, through ``OneDnnProduct`` for an fp32 CPU product with autograd on where that pays."""
+    """``F.linear``, through ``OneDnnMatmul`` for an fp32 CPU matmul with autograd on where that pays."""
     if torch.is_grad_enabled() and use_onednn(x, weight, bias):
-        return OneDnnProduct.apply(x, weight, bias)
+        return OneDnnMatmul.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 @contextlib.contextmanager
-def fast_training_products(model: nn.Module, choice: Optional[dict] = None) -> Iterator[int]:
-    """Within the block, ``model``'s plain fp32 CPU linears run their products on oneDNN
-    where ``choice`` (``agree_on_products``' answer; asked here when not given) says so, and
-    every product follows that choice (yields how many linears were switched; 0 elsewhere);
+def fast_training_matmuls(model: nn.Module, choice: Optional[dict] = None) -> Iterator[int]:
+    """Within the block, ``model``'s plain fp32 CPU linears run their matmuls on oneDNN
+    where ``choice`` (``agree_on_matmuls``' answer; asked here when not given) says so, and
+    every matmul follows that choice (yields how many linears were switched; 0 elsewhere);
     the fused loss's matmuls follow it too (``HeadMatmuls``). Their parameters stay the same
     objects; the classes are restored on leaving."""
     global _run_choice
-    choice = choice if choice is not None else agree_on_products(model)
+    choice = choice if choice is not None else agree_on_matmuls(model)
     swapped = []
     forward = choice is not None and choice["forward"]
     if forward:
@@ -133,7 +133,7 @@ def fast_training_products(model: nn.Module, choice: Optional[dict] = None) -> I
                 swapped.append((module, type(module)))
                 module.__class__ = OneDnnLinear
     outer, _run_choice = _run_choice, choice if choice is not None else _run_choice
-    matmuls = HeadMatmuls(product=head_product if forward else None, low_precision_pays=low_precision_pays)
+    matmuls = HeadMatmuls(matmul=head_matmul if forward else None, low_precision_pays=low_precision_pays)
     try:
         with head_matmuls(matmuls):
             yield len(swapped)
@@ -143,15 +143,15 @@ def fast_training_products(model: nn.Module, choice: Optional[dict] = None) -> I
             module.__class__ = cls
 
 
-_run_choice: Optional[dict] = None  # the decision of the run in progress, within fast_training_products
+_run_choice: Optional[dict] = None  # the decision of the run in progress, within fast_training_matmuls
 
 
-def agree_on_products(model: nn.Module, recorded: Any = None) -> Optional[dict]:
+def agree_on_matmuls(model: nn.Module, recorded: Any = None) -> Optional[dict]:
     """The run's decision ``{"forward": bool, "weight_grad": bool}`` for ``model``'s fp32 CPU
-    products, or None when it has none to decide. ``ASTRAI_ONEDNN_LINEAR`` decides if set;
+    matmuls, or None when it has none to decide. ``ASTRAI_ONEDNN_LINEAR`` decides if set;
     else ``recorded`` (a resumed run's checkpoint) if it is such a decision; else this CPU's
     ``measured_choice``. Under torch.distributed every rank takes rank 0's (a collective:
-    call it on every rank), so the ranks' products round alike."""
+    call it on every rank), so the ranks' matmuls round alike."""
     if not any(type(m) in (Linear, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
                for m in model.modules()):
         return None
@@ -189,7 +189,7 @@ def _onednn_available() -> bool:
 
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether this fp32 CPU product should take ``OneDnnProduct``."""
+    """Whether this fp32 CPU matmul should take ``OneDnnMatmul``."""
     return (type(x) is torch.Tensor and _plain_fp32(weight) and (bias is None or _plain_fp32(bias))
             and _plain_fp32(x) and not torch.is_autocast_enabled("cpu") and onednn_fp32_pays())
 
@@ -202,7 +202,7 @@ def _plain_fp32(t: torch.Tensor) -> bool:
 @torch.compiler.assume_constant_result
 def onednn_fp32_pays() -> bool:
     """True when oneDNN's fp32 matmul is here and clearly (5%) faster than MKL's on a
-    training-sized ``x @ Wᵀ`` (``product_seconds``); ``ASTRAI_ONEDNN_LINEAR`` overrides.
+    training-sized ``x @ Wᵀ`` (``matmul_seconds``); ``ASTRAI_ONEDNN_LINEAR`` overrides.
     Within a run, the run's decision."""
     return _run_choice["forward"] if _run_choice is not None else _forward_layout_pays()
 
@@ -231,13 +231,13 @@ def _measured_pays(transposed: bool) -> bool:
     if forced == "1":
         return True
     try:
-        mkl, onednn = product_seconds(transposed=transposed)
-    except RuntimeError:  # a build whose oneDNN refuses the product
+        mkl, onednn = matmul_seconds(transposed=transposed)
+    except RuntimeError:  # a build whose oneDNN refuses the matmul
         return False
     return onednn * 1.05 < mkl
 
 
-def product_seconds(repeats: int = 7, transposed: bool = False) -> tuple[float, float]:
+def matmul_seconds(repeats: int = 7, transposed: bool = False) -> tuple[float, float]:
     """(MKL, oneDNN) seconds for 512 rows of width 512 into 1,536 outputs (``x @ Wᵀ``),
     or, ``transposed``, for that layer's weight gradient ``gradᵀ @ x``: best of
     ``repeats`` each, alternating, after a warm-up; some 60 ms once per process."""
@@ -245,10 +245,10 @@ def product_seconds(repeats: int = 7, transposed: bool = False) -> tuple[float, 
     x = torch.randn(512, 512, generator=generator)
     if transposed:
         grad = torch.randn(512, 1536, generator=generator)
-        with_mkl, with_onednn = (lambda: torch.mm(grad.t(), x)), (lambda: onednn_product(grad.t(), x.t()))
+        with_mkl, with_onednn = (lambda: torch.mm(grad.t(), x)), (lambda: onednn_matmul(grad.t(), x.t()))
     else:
         weight = torch.randn(1536, 512, generator=generator)
-        with_mkl, with_onednn = (lambda: torch.mm(x, weight.t())), (lambda: onednn_product(x, weight))
+        with_mkl, with_onednn = (lambda: torch.mm(x, weight.t())), (lambda: onednn_matmul(x, weight))
     with torch.autocast("cpu", enabled=False), torch.no_grad():
         with_onednn()
         with_mkl()

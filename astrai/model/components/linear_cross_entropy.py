@@ -12,7 +12,7 @@ Each chunk's logits are computed transposed, ``weight @ hidden.T`` = [vocab, row
 the vocabulary as the matmul's long side the CPU BLAS runs it faster, and the two
 gradient matmuls then take the transposed chunk as it lies.
 
-The matmuls run on ``torch.mm`` unless the caller passes ``product`` (a function giving
+The matmuls run on ``torch.mm`` unless the caller passes ``matmul`` (a function giving
 ``a @ bᵀ``), or a device backend installed one for a training run (``head_matmuls``: the
 CPU's faster fp32 matmul): then the forward matmul and the weight gradient take it, the latter
 as one matmul per group of chunks.
@@ -39,7 +39,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``ignore_index`` skipped)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, compute_dtype, product):
+    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, compute_dtype, matmul):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, vocab = hidden.shape[0], weight.shape[0]
         valid = targets != ignore_index
@@ -48,11 +48,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         row_weight = valid.to(torch.float32) / count.clamp_min(1)
         w = weight.to(compute_dtype)
         h_all = hidden.to(compute_dtype)
-        matmuls = ChunkMatmuls(w, product)
+        matmuls = ChunkMatmuls(w, matmul)
         chunk = min(CHUNK_ROWS, max(n, 1))
         group = matmuls.gradient_group_rows(chunk) if need_weight else chunk
-        # the chunks' fp32 logits, reused; a given product function returns its own
-        workspace = None if matmuls.product is not None else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
+        # the chunks' fp32 logits, reused; a given matmul function returns its own
+        workspace = None if matmuls.matmul is not None else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
         need_gradients = need_hidden or need_weight
         # a group's logit gradients; ungrouped (fp32 on MKL) each chunk's go in place of its logits
         gradients = (torch.empty(vocab, min(group, n), dtype=compute_dtype, device=hidden.device)
@@ -114,7 +114,7 @@ class ChunkMatmuls:
     """The projection's three matmuls for one call, each on the kernel that runs it fastest.
 
     In fp32 the forward matmul ``W @ hᵀ`` and the weight gradient ``G @ h`` take
-    ``product`` when one is given, else ``torch.mm`` writing in place. In bf16 every matmul
+    ``matmul`` when one is given, else ``torch.mm`` writing in place. In bf16 every matmul
     is the BLAS's; there the logits come out in bf16 and are
     widened into the fp32 workspace, and the weight gradient, which has to end in fp32,
     is one matmul over a whole group of chunks (``gradient_group_rows``) instead of a
@@ -122,12 +122,12 @@ class ChunkMatmuls:
     temporary of the weight's size each time.
     """
 
-    def __init__(self, weight: torch.Tensor, product: Optional[Callable] = None):
+    def __init__(self, weight: torch.Tensor, matmul: Optional[Callable] = None):
         self.weight = weight
         fp32 = weight.dtype == torch.float32
-        self.product = product if fp32 else None
+        self.matmul = matmul if fp32 else None
         # a weight gradient matmul per chunk, accumulated in place, is free in fp32 on the BLAS
-        self.grouped = not fp32 or self.product is not None
+        self.grouped = not fp32 or self.matmul is not None
 
     def gradient_group_rows(self, chunk: int) -> int:
         """Rows per weight-gradient matmul: a multiple of ``chunk`` whose gradients fit
@@ -138,16 +138,16 @@ class ChunkMatmuls:
         return max(1, GRADIENT_ROWS_BYTES // (per_row * chunk)) * chunk
 
     def logits(self, h: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-        """fp32 ``W @ hᵀ`` [vocab, rows]: in ``out``, or a fresh tensor from ``product`` (``out`` None)."""
-        if self.product is not None:
-            return self.product(self.weight, h)
+        """fp32 ``W @ hᵀ`` [vocab, rows]: in ``out``, or a fresh tensor from ``matmul`` (``out`` None)."""
+        if self.matmul is not None:
+            return self.matmul(self.weight, h)
         if self.weight.dtype == torch.float32:
             return torch.mm(self.weight, h.t(), out=out)
         return out.copy_(self.weight @ h.t())
 
     def hidden_gradient(self, grad: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` = ``gradᵀ @ W`` [rows, dim]: the BLAS's matmul in either precision, written in
-        place (with the vocabulary as its inner dimension a given ``product`` gains nothing here)."""
+        place (with the vocabulary as its inner dimension a given ``matmul`` gains nothing here)."""
         if self.weight.dtype == out.dtype:
             torch.mm(grad.t(), self.weight, out=out)
         else:
@@ -158,7 +158,7 @@ class ChunkMatmuls:
         if not self.grouped:
             torch.addmm(out, grad, h, beta=1 if accumulate else 0, out=out)
             return
-        gradient = self.product(grad, h.t()) if self.product is not None else grad @ h
+        gradient = self.matmul(grad, h.t()) if self.matmul is not None else grad @ h
         out.add_(gradient) if accumulate else out.copy_(gradient)
 
 
@@ -166,11 +166,11 @@ class ChunkMatmuls:
 class HeadMatmuls:
     """How the fused loss multiplies where a device backend knows better than the defaults, for
     the block it installs them in (``head_matmuls``; the CPU backend's training matmuls do):
-    ``product(a, b)`` = ``a @ bᵀ`` replaces ``torch.mm`` for the fp32 matmuls, and
+    ``matmul(a, b)`` = ``a @ bᵀ`` replaces ``torch.mm`` for the fp32 matmuls, and
     ``low_precision_pays(device_type, dtype)`` says whether the projection should take
     autocast's ``dtype`` (else it stays in the weights' dtype)."""
 
-    product: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    matmul: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
     low_precision_pays: Optional[Callable[[str, torch.dtype], bool]] = None
 
 
@@ -190,19 +190,19 @@ def head_matmuls(matmuls: HeadMatmuls) -> Iterator[None]:
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
-                         product: Optional[Callable] = None) -> torch.Tensor:
+                         matmul: Optional[Callable] = None) -> torch.Tensor:
     """Same value and gradients as ``F.cross_entropy(hidden @ weight.T, targets)`` (fp32 loss).
 
     ``hidden`` [..., D] and ``targets`` [...] are flattened. The projections run in
-    ``projection_dtype``; softmax and the loss are always fp32. ``product(a, b)`` = ``a @ bᵀ``
+    ``projection_dtype``; softmax and the loss are always fp32. ``matmul(a, b)`` = ``a @ bᵀ``
     replaces ``torch.mm`` for the fp32 matmuls (see the module's docstring); without it,
-    the installed ``HeadMatmuls``' ``product`` does, if any.
+    the installed ``HeadMatmuls``' ``matmul`` does, if any.
     """
     compute_dtype = projection_dtype(hidden.device.type, weight.dtype)
-    product = product if product is not None else _installed.product
+    matmul = matmul if matmul is not None else _installed.matmul
     with torch.autocast(hidden.device.type, enabled=False):
         return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                                        ignore_index, float(label_smoothing), compute_dtype, product)
+                                        ignore_index, float(label_smoothing), compute_dtype, matmul)
 
 
 def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:

@@ -1,7 +1,7 @@
-"""fp32 training products through oneDNN (astrai/backends/cpu/training.py): same values and
+"""fp32 training matmuls through oneDNN (astrai/backends/cpu/training.py): same values and
 gradients as ``F.linear``, taken only where they should be, chosen by measuring this CPU, and
-switched on for a model only within ``fast_training_products``, which also installs the fused
-loss's matmuls (oneDNN's product for the head, a bf16 projection only where this CPU's pays)."""
+switched on for a model only within ``fast_training_matmuls``, which also installs the fused
+loss's matmuls (oneDNN's matmul for the head, a bf16 projection only where this CPU's pays)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from astrai.config import preset
 from astrai.model import AutoModel
 from astrai.backends.cpu import training as onednn_linear
-from astrai.backends.cpu.training import OneDnnLinear, fast_training_products, training_linear
+from astrai.backends.cpu.training import OneDnnLinear, fast_training_matmuls, training_linear
 from astrai.model.components import linear_cross_entropy as lce
 from astrai.model.components.layers import Linear
 
@@ -23,15 +23,15 @@ pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """Force the oneDNN path on and count its products."""
+    """Force the oneDNN path on and count its matmuls."""
     calls = []
-    real = onednn_linear.onednn_product
+    real = onednn_linear.onednn_matmul
 
     def counting(x, weight, bias=None):
         calls.append((tuple(x.shape), tuple(weight.shape)))
         return real(x, weight, bias)
 
-    monkeypatch.setattr(onednn_linear, "onednn_product", counting)
+    monkeypatch.setattr(onednn_linear, "onednn_matmul", counting)
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: True)
     monkeypatch.setattr(onednn_linear, "onednn_weight_grad_pays", lambda: True)
     return calls
@@ -50,7 +50,7 @@ def test_values_and_gradients_match_f_linear(onednn_calls, monkeypatch, with_bia
 
     got = training_linear(x, weight, bias)
     got_grads = torch.autograd.grad(got, inputs, grad_out)
-    # the forward product and, in backward, the input's gradient, and the weight's where that pays
+    # the forward matmul and, in backward, the input's gradient, and the weight's where that pays
     assert len(onednn_calls) == (3 if weight_grad_pays else 2)
     if weight_grad_pays:
         assert onednn_calls[-1] == ((24, 15), (40, 15))  # gradᵀ @ x: both operands transposed views
@@ -71,12 +71,12 @@ def test_frozen_weight_gets_no_gradient_and_input_still_does(onednn_calls):
     assert weight.grad is None and onednn_calls
 
 
-def test_only_fp32_products_with_autograd_take_onednn(onednn_calls):
+def test_only_fp32_matmuls_with_autograd_take_onednn(onednn_calls):
     x, weight = torch.randn(6, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
     with torch.no_grad():
         training_linear(x, weight)  # inference keeps its own paths
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert training_linear(x, weight).dtype == torch.bfloat16  # autocast's bf16 product
+        assert training_linear(x, weight).dtype == torch.bfloat16  # autocast's bf16 matmul
     training_linear(x.double(), weight.double())
     assert onednn_calls == []
     training_linear(x, weight)
@@ -92,7 +92,7 @@ def test_without_the_measured_gain_training_keeps_f_linear(onednn_calls, monkeyp
 
 def test_a_training_step_matches_the_mkl_one(onednn_calls, monkeypatch):
     """The whole model's loss and every parameter's gradient, with the vocabulary
-    projection's forward product on oneDNN too."""
+    projection's forward matmul on oneDNN too."""
     torch.manual_seed(0)
     model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                          dim_ffn=128, max_len=64))
@@ -105,8 +105,8 @@ def test_a_training_step_matches_the_mkl_one(onednn_calls, monkeypatch):
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
     plain = step()
-    assert onednn_calls == []  # not opted in: the model's own products
-    with fast_training_products(model) as switched:
+    assert onednn_calls == []  # not opted in: the model's own matmuls
+    with fast_training_matmuls(model) as switched:
         assert switched == 2 * 7 + 1 and type(model.lm_head) is OneDnnLinear
         got_loss, got_grads = step()
     assert type(model.lm_head) is Linear  # given back with its own classes
@@ -133,14 +133,14 @@ def test_onednn_is_chosen_by_measuring_this_cpu(monkeypatch, mkl_s, onednn_s, fo
         monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
     else:
         monkeypatch.setenv("ASTRAI_ONEDNN_LINEAR", forced)
-    monkeypatch.setattr(onednn_linear, "product_seconds", lambda transposed=False: (mkl_s, onednn_s))
+    monkeypatch.setattr(onednn_linear, "matmul_seconds", lambda transposed=False: (mkl_s, onednn_s))
     assert onednn_linear._forward_layout_pays.__wrapped__() is expected
 
 
 @pytest.mark.parametrize("forward_pays, transposed_s, expected", [
     (True, (1.0, 0.6), True),  # oneDNN wins the transposed layout too
     (True, (1.0, 1.2), False),  # oneDNN wins the forward layout only
-    (False, (1.0, 0.6), False),  # no oneDNN for the forward product: none for its gradient
+    (False, (1.0, 0.6), False),  # no oneDNN for the forward matmul: none for its gradient
 ])
 def test_the_weight_gradient_layout_is_measured_on_its_own(monkeypatch, forward_pays, transposed_s, expected):
     monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
@@ -151,14 +151,14 @@ def test_the_weight_gradient_layout_is_measured_on_its_own(monkeypatch, forward_
         return transposed_s
 
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: forward_pays)
-    monkeypatch.setattr(onednn_linear, "product_seconds", seconds)
+    monkeypatch.setattr(onednn_linear, "matmul_seconds", seconds)
     assert onednn_linear._weight_grad_layout_pays.__wrapped__() is expected
     assert asked == ([True] if forward_pays else [])
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_the_measurement_times_both_products(transposed):
-    mkl, onednn = onednn_linear.product_seconds(repeats=2, transposed=transposed)
+def test_the_measurement_times_both_matmuls(transposed):
+    mkl, onednn = onednn_linear.matmul_seconds(repeats=2, transposed=transposed)
     assert 0 < mkl < 1 and 0 < onednn < 1
 
 
@@ -170,8 +170,8 @@ def test_no_rows_give_a_zero_weight_gradient(onednn_calls):
     assert torch.equal(grad_weight, torch.zeros(8, 16))
 
 
-def test_a_compiled_step_keeps_the_onednn_products(monkeypatch):
-    """Inside ``torch.compile`` the products are the opaque ``astrai::onednn_product`` op, so
+def test_a_compiled_step_keeps_the_onednn_matmuls(monkeypatch):
+    """Inside ``torch.compile`` the matmuls are the opaque ``astrai::onednn_matmul`` op, so
     a compiled fp32 step runs them on oneDNN too, with the eager step's values."""
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: True)
     monkeypatch.setattr(onednn_linear, "onednn_weight_grad_pays", lambda: True)
@@ -189,13 +189,13 @@ def test_a_compiled_step_keeps_the_onednn_products(monkeypatch):
     want_loss, want_grads = step(model)
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    with fast_training_products(model):
+    with fast_training_matmuls(model):
         step(compiled)  # compiles
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             got_loss, got_grads = step(compiled)
     names = [event.name for event in prof.events()]
-    # per layer 7 forward products, 7 input and 7 weight gradients; the head's forward and weight gradient
-    assert names.count("astrai::onednn_product") == 2 * 7 * 3 + 2
+    # per layer 7 forward matmuls, 7 input and 7 weight gradients; the head's forward and weight gradient
+    assert names.count("astrai::onednn_matmul") == 2 * 7 * 3 + 2
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
@@ -204,30 +204,30 @@ def test_a_compiled_step_keeps_the_onednn_products(monkeypatch):
 def test_opting_out_where_onednn_does_not_pay_switches_nothing(monkeypatch):
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
     model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=1, dim_ffn=128, max_len=64))
-    with fast_training_products(model) as switched:
+    with fast_training_matmuls(model) as switched:
         assert switched == 0 and type(model.lm_head) is Linear
 
 
 @pytest.mark.parametrize("bf16_pays", [False, True])
 def test_the_run_keeps_the_projection_in_fp32_where_bf16_does_not_pay(monkeypatch, bf16_pays):
     """Within the block the fused loss asks this CPU whether a bf16 projection pays, and takes
-    oneDNN's product only where the linears switched; outside it, autocast's bf16 and torch.mm."""
+    oneDNN's matmul only where the linears switched; outside it, autocast's bf16 and torch.mm."""
     monkeypatch.setattr(onednn_linear, "cpu_bf16_matmul_pays", lambda: bf16_pays)
     monkeypatch.setattr(onednn_linear, "onednn_fp32_pays", lambda: False)
     model = AutoModel.from_config(preset("tiny", vocab_size=300, dim=64, n_layers=1, dim_ffn=128, max_len=64))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with fast_training_products(model, {"forward": False, "weight_grad": False}):
+        with fast_training_matmuls(model, {"forward": False, "weight_grad": False}):
             assert lce.projection_dtype("cpu", torch.float32) == (torch.bfloat16 if bf16_pays else torch.float32)
-            assert lce._installed.product is None
+            assert lce._installed.matmul is None
         assert lce.projection_dtype("cpu", torch.float32) == torch.bfloat16
-    with fast_training_products(model, {"forward": True, "weight_grad": False}):
-        assert lce._installed.product is onednn_linear.head_product
+    with fast_training_matmuls(model, {"forward": True, "weight_grad": False}):
+        assert lce._installed.matmul is onednn_linear.head_matmul
     assert lce._installed == lce.HeadMatmuls()
 
 
 @pytest.mark.parametrize("bf16_s, fp32_s, amx, expected", [
     (1.0, 2.0, False, True),  # bf16 twice as fast
-    (2.0, 1.2, False, False),  # bf16 slower (CPUs without native bf16 products)
+    (2.0, 1.2, False, False),  # bf16 slower (CPUs without native bf16 matmuls)
     (1.0, 1.1, False, False),  # within the 1.25x margin: not worth the precision
     (2.0, 1.0, True, True),  # AMX tiles: bf16 without asking
 ])
