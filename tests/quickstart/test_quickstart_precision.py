@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from astrai.backends import Backend, backend_for
+from astrai.backends.cpu import training
 from astrai.backends.cpu.training import cpu_bf16_matmul_pays
 from astrai.cli import main
 from astrai.errors import ConfigError
@@ -101,7 +102,10 @@ def test_cli_refuses_precision_with_base_or_against_the_plan(tmp_path, capsys):
     assert "invalid choice: 'fp16'" in capsys.readouterr().err
 
 
-def test_the_cpu_backend_answers_whether_bf16_training_may_pay():
+def test_the_cpu_backend_answers_whether_bf16_training_may_pay(monkeypatch):
     """The hook resolves to the CPU's measurement (AMX, or bf16 matmuls 1.25x faster than fp32's)."""
     assert backend_for("cpu").bf16_training_pays() is cpu_bf16_matmul_pays()
     assert Backend("meta").bf16_training_pays() is False
+    for answer in (True, False):  # whatever this machine's CPU says, the backend passes it on
+        monkeypatch.setattr(training, "cpu_bf16_matmul_pays", lambda: answer)
+        assert backend_for("cpu").bf16_training_pays() is answer
