@@ -1,7 +1,7 @@
 """Where every benchmark writes its figures: one dated JSON file per run in bench/results/.
 
 Each file records when it was measured, on what machine (CPU model, cores, the vector
-features that decide which kernels run, memory) and with which command, so a figure in
+features that decide which kernels run and the kernel level that ran, memory) and with which command, so a figure in
 docs/benchmarks.md can always be traced to the run that produced it.
 """
 
@@ -15,12 +15,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from astrai.backends.cpu.kernels import kernel_isa
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def describe_machine() -> dict:
-    """The CPU model, logical cores, memory and the vector features found at run time."""
+    """The CPU model, logical cores, memory, the vector features found at run time and the
+    instruction-set level of the C kernels the process served with (None without them)."""
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -36,7 +39,7 @@ def describe_machine() -> dict:
     import torch
 
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib,
-            "features": [f for f in FEATURES if f in flags], "python": platform.python_version(),
+            "features": [f for f in FEATURES if f in flags], "kernel_isa": kernel_isa(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 

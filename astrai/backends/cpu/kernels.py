@@ -37,18 +37,26 @@ table of pointers. ``decode_steps`` runs several such steps of a greedy request 
 call, each taking the last one's argmax as its token.
 
 The library is built with ``cc`` (``$CC``) into a per-user cache directory, keyed by
-the source, the flags and this CPU's feature flags (it is compiled for this CPU; a new
-build deletes all but the four most recent older ones), and loaded with ctypes; its OpenMP
+the source, the flags and this CPU's feature flags (it is tuned for this CPU; a new
+build deletes all but the ``KEEP_BUILDS`` most recent older ones), and loaded with ctypes; its OpenMP
 calls resolve to the libgomp that torch already loaded, so its threads are torch's. Without
 a compiler, or with ``ASTRAI_NATIVE_KERNELS=0``, nothing is built: attention keeps the
 batched matmuls, one-row matmuls the split and typed weights are dequantized for torch's
 matmul (a warning says so once; the engine's ``decode_paths`` statistic shows it).
 
-The build targets this CPU (``-march=native``): with AVX2 and FMA the dequantizing matmuls widen
-their blocks with intrinsics, with F16C the scales convert in one instruction. Any other CPU
-runs the same sums as plain C. ``ASTRAI_PORTABLE_KERNELS=1`` builds that plain form for the
-generic target instead (the same tokens, slower): the fallback a CPU without those features
-takes, forced.
+Instruction-set levels. On x86-64 the library is built for one of ``LEVELS``: ``portable``
+(the generic target, plain C loops), ``avx2`` (x86-64-v3: AVX2, FMA, F16C; the dequantizing
+and integer matmuls widen blocks with intrinsics and sum int4 x int8 products with
+maddubs), ``avx512`` (x86-64-v4: sixteen-lane loops for several rows of int8 and fp32
+weights) and ``avx512_vnni`` (x86-64-v4 with AVX512-VNNI: each group of four int4 x int8
+products summed by one ``vpdpbusd``, the same integer sums, so the same outputs as
+``avx2``). Each is built into its own library, tuned for this CPU (``-mtune=native``), and
+the process loads the highest level whose flags /proc/cpuinfo reports (``kernel_isa()``
+names it). ``ASTRAI_KERNEL_ISA=<level>`` forces a level, and one the CPU cannot run is
+refused naming the flags it lacks; ``ASTRAI_PORTABLE_KERNELS=1`` is ``portable``, forced.
+Other CPUs have two levels: ``portable`` and ``native`` (``-march=native``, the default).
+``level_library`` loads another level beside the served one, as its own handle: the tests
+compare every level's kernels with the portable level's that way.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from astrai.errors import ConfigError
 from astrai.model.quantized import quantize_activations
 
 logger = logging.getLogger(__name__)
@@ -80,10 +89,32 @@ HEADERS = tuple(sorted((Path(__file__).parent / "native").glob("*.h")))  # inclu
 FAST_MATH = ["-fno-math-errno", "-fassociative-math", "-freciprocal-math", "-fno-signed-zeros", "-fno-trapping-math",
              "-fno-rounding-math", "-fno-signaling-nans", "-fcx-limited-range", "-fexcess-precision=fast",
              "-ffp-contract=fast"]
-FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]
-PORTABLE_FLAGS = ["-O3", "-DASTRAI_PORTABLE", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", *FAST_MATH, "-fopenmp", "-fPIC", "-shared"]  # a level's target flags come before these
 MAX_F32_ROWS = 16  # rows serving gives rows_matmul (beyond, oneDNN's packed matmul is as fast or faster)
 MAX_DEQUANT_ROWS = 8  # rows a dequantizing matmul takes at most (ASTRAI_MAX_DEQUANT_ROWS in native/dequant_matmul.c)
+
+
+@dataclass(frozen=True)
+class KernelLevel:
+    """An instruction-set level the library is built for: the compiler's ``target`` flags and
+    the /proc/cpuinfo flags a CPU must report (``needs``) to run what they build."""
+
+    name: str
+    target: tuple[str, ...]
+    needs: frozenset[str] = frozenset()
+
+
+# the x86-64 micro-architecture levels as /proc/cpuinfo names their features (lzcnt is "abm", sse3 "pni")
+X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
+X86_64_V3 = X86_64_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+X86_64_V4 = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+PORTABLE = KernelLevel("portable", ("-DASTRAI_PORTABLE",))
+LEVELS = (PORTABLE,
+          KernelLevel("avx2", ("-march=x86-64-v3", "-mtune=native"), X86_64_V3),
+          KernelLevel("avx512", ("-march=x86-64-v4", "-mtune=native"), X86_64_V4),
+          KernelLevel("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"),
+                      X86_64_V4 | {"avx512_vnni"}))  # lowest first
+OTHER_LEVELS = (PORTABLE, KernelLevel("native", ("-march=native",)))  # CPUs other than x86-64
 
 
 def portable_forced() -> bool:
@@ -91,8 +122,34 @@ def portable_forced() -> bool:
     return os.environ.get("ASTRAI_PORTABLE_KERNELS", "0") not in ("", "0")
 
 
-def _flags() -> list[str]:
-    return PORTABLE_FLAGS if portable_forced() else FLAGS
+def _levels() -> tuple[KernelLevel, ...]:
+    return LEVELS if platform.machine().lower() in ("x86_64", "amd64") else OTHER_LEVELS
+
+
+def runnable_levels() -> tuple[KernelLevel, ...]:
+    """The levels this CPU reports every flag of, lowest first."""
+    flags = set(cpu_flags().split())
+    return tuple(level for level in _levels() if level.needs <= flags)
+
+
+def selected_level() -> KernelLevel:
+    """The level the process loads: the one ``ASTRAI_KERNEL_ISA`` (or ``ASTRAI_PORTABLE_KERNELS=1``)
+    forces, else the highest this CPU runs. A forced level unknown here, or needing a flag this
+    CPU does not report, is a ConfigError naming what is missing and the levels it can run."""
+    runnable = runnable_levels()
+    forced = os.environ.get("ASTRAI_KERNEL_ISA", "") or ("portable" if portable_forced() else "")
+    if not forced:
+        return runnable[-1]
+    names = ", ".join(level.name for level in runnable)
+    level = next((level for level in _levels() if level.name == forced), None)
+    if level is None:
+        known = ", ".join(level.name for level in _levels())
+        raise ConfigError(f"ASTRAI_KERNEL_ISA={forced!r} is not a kernel level here ({known}); this CPU runs {names}")
+    missing = sorted(level.needs - set(cpu_flags().split()))
+    if missing:
+        raise ConfigError(f"ASTRAI_KERNEL_ISA={forced}: this CPU does not report {', '.join(missing)}; "
+                          f"it runs {names} (unset ASTRAI_KERNEL_ISA for the highest)")
+    return level
 
 
 def _cache_dir() -> Path:
@@ -111,9 +168,9 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, level: KernelLevel) -> Path:
     source = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS)
-    flags = _flags()
+    flags = [*level.target, *FLAGS]
     key = hashlib.sha256(source + " ".join([compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"astrai-kernels-{key}.so"
     if target.exists():
@@ -137,7 +194,7 @@ def _build(compiler: str) -> Path:
     return target
 
 
-KEEP_BUILDS = 4  # other builds kept beside a new one (other checkouts, CPUs or compilers sharing the cache)
+KEEP_BUILDS = 8  # other builds kept beside a new one (other levels, checkouts, CPUs or compilers sharing the cache)
 
 
 def _prune(newest: Path) -> None:
@@ -155,17 +212,42 @@ def _prune(newest: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> Optional[ctypes.CDLL]:
+    """The library the process serves with: ``selected_level()``'s build."""
     if os.environ.get("ASTRAI_NATIVE_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or platform.system() != "Linux":
+    level = selected_level()
+    compiler = _compiler()
+    if compiler is None:
         logger.warning("no C compiler found: decode attention and one-row matmuls keep PyTorch's ops (slower)")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        return _load(compiler, level)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("could not build astrai's decode kernels (%s); keeping PyTorch's ops", exc)
         return None
+
+
+def _compiler() -> Optional[str]:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return compiler if platform.system() == "Linux" else None
+
+
+@functools.lru_cache(maxsize=None)
+def level_library(name: str) -> ctypes.CDLL:
+    """The build of the level ``name`` (one of ``runnable_levels()``), loaded as a handle of its
+    own beside the one the process serves with (which it leaves in place): for comparing one
+    level's kernels with another's. RuntimeError without a compiler or a level this CPU runs."""
+    level = next((level for level in runnable_levels() if level.name == name), None)
+    compiler = _compiler()
+    if level is None or compiler is None:
+        raise RuntimeError(f"cannot build kernel level {name!r} here (no compiler, or not one of this CPU's levels)")
+    return _load(compiler, level)
+
+
+def _load(compiler: str, level: KernelLevel) -> ctypes.CDLL:
+    """``level``'s library, built if need be, loaded with its functions' argument types set."""
+    library = ctypes.CDLL(str(_build(compiler, level)))
+    library.level = level.name
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64] + [ctypes.c_int] * 2
     library.astrai_decode_attention_workspace_floats.argtypes = [i64] * 5
@@ -193,8 +275,8 @@ def _library() -> Optional[ctypes.CDLL]:
     library.astrai_integer_matmul.argtypes = ([ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ptr, ptr]
                                               + [i64] * 3 + [ctypes.c_int])
     library.astrai_integer_matmul.restype = i64
-    library.astrai_dequant_matmul_vectorised.argtypes = []
-    library.astrai_dequant_matmul_vectorised.restype = ctypes.c_int
+    library.astrai_kernel_features.argtypes = []
+    library.astrai_kernel_features.restype = ctypes.c_int
     for function in (library.astrai_decode_attention_f32, library.astrai_row_matmul_f32,
                      library.astrai_rows_matmul_f32):
         function.restype = None
@@ -398,10 +480,27 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# what astrai_kernel_features() reports a build's loops use (native/dequant_matmul.c)
+FEATURE_AVX2, FEATURE_AVX512, FEATURE_VNNI = 1, 2, 4
+
+
+def kernel_features(library: Optional[ctypes.CDLL] = None) -> int:
+    """The ``FEATURE_*`` bits of the intrinsics ``library`` (the one loaded) was built with: 0 for
+    plain C loops, or without a library."""
+    library = library if library is not None else _library()
+    return library.astrai_kernel_features() if library is not None else 0
+
+
 def dequant_matmul_vectorised() -> bool:
     """Whether the loaded build reads typed weights with AVX2 intrinsics (else plain C)."""
+    return bool(kernel_features() & FEATURE_AVX2)
+
+
+def kernel_isa() -> Optional[str]:
+    """The name of the level the process serves with (building it on first call), or None
+    when no library is loaded."""
     library = _library()
-    return bool(library is not None and library.astrai_dequant_matmul_vectorised())
+    return None if library is None else library.level
 
 
 COLUMNS = 29  # int64 values per layer in decode_step.c's table

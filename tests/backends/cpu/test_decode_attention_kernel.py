@@ -140,7 +140,8 @@ def test_a_new_build_prunes_all_but_the_latest_older_builds(monkeypatch, tmp_pat
         os.utime(path, (1_000_000 - age, 1_000_000 - age))  # stale[0] the most recent
     unrelated = folder / "notes.txt"
     unrelated.write_text("kept")
-    built = native_kernels._build(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+    built = native_kernels._build(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"),
+                                  native_kernels.PORTABLE)
     assert built.is_file() and built not in stale
     left = sorted(folder.glob("astrai-kernels-*.so"))
     assert left == sorted([built, *stale[:native_kernels.KEEP_BUILDS]])

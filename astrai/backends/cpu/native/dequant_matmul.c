@@ -35,7 +35,9 @@
  * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
  * stream (two: values and scales) front to back, prefetched non-temporally ahead. With AVX2
  * and FMA (x86-64 builds for a CPU that has them), blocks are widened to fp32 in registers by
- * intrinsics; otherwise, or built with ASTRAI_PORTABLE, the same sums run as plain C loops.
+ * intrinsics, and with AVX512-VNNI each four int4 x int8 products are summed by one vpdpbusd
+ * (the same integers as maddubs gives); otherwise, or built with ASTRAI_PORTABLE, the same
+ * sums run as plain C loops.
  * fp16 scales are converted by F16C where the CPU has it, else by their bits.
  */
 #include <math.h>
@@ -53,6 +55,11 @@
 #define DEQUANT_AVX512 1
 #else
 #define DEQUANT_AVX512 0
+#endif
+#if DEQUANT_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DEQUANT_VNNI 1  /* vpdpbusd on 256-bit registers: four u8 x s8 products summed into each int32 lane */
+#else
+#define DEQUANT_VNNI 0
 #endif
 
 enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4 };
@@ -138,13 +145,21 @@ static inline __m256i nibbles(const uint8_t *block)
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-/* The 32 products of unsigned nibbles `u` with 32 int8 values, summed in fours into 8 int32
- * lanes. maddubs takes the nibbles as they are; 15 * 127 * 2 is far from saturating its
- * 16-bit pair sums. */
+/* The 32 products of unsigned bytes `u` (nibbles, or ones) with 32 int8 values, summed in
+ * fours into 8 int32 lanes: one vpdpbusd with VNNI, else maddubs (15 * 127 * 2 is far from
+ * saturating its 16-bit pair sums) and a madd of the pairs; the same integers either way. */
+static inline __m256i fours(__m256i u, __m256i x)
+{
+#if DEQUANT_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
 static inline __m256i block_fours(__m256i u, const int8_t *xq)
 {
-    const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)xq));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return fours(u, _mm256_loadu_si256((const __m256i *)xq));
 }
 
 /* A Q4_0 block's 32 integer products (`u`: the stored nibbles, w + 8) with 32 int8 values,
@@ -298,7 +313,7 @@ static inline float block_step(const float *xb, int64_t n, float *inverse)
 #if DEQUANT_AVX2
 /* quantize_activations for one whole block in registers: the same step, the same products
  * rounded the same way (cvtps rounds to nearest even, as rintf does), and the sums of fours
- * taken by maddubs against ones. */
+ * taken against ones. */
 static inline void quantize_block(const float *xb, int8_t *q, float *step, int32_t *offsets, float *sum)
 {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), top = _mm256_set1_ps(3.4028235e38f);
@@ -328,9 +343,9 @@ static inline void quantize_block(const float *xb, int8_t *q, float *step, int32
     const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     const __m256i bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, bytes);
-    const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-    if (offsets) _mm256_storeu_si256((__m256i *)offsets, _mm256_slli_epi32(fours, 3));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
+    const __m256i sums = fours(_mm256_set1_epi8(1), bytes);
+    if (offsets) _mm256_storeu_si256((__m256i *)offsets, _mm256_slli_epi32(sums, 3));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
     *sum = kept * (float)_mm_cvtsi128_si32(t);
@@ -687,5 +702,6 @@ void astrai_quantize_rows_q8(const float *x, int64_t x_stride, int64_t rows, int
 /* An fp16 value as a float, for the other native files. */
 float astrai_half_value(uint16_t h) { return half_to_float(h); }
 
-/* Whether this build reads blocks with AVX2 intrinsics (1) or plain C loops (0). */
-int astrai_dequant_matmul_vectorised(void) { return DEQUANT_AVX2; }
+/* The intrinsics this build's loops use, as bits (kernels.py's FEATURE_*): 1 AVX2 and FMA,
+ * 2 AVX-512's sixteen-lane loops, 4 VNNI's integer sums; 0 for plain C loops. */
+int astrai_kernel_features(void) { return DEQUANT_AVX2 | DEQUANT_AVX512 << 1 | DEQUANT_VNNI << 2; }

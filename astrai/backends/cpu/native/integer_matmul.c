@@ -15,7 +15,8 @@
  * dot products of the eight rows: the eight outputs land in the eight lanes, so a block ends
  * in one conversion and two multiply-adds for eight outputs, and no horizontal sums remain.
  * The eight groups of four of a block add in 16 bits (at most 8 x 2 x 15 x 127 = 30,480, no
- * overflow) before being widened once.
+ * overflow) before being widened once; with AVX512-VNNI one vpdpbusd adds each four's products
+ * straight into the 32-bit lanes instead, the same integers in half the instructions.
  *
  * Per block b of a row of x (d_x its fp16-rounded step, s its sum of int8 values) and a weight
  * row (d its step; Q4_0 values u - 8, Q4_1 values u d + m), the block adds
@@ -38,6 +39,11 @@
 #include <immintrin.h>
 #else
 #define ROWS_AVX2 0
+#endif
+#if ROWS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define ROWS_VNNI 1
+#else
+#define ROWS_VNNI 0
 #endif
 
 enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, PAIR_MIN_ROWS = 24, TYPE_Q4 = 3, TYPE_Q41 = 4 };
@@ -121,7 +127,9 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *byte
                                                              int64_t blocks, int pair, int count,
                                                              __m256 out[ROW_TILE][2])
 {
+#if !ROWS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[ROW_TILE][2];
     for (int r = 0; r < count; ++r)
         for (int g = 0; g < pair; ++g) acc[r][g] = _mm256_setzero_ps();
@@ -139,14 +147,22 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *byte
                 memcpy(&four, xq + r * blocks * Q_BLOCK + b * Q_BLOCK + 4 * k, sizeof four);
                 const __m256i x = _mm256_set1_epi32(four);
                 for (int g = 0; g < pair; ++g)
+#if ROWS_VNNI
+                    pairs[r][g] = _mm256_dpbusd_epi32(pairs[r][g], u[g], x);  /* the fours straight into 32 bits */
+#else
                     pairs[r][g] = _mm256_add_epi16(pairs[r][g], _mm256_maddubs_epi16(u[g], x));
+#endif
             }
         }
         for (int r = 0; r < count; ++r) {
             const __m256 step = _mm256_set1_ps(xd[r * blocks + b]), sum = _mm256_set1_ps(xs[r * blocks + b]);
             for (int g = 0; g < pair; ++g) {
                 const float *gs = steps + g * group_stride / Q_BLOCK, *ge = extras + g * group_stride / Q_BLOCK;
+#if ROWS_VNNI
+                const __m256 sums = _mm256_cvtepi32_ps(pairs[r][g]);
+#else
                 const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r][g], ones));
+#endif
                 acc[r][g] = _mm256_fmadd_ps(_mm256_load_ps(gs + b * GROUP), _mm256_mul_ps(sums, step),
                                             _mm256_fmadd_ps(_mm256_load_ps(ge + b * GROUP), sum, acc[r][g]));
             }
