@@ -14,7 +14,8 @@ names it, which becomes the request's error, never a silent fallback to free tex
 xgrammar would bring transformers and triton with it.
 
 Masks of a batch's constrained rows are written on a worker thread while the model runs
-its step (llguidance releases the GIL), so their cost hides behind the forward.
+its step (llguidance releases the GIL) where a core is free for it, else after the step.
+They stay packed, one bit per token: a greedy row only reads its argmax's bit.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import llguidance
+import numpy as np
 import torch
 
 from astrai.errors import RequestError
+from astrai.inference.sampling import NEG_INF, row_argmax
 from astrai.inference.types import SamplingParams
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar")
@@ -38,6 +41,7 @@ CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar")
 # weak model spend its whole budget on spaces and newlines before the value closes.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 BITS = 32  # llguidance's mask words are int32, one bit per token id
+SHIFTS = torch.arange(BITS, dtype=torch.int32)
 
 
 class _ByteVocabulary:
@@ -146,16 +150,62 @@ class ConstraintCompiler:
 
 @dataclass
 class RowMasks:
-    """Allowed tokens [len(rows), V] (True = may be drawn) of a batch's constrained rows."""
+    """The token masks of a batch's constrained rows, packed as llguidance writes them: row k
+    of ``bits`` [len(rows), words] (int32) belongs to batch row ``rows[k]``, and token t may be
+    drawn when bit t % 32 of word t // 32 is set (no id past the words, nor past the model's
+    ``vocab_size``, ever is). They stay packed because a greedy row reads one bit of its mask,
+    its argmax's; only a row whose argmax is forbidden, or one the full sampler draws from,
+    unpacks its mask over the whole vocabulary."""
 
     rows: list[int]
-    allowed: torch.Tensor
+    bits: torch.Tensor
+    vocab_size: int
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """Allowed tokens [len(rows), vocab_size], True = may be drawn."""
+        return _unpack(self.bits, self.vocab_size)
 
     def apply_(self, logits: torch.Tensor) -> None:
         """Set every token a row's constraint forbids to -inf, in place in ``logits`` [B, V]."""
         forbidden = ~self.allowed.to(logits.device)
         for k, row in enumerate(self.rows):
-            logits[row].masked_fill_(forbidden[k], float("-inf"))
+            logits[row].masked_fill_(forbidden[k], NEG_INF)
+
+    def take(self, rows: Sequence[int]) -> Optional["RowMasks"]:
+        """The masks of batch rows ``rows`` alone, renumbered to their places in ``rows`` (None
+        when none of them is constrained)."""
+        place = {row: j for j, row in enumerate(rows)}
+        kept = [k for k, row in enumerate(self.rows) if row in place]
+        if not kept:
+            return None
+        return RowMasks([place[self.rows[k]] for k in kept], self.bits[kept], self.vocab_size)
+
+    def hold_argmax(self, logits: torch.Tensor, ids: list[int], greedy: Sequence[int]) -> int:
+        """Keep the greedy rows ``greedy`` inside their languages: where a row's argmax ``ids[row]``
+        is a token its language forbids, ``ids[row]`` becomes the token of its largest allowed
+        logit (the first of equals, as ``row_argmax`` over the masked row gives). Every other
+        row is left as it is. Returns how many rows moved."""
+        words = self.bits.numpy().view(np.uint32)
+        among, moved = set(greedy), 0
+        for k, row in enumerate(self.rows):
+            if row not in among:
+                continue
+            word, bit = divmod(ids[row], BITS)
+            if word < words.shape[1] and (int(words[k, word]) >> bit) & 1:
+                continue
+            forbidden = ~_unpack(self.bits[k:k + 1], self.vocab_size).to(logits.device)
+            ids[row] = int(row_argmax(logits[row:row + 1].masked_fill(forbidden, NEG_INF)))
+            moved += 1
+        return moved
+
+
+def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed masks [n, words] as booleans [n, vocab_size]; ids past the words are False."""
+    allowed = ((bits.unsqueeze(-1) >> SHIFTS) & 1).view(bits.shape[0], -1)[:, :vocab_size].bool()
+    if allowed.shape[1] < vocab_size:  # the model's ids past the tokenizer's are never text
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed
 
 
 def spare_core() -> bool:
@@ -171,7 +221,6 @@ class MaskWriter:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._shifts = torch.arange(BITS, dtype=torch.int32)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._parallel: Optional[llguidance.LLExecutor] = None
 
@@ -196,10 +245,13 @@ class MaskWriter:
         bits = torch.zeros(len(rows), words, dtype=torch.int32)
         self._parallel.unsafe_compute_mask_ptr([(constraints[i].matcher, k) for k, i in enumerate(rows)],
                                                bits.data_ptr(), words * 4, len(rows))
-        allowed = ((bits.unsqueeze(-1) >> self._shifts) & 1).view(len(rows), -1)[:, :self.vocab_size].bool()
-        if allowed.shape[1] < self.vocab_size:  # the model's ids past the tokenizer's are never text
-            allowed = torch.nn.functional.pad(allowed, (0, self.vocab_size - allowed.shape[1]), value=False)
-        stuck = ~allowed.any(dim=-1)
-        for k in stuck.nonzero().flatten().tolist():  # a matcher in error allows nothing: let the row end
-            allowed[k, constraints[rows[k]].stop_ids] = True
-        return RowMasks(rows, allowed)
+        if self.vocab_size < words * BITS:  # bits past the model's vocabulary stand for no id
+            whole, part = divmod(self.vocab_size, BITS)
+            bits[:, whole + (part > 0):] = 0
+            if part:
+                bits[:, whole] &= (1 << part) - 1
+        unsigned = bits.numpy().view(np.uint32)
+        for k in (~bits.any(dim=-1)).nonzero().flatten().tolist():  # a matcher in error allows nothing: let the row end
+            for stop in constraints[rows[k]].stop_ids:
+                unsigned[k, stop // BITS] |= np.uint32(1 << (stop % BITS))
+        return RowMasks(rows, bits, self.vocab_size)

@@ -35,6 +35,9 @@ class Executor:
         self.generator = torch.Generator(device=runner.device)  # unseeded requests' draws (seeded ones bring their own)
         self.generator.seed()
         self.masks = MaskWriter(runner.model.config.vocab_size)
+        # tokens ``sample`` chose, by the path that chose them: every key present, since readers copy it
+        # from other threads (a lone greedy request's runs of steps choose theirs in the runner)
+        self.sample_paths = dict.fromkeys(("argmax", "masked_argmax", "sampler"), 0)
 
     @property
     def model(self):
@@ -137,48 +140,68 @@ class Executor:
         """Next token (and its log-probability entry when asked) for each task's logits row;
         ``argmax``, when given, is each row's argmax, which greedy rows without penalties take.
         ``masks`` is the pending result of ``self.masks.start`` for these tasks (written now when
-        not given); a constrained row draws only among the tokens its language allows next."""
+        not given); a constrained row draws only among the tokens its language allows next.
+
+        A greedy row without penalties takes its argmax, and when constrained, the argmax among
+        its allowed tokens (the plain one when its mask allows it, which is the same token); only
+        the other rows (a temperature, a penalty or a bias) go through the full sampler."""
         logits = logits.float()
         params = [t.params for t in tasks]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         allowed: Optional[RowMasks] = masks.result() if masks is not None else self.masks.compute(
             [t.constraint for t in tasks])
-        if allowed is None and all(p.temperature <= GREEDY_BELOW for p in params) and not any(_has_penalty(p) for p in params):
-            ids = argmax if argmax is not None else row_argmax(logits).tolist()
-        else:
-            logits = logits.clone()
-            penalised = [i for i, p in enumerate(params) if _has_penalty(p)]
-            for i in penalised:
-                p = params[i]
-                if p.logit_bias:
-                    biased = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-                    logits[i, biased] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
-                                                      device=logits.device)
-                apply_penalties(logits[i], tasks[i].context, tasks[i].output_ids, p.repetition_penalty,
-                                p.frequency_penalty, p.presence_penalty)
-            if penalised:  # an extreme penalty overflows a logit; keep every row finite before masking
-                limit = torch.finfo(logits.dtype).max
-                logits.nan_to_num_(nan=-limit, posinf=limit, neginf=-limit)
-            if allowed is not None:  # after the penalties, so a forbidden token can never come back
-                allowed.apply_(logits)
-            ids = row_argmax(logits)
-            sampled = [i for i, p in enumerate(params) if p.temperature > GREEDY_BELOW]
-            if sampled:
-                rows = logits[sampled]
-                chosen = [params[i] for i in sampled]
-                pipeline = SamplingPipeline.for_rows([p.temperature for p in chosen], [p.top_k for p in chosen],
-                                                     [p.top_p for p in chosen], [p.min_p for p in chosen], rows.device)
-                probs = pipeline.apply(rows).softmax(dim=-1)
-                drawn = draw(probs, [tasks[i].generator for i in sampled], self.generator)
-                if penalised:  # logits a penalty pushed to float32's limit leave no distribution: greedy then
-                    drawn = torch.where(probs.isfinite().all(dim=-1), drawn, ids[sampled])
-                ids[sampled] = drawn
-            ids = ids.tolist()
+        greedy = [i for i, p in enumerate(params) if p.temperature <= GREEDY_BELOW and not _has_penalty(p)]
+        full = sorted(set(range(len(tasks))) - set(greedy))
+        ids = [0] * len(tasks)
+        if greedy:
+            ids = list(argmax) if argmax is not None else row_argmax(logits).tolist()
+            moved = allowed.hold_argmax(logits, ids, greedy) if allowed is not None else 0
+            self.sample_paths["argmax"] += len(greedy) - moved
+            self.sample_paths["masked_argmax"] += moved
+        if full:
+            drawn = self._full_sampler([tasks[i] for i in full], logits[full],
+                                       allowed.take(full) if allowed is not None else None)
+            for i, token in zip(full, drawn):
+                ids[i] = token
+            self.sample_paths["sampler"] += len(full)
         if raw_logprobs is None:
             return [(tok, None) for tok in ids]
         return [(tok, self._logprob(raw_logprobs[i], tok, p.top_logprobs) if (p.logprobs or p.top_logprobs) else None)
                 for i, (tok, p) in enumerate(zip(ids, params))]
+
+    def _full_sampler(self, tasks: Sequence[Task], logits: torch.Tensor, allowed: Optional[RowMasks]) -> list[int]:
+        """The tokens of rows with a temperature, a penalty or a bias: penalties and biases, then
+        the language's mask, then each sampled row's filters and draw (a penalised greedy row
+        takes the argmax). ``logits`` is the rows' own copy, changed in place."""
+        params = [t.params for t in tasks]
+        penalised = [i for i, p in enumerate(params) if _has_penalty(p)]
+        for i in penalised:
+            p = params[i]
+            if p.logit_bias:
+                biased = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                logits[i, biased] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                                  device=logits.device)
+            apply_penalties(logits[i], tasks[i].context, tasks[i].output_ids, p.repetition_penalty,
+                            p.frequency_penalty, p.presence_penalty)
+        if penalised:  # an extreme penalty overflows a logit; keep every row finite before masking
+            limit = torch.finfo(logits.dtype).max
+            logits.nan_to_num_(nan=-limit, posinf=limit, neginf=-limit)
+        if allowed is not None:  # after the penalties, so a forbidden token can never come back
+            allowed.apply_(logits)
+        ids = row_argmax(logits)
+        sampled = [i for i, p in enumerate(params) if p.temperature > GREEDY_BELOW]
+        if sampled:
+            rows = logits[sampled]
+            chosen = [params[i] for i in sampled]
+            pipeline = SamplingPipeline.for_rows([p.temperature for p in chosen], [p.top_k for p in chosen],
+                                                 [p.top_p for p in chosen], [p.min_p for p in chosen], rows.device)
+            probs = pipeline.apply(rows).softmax(dim=-1)
+            drawn = draw(probs, [tasks[i].generator for i in sampled], self.generator)
+            if penalised:  # logits a penalty pushed to float32's limit leave no distribution: greedy then
+                drawn = torch.where(probs.isfinite().all(dim=-1), drawn, ids[sampled])
+            ids[sampled] = drawn
+        return ids.tolist()
 
     def _logprob(self, row: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
         top = []
