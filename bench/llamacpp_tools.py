@@ -1,5 +1,6 @@
 """Running llama.cpp's binaries from a benchmark: ``llama-bench`` for one-stream figures and
-any OpenAI-compatible server process (``llama-server`` or ``astrai serve``) for load tests.
+any OpenAI-compatible server process (``llama-server`` or ``astrai serve``) for load tests,
+with its resident memory read from /proc.
 
 Failures are returned as data (``{"error": ...}``), not raised: llama.cpp's optional CPU
 paths can crash on some machines, and one crashed configuration should be reported
@@ -39,6 +40,40 @@ def llama_bench(binary: Path, gguf: Path, threads: int, args: list[str], timeout
     if len(rows) != 1:
         return {"error": f"expected one result row, got {len(rows)}", "command": cmd}
     return rows[0]
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it (a server that forks workers counts them all)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the command name in parentheses may hold spaces: the parent id follows its closing one
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while the table was read
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += parents.get(tree[-1], [])
+    return tree
+
+
+def resident_memory(pid: int) -> dict:
+    """Resident memory now (VmRSS) and at its peak (VmHWM) in bytes, summed over the process tree
+    of ``pid``; the summed peaks bound the tree's joint peak from above."""
+    totals = {"vm_rss_bytes": 0, "vm_hwm_bytes": 0, "processes": 0}
+    for member in process_tree(pid):
+        try:
+            lines = Path(f"/proc/{member}/status").read_text().splitlines()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in lines if ":" in line)
+        for key, name in (("vm_rss_bytes", "VmRSS"), ("vm_hwm_bytes", "VmHWM")):
+            if name in fields:  # given in kB (KiB)
+                totals[key] += int(fields[name].split()[0]) * 1024
+        totals["processes"] += 1
+    return totals
 
 
 def free_port() -> int:

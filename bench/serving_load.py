@@ -3,7 +3,7 @@
 Every request sends token ids (no tokenizer differences between servers), greedy, with
 ``ignore_eos`` so each produces exactly its ``max_tokens``. Output tokens/s is the sum of
 those over the wall time from the first request sent to the last one finished; the time
-to first token of each request is when its first streamed event with a choice arrives.
+to first token of each request runs from its sending to its first streamed event with a choice.
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ def mixed_requests(n: int, vocab: int, prompt_range: tuple[int, int], output_ran
             for _ in range(n)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-               start: float) -> dict:
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+                            start: float, **fields) -> dict:
+    """One streamed greedy completion of ``prompt``; ``fields`` join the body (``cache_prompt`` for
+    llama-server). Times are seconds since ``start``, the time to first token since sending;
+    ``completion_tokens`` is the server's count when it streams usage (else None)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True}
-    first = None
+            "ignore_eos": True, **fields}
+    sent = time.perf_counter()
+    first = usage = None
     events = 0
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
@@ -39,18 +43,32 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
         async for line in response.aiter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
-            if json.loads(line[5:]).get("choices"):
+            chunk = json.loads(line[5:])
+            usage = chunk.get("usage") or usage
+            if chunk.get("choices"):
                 events += 1
                 if first is None:
-                    first = time.perf_counter() - start
-    return {"ttft_s": first, "done_s": time.perf_counter() - start, "events": events}
+                    first = time.perf_counter() - sent
+    return {"sent_s": sent - start, "ttft_s": first, "done_s": time.perf_counter() - start, "events": events,
+            "completion_tokens": (usage or {}).get("completion_tokens")}
+
+
+def connection_limits(n: int) -> httpx.Limits:
+    """Room for ``n`` streams at once, each keeping its connection between requests."""
+    return httpx.Limits(max_connections=n, max_keepalive_connections=n)
+
+
+def ttft_percentiles(ttfts: list[float]) -> dict:
+    """p50 and p95 of times to first token (None where too few to say)."""
+    ttfts = sorted(ttfts)
+    return {"ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "ttft_p95_s": statistics.quantiles(ttfts, n=20, method="inclusive")[-1] if len(ttfts) > 1 else None}
 
 
 async def _run(base_url: str, model: str, requests: list[tuple[list[int], int]]) -> list[dict]:
-    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=None, limits=connection_limits(len(requests))) as client:
         start = time.perf_counter()
-        return await asyncio.gather(*(_one(client, base_url + "/v1/completions", model, p, n, start)
+        return await asyncio.gather(*(stream_completion(client, base_url + "/v1/completions", model, p, n, start)
                                       for p, n in requests))
 
 
@@ -59,9 +77,7 @@ def run_load(base_url: str, model: str, requests: list[tuple[list[int], int]]) -
     results = asyncio.run(_run(base_url, model, requests))
     wall = max(r["done_s"] for r in results)
     output_tokens = sum(n for _, n in requests)
-    ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
     return {"requests": len(requests), "output_tokens": output_tokens, "seconds": wall,
             "output_tok_s": output_tokens / wall,
-            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-            "ttft_p95_s": statistics.quantiles(ttfts, n=20, method="inclusive")[-1] if len(ttfts) > 1 else None,
+            **ttft_percentiles([r["ttft_s"] for r in results if r["ttft_s"] is not None]),
             "streamed_events": sum(r["events"] for r in results)}

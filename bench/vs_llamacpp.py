@@ -21,6 +21,16 @@ rounds that alternate the systems:
 - server (SmolLM2): 64 streamed requests of mixed lengths sent at once to
   ``llama-server -np 16`` and to ``astrai serve --max-batch-size 16``: output tokens/s and
   time to first token (p50, p95).
+- chat (SmolLM2, only when asked: ``--parts chat``): ``--chat-users`` (16) simulated users each
+  holding a ``--chat-turns`` (6) turn conversation built from the bundled chat data
+  (bench/chat_workload.py), every turn sent with its whole history, contexts growing to 2-4k
+  tokens, 64 greedy tokens a reply. ``astrai serve --max-batch-size 16`` with a paged KV cache of
+  16 x 4,096 tokens (``--num-pages`` x ``--page-size``) against ``llama-server -np 16 -c 65536``
+  (``--server-slots`` x ``--chat-slot-tokens``) with ``cache_prompt``, both caches
+  ``--kv-cache-dtype`` wide (F16 by default, llama.cpp's own default), at each
+  ``--server-precisions``; each server starts afresh per round, astrai first in even rounds. Output tokens/s, time to first token p50/p95 over all
+  turns (and p50 per turn) and the server's resident memory after the run (VmRSS, peak VmHWM).
+  The full run: ``--models smollm2 --parts chat --server-precisions fp32,int8 --server-repeats 2``.
 
 Beside each decode figure: the bound, the weights' bytes read per token (from the GGUF)
 over the machine's streaming-read bandwidth (2 threads summing a 1 GiB buffer, no writes),
@@ -28,8 +38,9 @@ and each system's rate as a fraction of it. A precision astrai does not offer ye
 engine refuses the ``quantize`` keyword) is reported as not available.
 
 Usage: OMP_NUM_THREADS=2 .venv/bin/python bench/vs_llamacpp.py [--models smollm2,llama1b]
-       [--precisions fp32,bf16,int8,int4] [--parts decode,prefill,server,depth] [--repeats N] [--quick]
+       [--precisions fp32,bf16,int8,int4] [--parts decode,prefill,server,depth,chat] [--repeats N] [--quick]
        [--depths 512,2048,4096,8000] [--kv-cache-dtype float32|bfloat16|float16]
+       [--server-precisions fp32,int8] [--server-repeats N] [--chat-users N] [--chat-turns N] [--chat-slot-tokens N]
 Writes a dated JSON file to bench/results/ (see results_file.py).
 """
 
@@ -43,6 +54,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,14 +63,17 @@ sys.path.insert(0, str(ROOT))
 from astrai.backends.cpu import tune_process  # noqa: E402
 from astrai.errors import AstraiError  # noqa: E402
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
+from astrai.tokenize import AutoTokenizer  # noqa: E402
+from chat_workload import build_conversations, run_conversations  # noqa: E402
 from generate import FirstTokenClock, hf_generate  # noqa: E402  (bench/ is on sys.path when a script runs)
 from llamacpp_models import (GGUF_TYPES, MODELS, build_llamacpp, ensure_gguf, ensure_hf, locate_llamacpp,  # noqa: E402
                              tensor_types, weight_bytes_per_token)
-from llamacpp_tools import ServerProcess, free_port, llama_bench  # noqa: E402
+from llamacpp_tools import ServerProcess, free_port, llama_bench, resident_memory  # noqa: E402
 from results_file import write_result  # noqa: E402
 from serving_load import mixed_requests, run_load  # noqa: E402
 
-PARTS = ("decode", "prefill", "server", "depth")
+PARTS = ("decode", "prefill", "server", "depth", "chat")
+DEFAULT_PARTS = ("decode", "prefill", "server", "depth")
 # astrai's kv_cache_dtype -> llama.cpp's -ctk/-ctv type of the same width (its default is f16)
 LLAMA_CACHE_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 PROMPT_TOKENS = 32
@@ -66,6 +81,11 @@ PROMPT_VOCAB = 49152  # both models carry SmolLM2's tokenizer; prompts stay insi
 QUANTIZED = ("int8", "int4", "int4-asym")
 SERVED_NAME = "bench"
 ASTRAI_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the chat part: astrai's KV cache holds as many tokens (in pages) as llama-server's slots together
+CHAT_NEW_TOKENS = 64
+CHAT_PAGE_SIZE = 16
+CHAT_SEED = 0
+CHAT_FIGURES = ("output_tok_s", "ttft_p50_s", "ttft_p95_s", "vm_rss_bytes", "vm_hwm_bytes")
 
 
 class NotAvailable(Exception):
@@ -346,69 +366,132 @@ def astrai_serve_supports(flag: str) -> bool:
     return flag in done.stdout
 
 
-def run_server(model: str, precision: str, llamacpp, args) -> dict:
-    """The load test against llama-server and astrai serve, alternated ``server_repeats`` times."""
-    gguf = ensure_gguf(model, GGUF_TYPES[precision], llamacpp)
-    model_dir = ensure_hf(model)
-    requests = mixed_requests(args.server_requests, PROMPT_VOCAB, (16, 256), (32, 128), seed=7)
-    warmup = mixed_requests(2, PROMPT_VOCAB, (16, 32), (4, 4), seed=8)
-    slots = args.server_slots
-    threads = str(args.threads)
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    ctx = slots * (256 + 128 + 64)
-    llama_cmd = [str(llamacpp.tool("llama-server")), "-m", str(gguf), "-t", threads, "-tb", threads, "-np", str(slots),
-                 "-c", str(ctx), "--host", "127.0.0.1", "--no-webui", "--alias", SERVED_NAME]
+def server_commands(model: str, precision: str, llamacpp, args, context: int, llama_extra: list[str],
+                    astrai_extra: list[str]) -> tuple[dict[str, list[str] | None], str | None]:
+    """llama-server's and astrai serve's command lines for one model and precision, ``args.server_slots``
+    slots, ``context`` tokens of llama.cpp KV cache; astrai's is None (and the note says why) at a
+    precision its serve verb lacks."""
+    slots, threads = str(args.server_slots), str(args.threads)
+    llama_cmd = [str(llamacpp.tool("llama-server")), "-m", str(ensure_gguf(model, GGUF_TYPES[precision], llamacpp)),
+                 "-t", threads, "-tb", threads, "-np", slots, "-c", str(context), "--host", "127.0.0.1", "--no-webui",
+                 "--alias", SERVED_NAME, *llama_extra]
     if precision in QUANTIZED:
         llama_cmd.append("--no-repack")  # repacked buffers can crash when prefilling on some CPUs (see README)
-    astrai_cmd = [sys.executable, "-m", "astrai", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-                  "--max-batch-size", str(slots), "--max-seq-len", "512", "--served-model-name", SERVED_NAME]
-    astrai_note = None
+    astrai_cmd = [sys.executable, "-m", "astrai", "serve", "--model", str(ensure_hf(model)), "--host", "127.0.0.1",
+                  "--max-batch-size", slots, "--served-model-name", SERVED_NAME, *astrai_extra]
     if precision in ASTRAI_DTYPES:
-        astrai_cmd += ["--dtype", str(ASTRAI_DTYPES[precision]).removeprefix("torch.")]
-    elif astrai_serve_supports("--quantize"):
-        astrai_cmd += ["--quantize", precision]
-    else:
-        astrai_cmd, astrai_note = None, f"not available: astrai serve has no --quantize {precision}"
-    out = {"model": model, "precision": precision, "gguf_type": GGUF_TYPES[precision], "slots": slots,
-           "requests": len(requests), "output_tokens": sum(n for _, n in requests),
-           "llama_server_command": llama_cmd[1:], "astrai_serve_command": astrai_cmd and astrai_cmd[1:]}
-    if astrai_note:
-        out["astrai"] = astrai_note
-    runs: dict[str, list[dict]] = {"llamacpp": [], "astrai": []}
+        return {"llamacpp": llama_cmd, "astrai": astrai_cmd + ["--dtype", str(ASTRAI_DTYPES[precision]).removeprefix("torch.")]}, None
+    if astrai_serve_supports("--quantize"):
+        return {"llamacpp": llama_cmd, "astrai": astrai_cmd + ["--quantize", precision]}, None
+    return {"llamacpp": llama_cmd, "astrai": None}, f"not available: astrai serve has no --quantize {precision}"
+
+
+def alternate_servers(label: str, commands: dict[str, list[str] | None], args, measure) -> dict[str, list[dict]]:
+    """``measure(server)`` on each side's freshly started server, ``args.server_repeats`` rounds, the
+    first side first in even rounds and last in odd ones; a failure is recorded as {"error": ...}."""
+    env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {side: [] for side in commands}
     for r in range(args.server_repeats):
-        for side, cmd in (("llamacpp", llama_cmd), ("astrai", astrai_cmd)):
-            if cmd is None:
+        for side in (list(commands) if r % 2 == 0 else list(reversed(commands))):
+            if commands[side] is None:
                 continue
             port = free_port()
-            cmd = cmd + ["--port", str(port)]
             ready = "/health" if side == "llamacpp" else "/health/ready"
             try:
-                with ServerProcess(cmd, port, ready, env=env, log=logs / f"{side}-{model}-{precision}.log") as server:
-                    run_load(server.base_url, SERVED_NAME, warmup)
-                    result = run_load(server.base_url, SERVED_NAME, requests)
-            except (RuntimeError, OSError) as exc:
-                result = {"error": str(exc)}
+                with ServerProcess(commands[side] + ["--port", str(port)], port, ready, env=env,
+                                   log=logs / f"{label.replace(' ', '-')}-{side}.log") as server:
+                    result = measure(server)
+            except (RuntimeError, OSError, httpx.HTTPError) as exc:
+                result = {"error": f"{type(exc).__name__}: {exc}"}
             runs[side].append(result)
             if "error" in result:
-                print(f"[server {model} {precision}] {side}: {result['error']}", flush=True)
+                print(f"[{label}] {side}: {result['error']}", flush=True)
             else:
-                print(f"[server {model} {precision}] {side}: {result['output_tok_s']:.1f} output tok/s, TTFT p50 "
-                      f"{result['ttft_p50_s']:.2f} s, p95 {result['ttft_p95_s']:.2f} s", flush=True)
+                print(f"[{label}] {side}: {result['output_tok_s']:.1f} output tok/s, TTFT p50 "
+                      f"{result['ttft_p50_s']:.2f} s, p95 {result['ttft_p95_s']:.2f} s"
+                      + (f", RSS {result['vm_rss_bytes'] / 1e9:.2f} GB (peak {result['vm_hwm_bytes'] / 1e9:.2f})"
+                         if "vm_rss_bytes" in result else ""), flush=True)
+    return runs
+
+
+def median_runs(results: list[dict], keys: tuple[str, ...]):
+    """Each of ``keys``' median over the runs that worked, beside all the runs (the runs alone when none did)."""
+    good = [r for r in results if "error" not in r]
+    return results if not good else {**{k: statistics.median(r[k] for r in good) for k in keys}, "runs": results}
+
+
+def warmup_requests() -> list[tuple[list[int], int]]:
+    return mixed_requests(2, PROMPT_VOCAB, (16, 32), (4, 4), seed=8)
+
+
+def run_server(model: str, precision: str, llamacpp, args) -> dict:
+    """The load test against llama-server and astrai serve, alternated ``server_repeats`` times."""
+    requests = mixed_requests(args.server_requests, PROMPT_VOCAB, (16, 256), (32, 128), seed=7)
+    commands, astrai_note = server_commands(model, precision, llamacpp, args, args.server_slots * (256 + 128 + 64),
+                                            [], ["--max-seq-len", "512"])
+    out = {"model": model, "precision": precision, "gguf_type": GGUF_TYPES[precision], "slots": args.server_slots,
+           "requests": len(requests), "output_tokens": sum(n for _, n in requests),
+           "llama_server_command": commands["llamacpp"][1:],
+           "astrai_serve_command": commands["astrai"] and commands["astrai"][1:]}
+
+    def measure(server: ServerProcess) -> dict:
+        run_load(server.base_url, SERVED_NAME, warmup_requests())
+        return run_load(server.base_url, SERVED_NAME, requests)
+
+    runs = alternate_servers(f"server {model} {precision}", commands, args, measure)
     for side, results in runs.items():
-        good = [r for r in results if "error" not in r]
-        out[side] = results if not good else {
-            "output_tok_s": statistics.median(r["output_tok_s"] for r in good),
-            "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in good),
-            "ttft_p95_s": statistics.median(r["ttft_p95_s"] for r in good), "runs": results}
+        out[side] = median_runs(results, ("output_tok_s", "ttft_p50_s", "ttft_p95_s"))
+    if astrai_note:
+        out["astrai"] = astrai_note
     if isinstance(out.get("astrai"), dict) and isinstance(out.get("llamacpp"), dict):
         out["ratio"] = out["astrai"]["output_tok_s"] / out["llamacpp"]["output_tok_s"]
         print(f"[server {model} {precision}] astrai / llama-server: {out['ratio']:.2f}x output tok/s", flush=True)
     return out
 
 
-def print_table(pairs: list[dict], servers: list[dict]) -> None:
+def run_chat(model: str, precision: str, llamacpp, args) -> dict:
+    """The chat workload (bench/chat_workload.py) against astrai serve and llama-server with equal KV
+    capacity (``server_slots`` x ``chat_slot_tokens`` tokens) and KV precision, alternated
+    ``server_repeats`` times; the servers' resident memory is read after each run."""
+    model_dir = ensure_hf(model)
+    conversations = build_conversations(AutoTokenizer.from_pretrained(model_dir), args.chat_users, args.chat_turns,
+                                        args.chat_slot_tokens, CHAT_NEW_TOKENS, seed=CHAT_SEED)
+    capacity = args.server_slots * args.chat_slot_tokens
+    kv_dtype = args.chat_kv_cache_dtype
+    cache_type = LLAMA_CACHE_TYPES[kv_dtype]
+    commands, astrai_note = server_commands(
+        model, precision, llamacpp, args, capacity, ["-ctk", cache_type, "-ctv", cache_type],
+        ["--max-seq-len", str(args.chat_slot_tokens), "--page-size", str(CHAT_PAGE_SIZE),
+         "--num-pages", str(capacity // CHAT_PAGE_SIZE), "--kv-cache-dtype", kv_dtype])
+    out = {"model": model, "precision": precision, "gguf_type": GGUF_TYPES[precision], "users": args.chat_users,
+           "turns": args.chat_turns, "new_tokens": CHAT_NEW_TOKENS, "slots": args.server_slots,
+           "slot_tokens": args.chat_slot_tokens, "kv_capacity_tokens": capacity, "kv_cache_dtype": kv_dtype,
+           "llamacpp_cache_type": cache_type, "seed": CHAT_SEED,
+           "prompt_tokens_by_turn": [[len(prompts[k]) for prompts in conversations] for k in range(args.chat_turns)],
+           "llama_server_command": commands["llamacpp"][1:],
+           "astrai_serve_command": commands["astrai"] and commands["astrai"][1:]}
+
+    def measure(server: ServerProcess) -> dict:
+        run_load(server.base_url, SERVED_NAME, warmup_requests())
+        return run_conversations(server.base_url, SERVED_NAME, conversations, CHAT_NEW_TOKENS) | resident_memory(server.process.pid)
+
+    label = f"chat {model} {precision}"
+    runs = alternate_servers(label, {"astrai": commands["astrai"], "llamacpp": commands["llamacpp"]}, args, measure)
+    for side, results in runs.items():
+        out[side] = median_runs(results, CHAT_FIGURES)
+    if astrai_note:
+        out["astrai"] = astrai_note
+    if isinstance(out.get("astrai"), dict) and isinstance(out.get("llamacpp"), dict):
+        for key, name in zip(CHAT_FIGURES, ("ratio", "ttft_p50_ratio", "ttft_p95_ratio", "rss_ratio", "peak_rss_ratio")):
+            out[name] = out["astrai"][key] / out["llamacpp"][key]
+        print(f"[{label}] astrai / llama-server: {out['ratio']:.2f}x output tok/s, TTFT p95 {out['ttft_p95_ratio']:.2f}x, "
+              f"RSS {out['rss_ratio']:.2f}x", flush=True)
+    return out
+
+
+def print_table(pairs: list[dict], servers: list[dict], chats: list[dict]) -> None:
     """The ratios of the whole benchmark run (astrai / llama.cpp, medians), one line per pair."""
     def ratio(row: dict, key: str) -> str:
         return f"{row[key]:.2f}x" if key in row else "-"
@@ -428,27 +511,45 @@ def print_table(pairs: list[dict], servers: list[dict]) -> None:
             print(f"{p['model']} {p['precision']} decode, astrai / transformers: {p['vs_transformers_ratio']:.2f}x")
     for s in servers:
         print(f"server {s['model']} {s['precision']}, astrai / llama-server output tok/s: {ratio(s, 'ratio')}")
+    for c in chats:
+        line = (f"chat {c['model']} {c['precision']} ({c['users']} users x {c['turns']} turns, KV {c['kv_capacity_tokens']} "
+                f"tokens {c['kv_cache_dtype']}), astrai / llama-server: output tok/s {ratio(c, 'ratio')}")
+        if "ratio" in c:
+            a, b = c["astrai"], c["llamacpp"]
+            line += (f", TTFT p50 {a['ttft_p50_s']:.2f}/{b['ttft_p50_s']:.2f} s, p95 {a['ttft_p95_s']:.2f}/"
+                     f"{b['ttft_p95_s']:.2f} s, RSS {a['vm_rss_bytes'] / 1e9:.2f}/{b['vm_rss_bytes'] / 1e9:.2f} GB "
+                     f"(peak {a['vm_hwm_bytes'] / 1e9:.2f}/{b['vm_hwm_bytes'] / 1e9:.2f})")
+        print(line)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--precisions", default=",".join(GGUF_TYPES))
-    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"of {','.join(PARTS)}")
     parser.add_argument("--repeats", type=int, default=None,
                         help="alternating rounds per pair (default 3 on SmolLM2, 1 on the 1B model; --quick: 1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=None, help="decode length (default 128; --quick 32)")
     parser.add_argument("--prefill-tokens", type=int, default=None, help="prefill length (default 512; --quick 128)")
-    parser.add_argument("--server-precisions", default="fp32", help="precisions of the server part (SmolLM2 only)")
+    parser.add_argument("--server-precisions", default="fp32",
+                        help="precisions of the server and chat parts (SmolLM2 only)")
     parser.add_argument("--depths", default=None,
                         help="context lengths already cached before the depth part's decode (llama-bench -d); "
                              "given alone, it runs the depth part only (default 512,2048,4096,8000)")
-    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=LLAMA_CACHE_TYPES, default="float32",
-                        help="both systems' KV cache in the depth part (llama.cpp's -ctk/-ctv of the same width)")
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=LLAMA_CACHE_TYPES, default=None,
+                        help="both systems' KV cache in the depth and chat parts, llama.cpp's -ctk/-ctv of the same "
+                             "width (default: float32 in depth; float16, llama.cpp's default, in chat)")
     parser.add_argument("--server-requests", type=int, default=None, help="default 64 (--quick 16)")
     parser.add_argument("--server-slots", type=int, default=16, help="llama-server -np and astrai --max-batch-size")
-    parser.add_argument("--server-repeats", type=int, default=1)
+    parser.add_argument("--server-repeats", type=int, default=1,
+                        help="rounds of the server and chat parts (each round starts both servers afresh; "
+                             "odd rounds start with the other one)")
+    parser.add_argument("--chat-users", type=int, default=None, help="conversations at once (default 16; --quick 4)")
+    parser.add_argument("--chat-turns", type=int, default=None, help="turns per conversation (default 6; --quick 3)")
+    parser.add_argument("--chat-slot-tokens", type=int, default=4096,
+                        help="context per slot (llama-server -c is --server-slots times it); a conversation's last "
+                             "turn holds half to all of it less the 64-token reply")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' decode on SmolLM2 fp32")
     parser.add_argument("--quick", action="store_true", help="one round, shorter runs (a smoke run, not a result)")
     parser.add_argument("--log-dir", default=str(Path.home() / ".cache" / "astrai" / "bench-logs"),
@@ -470,12 +571,20 @@ def parse_args() -> argparse.Namespace:
     args.new_tokens = args.new_tokens or (32 if args.quick else 128)
     args.prefill_tokens = args.prefill_tokens or (128 if args.quick else 512)
     args.server_requests = args.server_requests or (16 if args.quick else 64)
+    args.chat_users = args.chat_users or (4 if args.quick else 16)
+    args.chat_turns = args.chat_turns or (3 if args.quick else 6)
+    args.chat_kv_cache_dtype = args.kv_cache_dtype or "float16"
+    args.kv_cache_dtype = args.kv_cache_dtype or "float32"
     if args.quick:
         args.repeats = args.repeats or 1
-    for name in ("repeats", "threads", "new_tokens", "prefill_tokens", "server_requests", "server_slots", "server_repeats"):
+    for name in ("repeats", "threads", "new_tokens", "prefill_tokens", "server_requests", "server_slots", "server_repeats",
+                 "chat_users", "chat_turns"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.chat_slot_tokens % CHAT_PAGE_SIZE or args.chat_slot_tokens < 4 * CHAT_NEW_TOKENS:
+        parser.error(f"--chat-slot-tokens must be a multiple of {CHAT_PAGE_SIZE} (astrai's page) and at least "
+                     f"{4 * CHAT_NEW_TOKENS}, got {args.chat_slot_tokens}")
     return args
 
 
@@ -486,12 +595,13 @@ def main() -> None:
     llamacpp = locate_llamacpp(Path(args.llamacpp_bin)) if args.llamacpp_bin else build_llamacpp()
     for model in args.models:  # make everything first, so no conversion lands inside the measured run
         ensure_hf(model)
-        for precision in set(args.precisions) | (set(args.server_precisions) if "server" in args.parts else set()):
+        single = set(args.precisions) if args.parts & {"decode", "prefill", "depth"} else set()
+        for precision in single | (set(args.server_precisions) if args.parts & {"server", "chat"} else set()):
             ensure_gguf(model, GGUF_TYPES[precision], llamacpp)
     started = time.perf_counter()
     bandwidths = [read_bandwidth(args.threads)]
     print(f"streaming-read bandwidth ({args.threads} threads): {bandwidths[0] / 1e9:.1f} GB/s", flush=True)
-    pairs, servers, depths = [], [], []
+    pairs, servers, depths, chats = [], [], [], []
     for model in args.models:
         saved_repeats = args.repeats
         if args.repeats is None:
@@ -504,14 +614,17 @@ def main() -> None:
         args.repeats = saved_repeats
         if "server" in args.parts and model == "smollm2":
             servers += [run_server(model, precision, llamacpp, args) for precision in args.server_precisions]
+        if "chat" in args.parts and model == "smollm2":
+            chats += [run_chat(model, precision, llamacpp, args) for precision in args.server_precisions]
     bandwidths.append(read_bandwidth(args.threads))
     print(f"streaming-read bandwidth after the run: {bandwidths[1] / 1e9:.1f} GB/s", flush=True)
-    print_table(pairs, servers)
+    print_table(pairs, servers, chats)
     results = {"threads": args.threads, "quick": args.quick, "new_tokens": args.new_tokens,
                "prompt_tokens": PROMPT_TOKENS, "prefill_tokens": args.prefill_tokens,
                "read_bandwidth_gb_s": [b / 1e9 for b in bandwidths],
                "bound_note": "bound_tok_s = streaming-read bandwidth before the run / weight_bytes_per_token",
-               "seconds": time.perf_counter() - started, "pairs": pairs, "server": servers, "depths": depths}
+               "seconds": time.perf_counter() - started, "pairs": pairs, "server": servers, "depths": depths,
+               "chat": chats}
     write_result("vs_llamacpp-quick" if args.quick else "vs_llamacpp", results, args.out)
 
 
