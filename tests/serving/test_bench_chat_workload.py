@@ -54,8 +54,29 @@ def test_a_turn_asks_several_bundled_questions_and_the_history_keeps_their_bundl
     assert bundled_exchanges()[0] == ("3+1=", "4")  # by default they come from data/sft/train.jsonl
 
 
+class LongNewlines:
+    """A character-level tokenizer whose newline is ten tokens: joined questions take more tokens than
+    the builder's estimate (a question's tokens and one for its newline) counts."""
+
+    def encode(self, text):
+        return [self.encode(t) for t in text] if isinstance(text, list) else [ord(c) for c in text.replace("\n", "\n" * 10)]
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+
+def test_prompts_fit_the_slot_where_the_tokenizer_outgrows_the_estimate():
+    exchanges = [("q" * 20, "a" * 20)] * 10
+    for user in build_conversations(LongNewlines(), users=2, turns=3, slot_tokens=SLOT, new_tokens=NEW,
+                                    last_turn_tokens=(SLOT - NEW, SLOT - NEW), exchanges=exchanges):
+        assert SLOT - NEW - 40 <= len(user[-1]) <= SLOT - NEW, [len(p) for p in user]
+
+
 def test_a_slot_too_small_for_the_history_is_refused_clearly(tokenizer):
-    with pytest.raises(ConfigError, match="slot"):
+    with pytest.raises(ConfigError, match="history alone needs"):
+        build_conversations(tokenizer, users=1, turns=2, slot_tokens=64, new_tokens=NEW,
+                            exchanges=[("a question", "a long answer " * 30)])
+    with pytest.raises(ConfigError, match="slot less the reply"):
         build_conversations(tokenizer, users=1, turns=2, slot_tokens=64, new_tokens=NEW, last_turn_tokens=(64, 64))
 
 
