@@ -499,8 +499,16 @@ def print_table(pairs: list[dict], servers: list[dict], chats: list[dict]) -> No
     def fraction(row: dict, key: str) -> str:
         return f"{row[key]['fraction_of_bound']:.2f}" if row.get(key) else "-"
 
-    print(f"\n{'model':<8} {'precision':<9} {'decode':>7} {'repack 0':>8} {'prefill':>7} {'repack 0':>8} "
-          f"{'of bound: astrai':>16} {'llama.cpp':>9}")
+    def failed(side) -> str:  # a side's note, its runs' errors (none worked), or "ran" (the other side failed)
+        return side if isinstance(side, str) else "; ".join(r["error"] for r in side) if isinstance(side, list) else "ran"
+
+    def both(row: dict, key: str, scale: float = 1.0, digits: int = 2) -> str:
+        return f"{row['astrai'][key] / scale:.{digits}f}/{row['llamacpp'][key] / scale:.{digits}f}"
+
+    print()
+    if pairs:
+        print(f"{'model':<8} {'precision':<9} {'decode':>7} {'repack 0':>8} {'prefill':>7} {'repack 0':>8} "
+              f"{'of bound: astrai':>16} {'llama.cpp':>9}")
     for p in pairs:
         print(f"{p['model']:<8} {p['precision']:<9} {ratio(p, 'decode_ratio'):>7} {ratio(p, 'decode_ratio_repack0'):>8} "
               f"{ratio(p, 'prefill_ratio'):>7} {ratio(p, 'prefill_ratio_repack0'):>8} "
@@ -511,15 +519,19 @@ def print_table(pairs: list[dict], servers: list[dict], chats: list[dict]) -> No
             print(f"{p['model']} {p['precision']} decode, astrai / transformers: {p['vs_transformers_ratio']:.2f}x")
     for s in servers:
         print(f"server {s['model']} {s['precision']}, astrai / llama-server output tok/s: {ratio(s, 'ratio')}")
+    if chats:
+        first = chats[0]
+        print(("\n" if pairs or servers else "") + f"chat on {first['model']}: {first['users']} users x {first['turns']} turns, KV cache "
+              f"{first['kv_capacity_tokens']} tokens {first['kv_cache_dtype']} on both; astrai/llama-server")
+        print(f"{'precision':<9} {'output tok/s':>13} {'ratio':>6} {'TTFT p50 s':>11} {'TTFT p95 s':>11} "
+              f"{'RSS GB':>11} {'peak RSS GB':>11} {'RSS ratio':>9}")
     for c in chats:
-        line = (f"chat {c['model']} {c['precision']} ({c['users']} users x {c['turns']} turns, KV {c['kv_capacity_tokens']} "
-                f"tokens {c['kv_cache_dtype']}), astrai / llama-server: output tok/s {ratio(c, 'ratio')}")
-        if "ratio" in c:
-            a, b = c["astrai"], c["llamacpp"]
-            line += (f", TTFT p50 {a['ttft_p50_s']:.2f}/{b['ttft_p50_s']:.2f} s, p95 {a['ttft_p95_s']:.2f}/"
-                     f"{b['ttft_p95_s']:.2f} s, RSS {a['vm_rss_bytes'] / 1e9:.2f}/{b['vm_rss_bytes'] / 1e9:.2f} GB "
-                     f"(peak {a['vm_hwm_bytes'] / 1e9:.2f}/{b['vm_hwm_bytes'] / 1e9:.2f})")
-        print(line)
+        if "ratio" not in c:
+            print(f"{c['precision']:<9} astrai: {failed(c['astrai'])}; llama-server: {failed(c['llamacpp'])}")
+            continue
+        print(f"{c['precision']:<9} {both(c, 'output_tok_s', digits=1):>13} {ratio(c, 'ratio'):>6} "
+              f"{both(c, 'ttft_p50_s'):>11} {both(c, 'ttft_p95_s'):>11} {both(c, 'vm_rss_bytes', 1e9):>11} "
+              f"{both(c, 'vm_hwm_bytes', 1e9):>11} {ratio(c, 'rss_ratio'):>9}")
 
 
 def parse_args() -> argparse.Namespace:
