@@ -45,16 +45,17 @@ batched matmuls, one-row matmuls the split and typed weights are dequantized for
 matmul (a warning says so once; the engine's ``decode_paths`` statistic shows it).
 
 Instruction-set levels. On x86-64 the library is built for one of ``LEVELS``: ``portable``
-(the generic target, plain C loops), ``avx2`` (x86-64-v3: AVX2, FMA, F16C; the dequantizing
-and integer matmuls widen blocks with intrinsics and sum int4 x int8 products with
-maddubs), ``avx512`` (x86-64-v4: sixteen-lane loops for several rows of int8 and fp32
-weights) and ``avx512_vnni`` (x86-64-v4 with AVX512-VNNI: each group of four int4 x int8
-products summed by one ``vpdpbusd``, the same integer sums, so the same outputs as
-``avx2``). Each is built into its own library, tuned for this CPU (``-mtune=native``), and
-the process loads the highest level whose flags /proc/cpuinfo reports (``kernel_isa()``
-names it). ``ASTRAI_KERNEL_ISA=<level>`` forces a level, and one the CPU cannot run is
-refused naming the flags it lacks; ``ASTRAI_PORTABLE_KERNELS=1`` is ``portable``, forced.
-Other CPUs have two levels: ``portable`` and ``native`` (``-march=native``, the default).
+(the generic target, plain C loops), ``avx2`` (x86-64-v3's features: AVX2, FMA, F16C; the
+dequantizing and integer matmuls widen blocks with intrinsics and sum int4 x int8 products
+with maddubs), ``avx512`` (x86-64-v4's: sixteen-lane loops for several rows of int8 and fp32
+weights) and ``avx512_vnni`` (x86-64-v4's with AVX512-VNNI: each group of four int4 x int8
+products summed by one ``vpdpbusd``, the same integer sums, so the same outputs as ``avx2``).
+Each is built into its own library, tuned for this CPU (``-mtune=native``), and the process
+loads the highest level whose flags /proc/cpuinfo reports (``kernel_isa()`` names it), or,
+where the compiler cannot build that one, the next lower that it can.
+``ASTRAI_KERNEL_ISA=<level>`` forces a level, and one the CPU cannot run is refused naming
+the flags it lacks; ``ASTRAI_PORTABLE_KERNELS=1`` is ``portable``, forced. Other CPUs have
+two levels: ``portable`` and ``native`` (``-march=native``, the default).
 ``level_library`` loads another level beside the served one, as its own handle: the tests
 compare every level's kernels with the portable level's that way.
 """
@@ -108,12 +109,23 @@ class KernelLevel:
 X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
 X86_64_V3 = X86_64_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 X86_64_V4 = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# the compiler's option for each of them: -march=x86-64-v3/-v4 spelled out, for compilers
+# older than those names (GCC 11, Clang 12)
+OPTIONS = {"cx16": "-mcx16", "lahf_lm": "-msahf", "popcnt": "-mpopcnt", "pni": "-msse3", "ssse3": "-mssse3",
+           "sse4_1": "-msse4.1", "sse4_2": "-msse4.2", "avx": "-mavx", "avx2": "-mavx2", "bmi1": "-mbmi",
+           "bmi2": "-mbmi2", "f16c": "-mf16c", "fma": "-mfma", "abm": "-mlzcnt", "movbe": "-mmovbe",
+           "xsave": "-mxsave", "avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512cd": "-mavx512cd",
+           "avx512dq": "-mavx512dq", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni"}
+
+
+def _x86_level(name: str, needs: frozenset[str]) -> KernelLevel:
+    """A level built for exactly the features it needs, tuned for the CPU at hand."""
+    return KernelLevel(name, (*sorted(OPTIONS[flag] for flag in needs), "-mtune=native"), needs)
+
+
 PORTABLE = KernelLevel("portable", ("-DASTRAI_PORTABLE",))
-LEVELS = (PORTABLE,
-          KernelLevel("avx2", ("-march=x86-64-v3", "-mtune=native"), X86_64_V3),
-          KernelLevel("avx512", ("-march=x86-64-v4", "-mtune=native"), X86_64_V4),
-          KernelLevel("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"),
-                      X86_64_V4 | {"avx512_vnni"}))  # lowest first
+LEVELS = (PORTABLE, _x86_level("avx2", X86_64_V3), _x86_level("avx512", X86_64_V4),
+          _x86_level("avx512_vnni", X86_64_V4 | {"avx512_vnni"}))  # lowest first
 OTHER_LEVELS = (PORTABLE, KernelLevel("native", ("-march=native",)))  # CPUs other than x86-64
 
 
@@ -124,6 +136,11 @@ def portable_forced() -> bool:
 
 def _levels() -> tuple[KernelLevel, ...]:
     return LEVELS if platform.machine().lower() in ("x86_64", "amd64") else OTHER_LEVELS
+
+
+def _forced() -> str:
+    """The level's name the environment forces, or ''."""
+    return os.environ.get("ASTRAI_KERNEL_ISA", "") or ("portable" if portable_forced() else "")
 
 
 def runnable_levels() -> tuple[KernelLevel, ...]:
@@ -137,7 +154,7 @@ def selected_level() -> KernelLevel:
     forces, else the highest this CPU runs. A forced level unknown here, or needing a flag this
     CPU does not report, is a ConfigError naming what is missing and the levels it can run."""
     runnable = runnable_levels()
-    forced = os.environ.get("ASTRAI_KERNEL_ISA", "") or ("portable" if portable_forced() else "")
+    forced = _forced()
     if not forced:
         return runnable[-1]
     names = ", ".join(level.name for level in runnable)
@@ -212,7 +229,9 @@ def _prune(newest: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> Optional[ctypes.CDLL]:
-    """The library the process serves with: ``selected_level()``'s build."""
+    """The library the process serves with: ``selected_level()``'s build or, where that level was
+    chosen (not forced) and does not build (a compiler lacking one of its options), the highest
+    lower level that does."""
     if os.environ.get("ASTRAI_NATIVE_KERNELS", "1") == "0":
         return None
     level = selected_level()
@@ -220,11 +239,19 @@ def _library() -> Optional[ctypes.CDLL]:
     if compiler is None:
         logger.warning("no C compiler found: decode attention and one-row matmuls keep PyTorch's ops (slower)")
         return None
-    try:
-        return _load(compiler, level)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("could not build astrai's decode kernels (%s); keeping PyTorch's ops", exc)
-        return None
+    failures = []
+    for candidate in [level] if _forced() else reversed(runnable_levels()):
+        try:
+            library = _load(compiler, candidate)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            failures.append(f"{candidate.name}: {exc}")
+            continue
+        if failures:
+            logger.warning("could not build astrai's kernels for %s; serving with the %s level",
+                           "; ".join(failures), candidate.name)
+        return library
+    logger.warning("could not build astrai's decode kernels (%s); keeping PyTorch's ops", "; ".join(failures))
+    return None
 
 
 def _compiler() -> Optional[str]:

@@ -101,6 +101,25 @@ def test_the_forced_level_is_the_one_loaded(monkeypatch, libraries, forced):
         assert FEATURES[name] is None or kernels.kernel_features(library) == FEATURES[name]
 
 
+def test_a_chosen_level_that_does_not_build_gives_way_to_the_next_lower(monkeypatch, caplog):
+    """A compiler without an option of the highest level (as an old one lacks -mavx512vnni):
+    the next lower level serves, with a warning; a forced level never gives way."""
+    _on_cpu(monkeypatch, EVERYTHING)
+    build = kernels._build
+
+    def without_vnni(compiler, level):
+        if "-mavx512vnni" in level.target:
+            raise RuntimeError("cc: error: unrecognized command-line option '-mavx512vnni'")
+        return build(compiler, level)
+
+    monkeypatch.setattr(kernels, "_build", without_vnni)
+    with caplog.at_level("WARNING", logger="astrai.backends.cpu.kernels"):
+        assert kernels._library.__wrapped__().level == "avx512"
+    assert "-mavx512vnni" in caplog.text and "serving with the avx512 level" in caplog.text
+    monkeypatch.setenv("ASTRAI_KERNEL_ISA", "avx512_vnni")
+    assert kernels._library.__wrapped__() is None
+
+
 def _int4_outputs(on_level, name):
     """Every int4 entry point's outputs on odd shapes under level ``name``."""
     on_level(name)
