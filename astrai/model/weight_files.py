@@ -70,6 +70,48 @@ def build_and_load(model_cls, config: ModelConfig, state: dict[str, torch.Tensor
     return model.to(device)
 
 
+def file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of files mapped into this process (Linux's /proc/self/maps; none elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):  # an inode and a path: a file
+            low, high = fields[0].split("-")
+            ranges.append((int(low, 16), int(high, 16)))
+    return ranges
+
+
+def release_weight_file(model: nn.Module) -> int:
+    """Copy ``model``'s parameters and buffers that still view a mapped file (the weights
+    ``build_and_load`` assigns without a copy) into memory of their own; the bytes copied.
+
+    A mapping stays while any tensor views it, with every page read while loading resident:
+    once serving has quantized, cast or re-laid the linears, the norms and the embedding alone
+    would keep the whole file in memory beside the converted weights. Shared tensors (a tied
+    head) stay shared."""
+    ranges = file_mappings()
+    copies: dict[int, torch.Tensor] = {}
+    copied = 0
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or tensor.device.type != "cpu":
+                    continue
+                address = tensor.untyped_storage().data_ptr()
+                if not any(low <= address < high for low, high in ranges):
+                    continue
+                if id(tensor) not in copies:
+                    own = tensor.detach().clone()
+                    copies[id(tensor)] = nn.Parameter(own, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else own
+                    copied += tensor.nbytes
+                table[name] = copies[id(tensor)]
+    return copied
+
+
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int, metadata: dict[str, str]) -> None:
     """``model.safetensors``, or numbered shards plus an index once the tensors exceed ``max_shard_bytes``.
 

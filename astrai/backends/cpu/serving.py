@@ -60,6 +60,7 @@ from astrai.model.components.attention import GQA, MLA
 from astrai.model.components.ffn import MLP
 from astrai.model.components.layers import Linear
 from astrai.model.quantized import QuantizedLinear, dequantize_weight
+from astrai.model.weight_files import release_weight_file
 
 SPLIT_MAX_ROWS = 64  # matmuls of at most this many rows are split in two (see serving_linear)
 SERVED_DTYPES = (torch.float32, torch.bfloat16)
@@ -353,7 +354,7 @@ SERVING_CLASSES = {GQA: ServingGQA, MLA: ServingMLA, MLP: ServingMLP}
 def prepare_for_serving(model: nn.Module) -> None:
     """Re-lay and re-class ``model``'s fp32, bf16 and quantized CPU linears for serving (see the
     module's docstring). The model must be the runner's own: its modules change class and its
-    weights' memory moves."""
+    weights' memory moves, off the weight file's mapping too (``release_weight_file``)."""
     with torch.no_grad():
         for module in model.modules():  # a copy taken mid-training: back to the model's own class
             if type(module) is OneDnnLinear:
@@ -368,6 +369,7 @@ def prepare_for_serving(model: nn.Module) -> None:
                 module.joint = JointMatmul(group, stacked)
                 _pack_now(module.joint.packed)
         laid: set[int] = set()
+        relaid: list[nn.Module] = []
         for module in model.modules():
             if type(module) is QuantizedLinear and module.qweight.device.type == "cpu":
                 module.__class__ = ServingQuantizedLinear
@@ -383,8 +385,11 @@ def prepare_for_serving(model: nn.Module) -> None:
                 weight.data = moved
             laid.add(id(weight))
             module.__class__ = ServingLinear
-            if onednn_available() and weight.dtype == torch.float32:
-                module.packed = PackedWeight(weight, [weight])
+            relaid.append(module)
+        release_weight_file(model)  # before packing: a pack keeps the tensor it was made from
+        for module in relaid:
+            if onednn_available() and module.weight.dtype == torch.float32:
+                module.packed = PackedWeight(module.weight, [module.weight])
                 _pack_now(module.packed)
 
 
