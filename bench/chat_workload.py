@@ -28,7 +28,7 @@ from typing import Optional
 import httpx
 
 from astrai.errors import ConfigError
-from serving_load import connection_limits, stream_completion, ttft_percentiles
+from serving_load import stream_completion, ttft_percentiles
 
 BUNDLED_CHATS = Path(__file__).resolve().parent.parent / "data" / "sft" / "train.jsonl"
 # sent to every server: llama-server keeps a slot's cache only when asked; astrai ignores the field
@@ -113,7 +113,10 @@ async def _converse(client: httpx.AsyncClient, url: str, model: str, user: int, 
 
 async def _chat(base_url: str, model: str, conversations: list[list[list[int]]], new_tokens: int,
                 fields: dict) -> list[dict]:
-    async with httpx.AsyncClient(timeout=None, limits=connection_limits(len(conversations))) as client:
+    # a fresh connection per turn: llama-server (cpp-httplib) closes one idle for 5 s, and a turn
+    # that picks such a pooled connection fails with 'Server disconnected without sending a response'
+    limits = httpx.Limits(max_connections=len(conversations), max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         start = time.perf_counter()
         users = await asyncio.gather(*(_converse(client, base_url + "/v1/completions", model, user, prompts,
                                                  new_tokens, start, fields) for user, prompts in enumerate(conversations)))
