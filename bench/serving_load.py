@@ -53,11 +53,6 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
             "completion_tokens": (usage or {}).get("completion_tokens")}
 
 
-def connection_limits(n: int) -> httpx.Limits:
-    """Room for ``n`` streams at once, each keeping its connection between requests."""
-    return httpx.Limits(max_connections=n, max_keepalive_connections=n)
-
-
 def ttft_percentiles(ttfts: list[float]) -> dict:
     """p50 and p95 of times to first token (None where too few to say)."""
     ttfts = sorted(ttfts)
@@ -66,7 +61,8 @@ def ttft_percentiles(ttfts: list[float]) -> dict:
 
 
 async def _run(base_url: str, model: str, requests: list[tuple[list[int], int]]) -> list[dict]:
-    async with httpx.AsyncClient(timeout=None, limits=connection_limits(len(requests))) as client:
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         start = time.perf_counter()
         return await asyncio.gather(*(stream_completion(client, base_url + "/v1/completions", model, p, n, start)
                                       for p, n in requests))
