@@ -56,6 +56,8 @@ class ModelRunner:
     not fit is seen, not silently slow."""
 
     packs_prefill = False  # whether a prefill step's rows go unpadded (its token budget then counts real tokens)
+    # how a decode step's attention may read the contexts; here always gathered from the pages
+    decode_attention_reads: tuple[str, ...] = ("gathered",)
     runs_greedy = False  # whether ``greedy_run`` can take several steps in one call
 
     def __init__(self, model: nn.Module, cache: KVCache, in_place: bool = False):
@@ -64,10 +66,15 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.backend = backend_for(self.device)
         self.decode_paths = dict.fromkeys(self.backend.decode_paths, 0)  # every key present: readers copy it from other threads
+        self.decode_attention = dict.fromkeys(self.decode_attention_reads, 0)
 
     def decode_path_counts(self) -> dict[str, int]:
         """Decode steps so far by the path that ran them (see the class docstring)."""
         return dict(self.decode_paths)
+
+    def decode_attention_counts(self) -> dict[str, int]:
+        """Decode steps so far by how their attention read the contexts (``decode_attention_reads``)."""
+        return dict(self.decode_attention)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Make ``model`` (the runner's own) ready to serve: eval mode."""
@@ -79,6 +86,7 @@ class ModelRunner:
         logits = self.model_forward(rows)
         if all(len(r.tokens) == 1 for r in rows):
             self.decode_paths[PLAIN_DECODE_PATH] += 1
+            self.decode_attention["gathered"] += 1
         return logits, None
 
     def model_forward(self, rows: Sequence[Row]) -> torch.Tensor:

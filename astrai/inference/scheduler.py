@@ -231,6 +231,7 @@ class InferenceScheduler:
                 "preemptions": s["preemptions"],
                 "output_tokens": s["output_tokens"],
                 "decode_paths": self._runner.decode_path_counts(),
+                "decode_attention": self._runner.decode_attention_counts(),
                 "sample_paths": dict(self._executor.sample_paths),
                 **({"speculative": self._speculation.stats()} if self._speculation is not None else {}),
             }

@@ -11,6 +11,9 @@ answer it as the plain ``KvcacheView`` does, only through other kernels where th
 - ``DecodeView`` (decode steps over ``DecodeBuffers``): each row's context is already
   dense and heads-first, so one query per row attends through the C kernel, which reads
   each row's own length only, or else through two batched matmuls over the buffers.
+- ``PagedDecodeView`` (decode steps whose contexts outgrow the decode buffers' budget: many
+  long rows): the C kernel reads each row's K/V where they lie in the page store, through
+  the row's page list, so a step copies nothing however long its contexts are.
 
 MLA layers pass ``expand`` and keep the plain path: what they cache is a latent that must
 be expanded to K/V before any of these paths could read it.
@@ -23,7 +26,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from astrai.backends.cpu.decode_buffers import DecodeBuffers
-from astrai.backends.cpu.kernels import decode_attention, kernels_available, kv_kind
+from astrai.backends.cpu.kernels import (attention_workspace, decode_attention, kernels_available, kv_kind,
+                                        paged_decode_attention)
 from astrai.inference.cache import KvcacheView, Storage
 from astrai.model.components.attention import attend
 
@@ -143,6 +147,47 @@ class DecodeView(KvcacheView):
         if q.dtype == torch.float32 and kernels_available() and kv_kind(k.dtype) is not None:
             return decode_attention(q.contiguous(), k, v, self.context_lens, q.shape[-1] ** -0.5, lengths_checked=True)
         return attend_one_query(q, k.to(q.dtype), v.to(q.dtype), self.attn_mask)  # a 16-bit cache widened
+
+
+class PagedDecodeView(KvcacheView):
+    """The view of a decode step (one new token per row) whose attention reads the page store
+    in place (``paged_decode_attention``). ``pages[b]`` are row b's pages; a row whose pages do
+    not cover its context (a task aborted meanwhile) reads and writes the sink page instead,
+    whose values are finite, and its result is discarded. Only for K/V layers (not MLA's
+    latent) in a dtype the kernels read, with the kernels built: ``usable`` says."""
+
+    def __init__(self, storage: Storage, pages: Sequence[Sequence[int]], start: Sequence[int]):
+        self._storage = storage
+        device, ps, sink = storage.device, storage.page_size, storage.sink_page
+        B = len(start)
+        self._batch, self._total_len = B, max(start) + 1
+        width = -(-self._total_len // ps)
+        table = [list(p[:width]) if len(p) * ps > s else [] for p, s in zip(pages, start)]
+        self._pages = torch.tensor([p + [sink] * (width - len(p)) for p in table], dtype=torch.long, device=device)
+        self._write_slots = self._pages[torch.arange(B), torch.tensor(start) // ps] * ps + torch.tensor(start) % ps
+        self.position_ids = torch.tensor(start, device=device).unsqueeze(1)
+        self.context_lens = self.position_ids.view(B) + 1
+        self.attn_mask = None
+        self._workspace = None  # made by the first layer, reused by the others
+
+    @staticmethod
+    def usable(storage: Storage) -> bool:
+        return kernels_available() and kv_kind(storage.k_cache.dtype) is not None
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               expand: Optional[Callable] = None) -> torch.Tensor:
+        if expand is not None:
+            raise ValueError("PagedDecodeView reads K/V layers only, not a latent to expand")
+        st = self._storage
+        st.write(layer_idx, self._write_slots, k, v)
+        if self._workspace is None:
+            heads = q.shape[2]
+            self._workspace = attention_workspace(self._batch, st.k_heads, heads // st.k_heads, st.v_width,
+                                                  self._pages.shape[1] * st.page_size, torch.get_num_threads())
+        out = paged_decode_attention(q.contiguous().float(), st.k_cache[layer_idx], st.v_cache[layer_idx],
+                                     self.context_lens, self._pages, st.page_size, q.shape[-1] ** -0.5,
+                                     workspace=self._workspace)
+        return out.to(q.dtype)
 
 
 def attend_one_query(q, k, v, attn_mask, scale: Optional[float] = None):

@@ -276,8 +276,9 @@ def _load(compiler: str, level: KernelLevel) -> ctypes.CDLL:
     library = ctypes.CDLL(str(_build(compiler, level)))
     library.level = level.name
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.astrai_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64] + [ctypes.c_int] * 2
-    library.astrai_decode_attention_workspace_floats.argtypes = [i64] * 5
+    library.astrai_decode_attention_f32.argtypes = ([ptr] * 6 + [i64] * 11 + [ptr, i64, i64] + [ctypes.c_float, i64, i64]
+                                                    + [ctypes.c_int] * 2)
+    library.astrai_decode_attention_workspace_floats.argtypes = [i64] * 6
     library.astrai_decode_attention_workspace_floats.restype = i64
     library.astrai_kv_kinds.argtypes = []
     library.astrai_kv_kinds.restype = ctypes.c_int
@@ -326,10 +327,14 @@ def kv_kind(dtype: torch.dtype) -> Optional[int]:
     return kind if kind is not None and _library().astrai_kv_kinds() >> kind & 1 else None
 
 
-def attention_workspace(heads: int, group: int, v_width: int, max_len: int, threads: int) -> torch.Tensor:
-    """The zeroed scratch memory native/decode_attention.c takes for up to ``threads`` threads."""
-    return torch.zeros(_library().astrai_decode_attention_workspace_floats(heads, group, v_width, max_len, threads),
-                       dtype=torch.float32)
+def attention_workspace(rows: int, heads: int, group: int, v_width: int, max_len: int, threads: int) -> torch.Tensor:
+    """The scratch memory native/decode_attention.c takes for up to ``rows`` rows of up to
+    ``max_len`` positions on up to ``threads`` threads, its per-row counts zeroed (the kernel
+    leaves them zero, so one workspace serves any number of calls)."""
+    floats = _library().astrai_decode_attention_workspace_floats(rows, heads, group, v_width, max_len, threads)
+    workspace = torch.empty(floats, dtype=torch.float32)
+    workspace[:rows].zero_()
+    return workspace
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
@@ -359,11 +364,49 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     out = torch.empty(B, 1, H, Dv, dtype=q.dtype, device=q.device)
     lens = lens.contiguous()
     threads = torch.get_num_threads()
-    workspace = attention_workspace(Hkv, H // Hkv, Dv, longest, threads)
+    workspace = attention_workspace(B, Hkv, H // Hkv, Dv, longest, threads)
     _library().astrai_decode_attention_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(), workspace.data_ptr(),
         B, Hkv, H // Hkv, D, Dv, k.stride(0), k.stride(2), k.stride(1), v.stride(0), v.stride(2), v.stride(1),
-        scale, longest, kv_kind(k.dtype), threads)
+        None, 0, 0, scale, longest, B, kv_kind(k.dtype), threads)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lens: torch.Tensor,
+                           pages: torch.Tensor, page_size: int, scale: float,
+                           workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one query per row over that row's first ``lens[row]`` positions, read where
+    they lie in a page store: position p of row b is slot ``pages[b, p // page_size] *
+    page_size + p % page_size`` of ``k_store`` [slots, Hkv, D] / ``v_store`` [slots, Hkv, Dv]
+    (one layer of ``Storage``: contiguous, a dtype ``kv_kind`` reads). Nothing is copied or
+    gathered: a long context costs its bytes' reading only.
+
+    q [B, 1, H, D] contiguous fp32; ``lens`` [B] int64, 1 <= lens, and ``pages`` [B, P] int64
+    (rows may share pages) must cover them: the caller (the engine's decode view) builds both
+    from the cache's own page lists, so they are not checked here. Returns [B, 1, H, Dv].
+    ``workspace``: one ``attention_workspace`` for these rows and ``pages``' length, to reuse
+    across a step's layers (made here when None). Call only when ``kernels_available()``."""
+    B, _, H, D = q.shape
+    Hkv, Dv = k_store.shape[1], v_store.shape[2]
+    if not (q.dim() == 4 and q.shape[1] == 1 and q.is_contiguous() and q.dtype == torch.float32
+            and k_store.dim() == v_store.dim() == 3 and k_store.is_contiguous() and v_store.is_contiguous()
+            and k_store.dtype == v_store.dtype and kv_kind(k_store.dtype) is not None and k_store.shape[2] == D
+            and v_store.shape[:2] == k_store.shape[:2] and Hkv > 0 and H % Hkv == 0
+            and lens.shape == (B,) and lens.dtype == torch.int64 and lens.is_contiguous()
+            and pages.dim() == 2 and pages.shape[0] == B and pages.dtype == torch.int64 and pages.stride(1) == 1
+            and page_size > 0):
+        raise ValueError("paged_decode_attention: unsupported layout or dtype")
+    longest = pages.shape[1] * page_size
+    out = torch.empty(B, 1, H, Dv, dtype=q.dtype, device=q.device)
+    threads = torch.get_num_threads()
+    if workspace is None:
+        workspace = attention_workspace(B, Hkv, H // Hkv, Dv, longest, threads)
+    elif workspace.numel() < _library().astrai_decode_attention_workspace_floats(B, Hkv, H // Hkv, Dv, longest, threads):
+        raise ValueError("paged_decode_attention: the workspace is too small for these rows")
+    _library().astrai_decode_attention_f32(
+        q.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), out.data_ptr(), lens.data_ptr(), workspace.data_ptr(),
+        B, Hkv, H // Hkv, D, Dv, 0, D, Hkv * D, 0, Dv, Hkv * Dv,
+        pages.data_ptr(), pages.stride(0), page_size, scale, longest, B, kv_kind(k_store.dtype), threads)
     return out
 
 
@@ -570,7 +613,7 @@ def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, 
             and head.in_features == dim and embedding.dtype == torch.float32 and kv_kind(kv_dtype) is not None):
         raise ValueError("decode_plan: rotary tables, layer table, head, embedding or K/V dtype of the wrong shape")
     head.check()
-    workspace = attention_workspace(kv_heads, heads // kv_heads, head_dim, capacity, threads)
+    workspace = attention_workspace(MAX_VERIFY_TOKENS, kv_heads, heads // kv_heads, head_dim, capacity, threads)
     plan = DecodePlan(embedding.data_ptr(), embedding.stride(0), embedding.stride(1), layers.data_ptr(),
                       layers.shape[0], dim, heads, kv_heads, head_dim, ffn, cos.data_ptr(), sin.data_ptr(),
                       capacity, eps, scale, final_norm.data_ptr(), (ctypes.c_int64 * WEIGHT_VALUES)(*head.pointers()),

@@ -9,7 +9,10 @@ a step of the model's forward is "row_kernels" when every matmul in it ran on th
 "batched" when the others took oneDNN's packed weights or the split, "torch" when any fell
 back to plain torch, per serving.py's tally of kernels). Every step's result is the one the plain runner would give; only
 the kernels differ. The CPU backend registers it for the device kind "cpu" (astrai/backends/cpu/__init__.py),
-with those four path names.
+with those four path names. ``decode_attention_counts`` says how each decode step's attention
+read the contexts: from the decode buffers, from the page store in place when the buffers
+would outgrow their budget (attention.py's PagedDecodeView), or gathered (a model or cache
+dtype the kernels do not take).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView
+from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView, PagedDecodeView
 from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
 from astrai.backends.cpu.dense_matmul import release_slab_buffer
 from astrai.backends.cpu.fused_decode import FusedDecode
@@ -29,6 +32,10 @@ from astrai.inference.runner import GreedyRun, ModelRunner, Row
 
 
 class CpuModelRunner(ModelRunner):
+    # decode attention over the decode buffers (the fused step's too), over the page store in
+    # place (the buffers would outgrow their budget), or over contexts gathered from the pages
+    decode_attention_reads = ("buffers", "pages", "gathered")
+
     def __init__(self, model: nn.Module, cache: KVCache, in_place: bool = False):
         super().__init__(model, cache, in_place)
         self.decode_buffers = DecodeBuffers(cache.storage)
@@ -49,6 +56,7 @@ class CpuModelRunner(ModelRunner):
             fused = None if target is None else self.fused_decode(row.tokens[0], target)
             if fused is not None:
                 self.decode_paths["fused"] += 1
+                self.decode_attention["buffers"] += 1
                 return fused[0], [fused[1]]
         if any(len(r.tokens) != 1 for r in rows):
             return self.model_forward(rows), None
@@ -66,9 +74,14 @@ class CpuModelRunner(ModelRunner):
         if all(n == 1 for n in n_new):
             ids = [r.task_id for r in rows]
             refill = self.decode_buffers.plan(ids, start)
+            pages = [self.cache.task_pages(t) for t in ids]
             if refill is not None:
-                pages = [self.cache.task_pages(t) for t in ids]
+                self.decode_attention["buffers"] += 1
                 return DecodeView(self.cache.storage, table, pages, start, self.decode_buffers, refill)
+            if self.packs_prefill and PagedDecodeView.usable(self.cache.storage):
+                self.decode_attention["pages"] += 1
+                return PagedDecodeView(self.cache.storage, pages, start)
+            self.decode_attention["gathered"] += 1
         return CpuKvcacheView(self.cache.storage, table, start, n_new, packed=self.packs_prefill)
 
     def model_logits(self, view, rows: Sequence[Row]) -> torch.Tensor:
@@ -119,6 +132,7 @@ class CpuModelRunner(ModelRunner):
         tokens = self.fused_decode.greedy_steps(row.tokens[0], target, run.stop_ids, run.max_seconds)
         if tokens is not None:
             self.decode_paths["fused"] += len(tokens)
+            self.decode_attention["buffers"] += len(tokens)
         return tokens
 
     def decode_target(self, task_id: str, pos: int, steps: int = 1) -> Optional[RowTarget]:

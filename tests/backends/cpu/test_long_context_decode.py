@@ -1,8 +1,10 @@
 """Decode after a long context (astrai/backends/cpu/native/decode_attention.c, decode_buffers.py,
-the 16-bit KV cache): the kernel split along the context when fewer rows than threads decode
-equals plain attention, 16-bit K/V are read as their widened values, a long context stays on
-the fast decode paths and gives the tokens of full recomputation through every path, and a
-16-bit cache's logits stay within a stated tolerance of the fp32 cache's."""
+the 16-bit KV cache): the kernel, split along the context among the threads, equals plain
+attention over dense rows and over contexts read in place through page lists; 16-bit K/V are
+read as their widened values; a long context stays on the fast decode paths (past the decode
+buffers' budget its attention reads the page store in place, never a gathered copy) and gives
+the tokens of full recomputation through every path; and a 16-bit cache's logits stay within
+a stated tolerance of the fp32 cache's."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from astrai.backends.cpu import attention
-from astrai.backends.cpu.kernels import decode_attention, kernels_available, kv_kind
+from astrai.backends.cpu.kernels import decode_attention, kernels_available, kv_kind, paged_decode_attention
 from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams
 from inference_helpers import greedy_reference, make_model
@@ -72,13 +74,44 @@ def test_the_kernel_split_along_the_context_equals_attention(two_threads, dtype,
         assert torch.allclose(got, _reference(q, k, v, lens_t, 0.3), atol=2e-5)
 
 
-def test_rows_at_least_threads_keep_whole_pairs(two_threads):
+def test_rows_at_least_threads_split_like_one_row(two_threads):
     torch.manual_seed(1)
     lens = torch.tensor([40, 3, 17])
     k = torch.randn(3, 2, 40, 16).to(torch.bfloat16).transpose(1, 2)
     v = torch.randn(3, 2, 40, 16).to(torch.bfloat16).transpose(1, 2)
     q = torch.randn(3, 1, 4, 16)
     assert torch.allclose(decode_attention(q, k, v, lens, 0.25), _reference(q, k, v, lens, 0.25), atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,width", [(9, 3, 64), (4, 1, 128), (10, 2, 24)])
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_paged_kernel_reads_each_context_where_its_pages_lie(dtype, heads, kv_heads, width, page_size, threads):
+    """Rows whose positions lie on pages scattered over a store (a shared first page, as a
+    prefix cache makes, and pages in no order) attend as plain attention over the same values
+    laid out densely: page boundaries inside a thread's stretch, a last page partly used, a
+    one-token row, and a row's table longer than its context all read the right positions."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lens = [1, 37, 300, page_size]
+        width_pages = -(-max(lens) // page_size) + 1
+        store_pages = 4 * width_pages + 1
+        order = torch.randperm(store_pages - 1)[: 4 * width_pages].view(4, width_pages) + 1
+        order[:, 0] = 0  # every row's first page is the same one
+        k_store = torch.randn(store_pages * page_size, kv_heads, width).to(dtype)
+        v_store = torch.randn(store_pages * page_size, kv_heads, width).to(dtype)
+        q = torch.randn(len(lens), 1, heads, width)
+        positions = torch.arange(width_pages * page_size)
+        slots = order[:, positions // page_size] * page_size + positions % page_size
+        lens_t = torch.tensor(lens)
+        got = paged_decode_attention(q, k_store, v_store, lens_t, order.contiguous(), page_size, 0.2)
+        want = _reference(q, k_store[slots], v_store[slots], lens_t, 0.2)
+        assert torch.allclose(got, want, atol=2e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _engine(model, **settings):
@@ -136,8 +169,25 @@ def test_long_contexts_decode_as_a_batch(long_model, two_threads, kv_cache_dtype
         handles = [engine.submit(p, GREEDY) for p in prompts]
         got = [h.result(timeout=120).token_ids for h in handles]
         paths = engine.get_stats()["decode_paths"]
+        reads = engine.get_stats()["decode_attention"]
     assert got == expected
     assert paths["torch"] == 0 and paths["row_kernels"] + paths["batched"] > 0, paths
+    assert reads["buffers"] == sum(paths.values()) and reads["pages"] == reads["gathered"] == 0, reads
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_long_contexts_past_the_buffers_budget_read_the_pages_in_place(long_model, two_threads, kv_cache_dtype):
+    """With the decode buffers' budget too small for the batch (many long chats), every decode
+    step's attention reads the page store in place: each row still gets its own plain tokens,
+    and no step gathers a copy of the contexts."""
+    model, prompts, expected = long_model
+    with _engine(model, prefill_chunk_size=3 * CONTEXT, kv_cache_dtype=kv_cache_dtype) as engine:
+        engine.scheduler._runner.decode_buffers._budget = 0
+        handles = [engine.submit(p, GREEDY) for p in prompts]
+        got = [h.result(timeout=120).token_ids for h in handles]
+        paths, reads = engine.get_stats()["decode_paths"], engine.get_stats()["decode_attention"]
+    assert got == expected
+    assert reads["pages"] == sum(paths.values()) > 0 and reads["buffers"] == reads["gathered"] == 0, reads
 
 
 def _decode_logprobs(model, prompt, kv_cache_dtype, fused: bool, monkeypatch):

@@ -1,30 +1,31 @@
-/* Decode attention over the engine's decode buffers: one query token per row.
+/* Decode attention: one query token per row, over that row's cached context.
  *
- * For each (row, K/V head) pair the R query heads of the group score every key of
- * the row's own context (positions below lens[row], nothing past it is read), take a
- * softmax, and sum the values. K and V are read once each, straight from the
- * heads-first buffers [rows, heads, capacity, width] through their strides: each key
- * is scored by all R heads while it is loaded (two keys at a time, two independent
- * sums), and each value is added into all R heads' sums while it is loaded.
+ * Each row's query heads score every key of the row's own context (positions below
+ * lens[row], nothing past it is read), take a softmax, and sum the values. A row's
+ * positions lie either densely (the decode buffers [rows, heads, capacity, width], read
+ * through their strides) or in the page store ([slots, heads, width], slot = page *
+ * page_size + offset), through the row's page list (`pages`): nothing is copied or gathered
+ * either way. All K/V heads of a row are read together, since a page holds every head of its
+ * positions side by side; each key is scored by its group's query heads while it is loaded
+ * (two keys at a time, two independent sums), and each value is added into their sums while
+ * it is loaded. Pages may lie anywhere in the store, so the hardware prefetchers' streams
+ * break at each page; software prefetch reads a fixed distance ahead across page boundaries.
  *
  * The cache may hold K/V in fp32, bf16 or fp16 (`kv_kind`): 16-bit values are widened to
  * fp32 as they are loaded (bf16 by a shift; fp16 by the compiler's _Float16 conversion,
  * F16C's vcvtph2ps where the CPU has it), so a long context costs half the bytes to read.
  *
  * Work is shared among the OpenMP threads of PyTorch's own runtime (the library is linked
- * against the libgomp that torch loaded). With at least as many rows as threads, each
- * thread takes whole pairs, dynamically, since rows differ in length. With fewer rows than
- * threads (a single request's decode), whole pairs would leave threads idle or unevenly
- * loaded (SmolLM2's 3 K/V heads on 2 threads: one thread does two thirds), so the context
- * is split instead (flash-decoding): thread t takes the t-th stretch of positions of every
- * pair and keeps that stretch's maximum score, sum of exponentials and unnormalised output;
- * the last thread to finish a pair (an atomic count per pair, no barrier) rescales the
- * stretches to their common maximum and adds them up.
+ * against the libgomp that torch loaded) by splitting every row's context (flash-decoding):
+ * thread t takes the t-th stretch of each row's positions, so threads stay evenly loaded
+ * whatever the rows' count and lengths, and keeps that stretch's maximum score, sum of
+ * exponentials and unnormalised output per head; the last thread to finish a row (an atomic
+ * count per row, no barrier) rescales the stretches to their common maximum and adds them up.
  *
- * `workspace` (astrai_decode_attention_workspace_floats of them, zeroed once by the caller)
- * holds the per-pair counts, each thread's scores [group * max_len] and the stretches'
- * partial results; nothing here can fail to allocate. The counts are reset by the thread
- * that combines, so the workspace stays ready for the next call.
+ * `workspace` (astrai_decode_attention_workspace_floats of them, the counts zeroed once by
+ * the caller) holds the per-row counts, each thread's scores and the stretches' partial
+ * results; nothing here can fail to allocate. The counts are reset by the thread that
+ * combines, so the workspace stays ready for the next call.
  *
  * The common head shapes (width 64 with 1, 2, 3 or 4 heads per group, width 128 with 1 or
  * 2) get copies compiled with those sizes fixed, whose per-head sums stay in registers
@@ -42,7 +43,6 @@
 #endif
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
-enum { SPLIT_MAX_TEAM = 256 };  /* threads at most when the context is split: the counts' room per head */
 
 #if defined(__FLT16_MAX__)
 typedef _Float16 half_t;
@@ -92,49 +92,109 @@ static inline __attribute__((always_inline)) const void *kv_row(const void *base
     return (const char *)base + index * (KIND == KV_F32 ? 4 : 2);
 }
 
-/* Positions [begin, end) of one (row, K/V head) pair: for each of the G heads, the largest
- * score `top`, the sum of exp(score - top) `total` and the unnormalised output `acc` [G][VW].
- * G, W, VW and KIND are compile-time constants in the specialised copies. */
+/* Where position `pos` of a context lies, in K/V vectors from `base` (positions `stride`
+ * elements apart): the context's own position when `pages` is NULL (a dense row), else its
+ * slot in the page store, on page pages[pos / page_size]. `*run` receives how many positions
+ * from `pos` on (at most `left`) follow it contiguously: the rest of its page. */
+static inline __attribute__((always_inline)) const void *kv_position(
+    const void *base, const int64_t *pages, int64_t page_size, int64_t pos, int64_t left, int64_t stride,
+    int64_t *run, const int KIND)
+{
+    if (!pages) { *run = left; return kv_row(base, pos * stride, KIND); }
+    const int64_t page = pos / page_size, offset = pos - page * page_size;
+    *run = page_size - offset < left ? page_size - offset : left;
+    return kv_row(base, (pages[page] * page_size + offset) * stride, KIND);
+}
+
+/* Software prefetch for a paged context: the hardware prefetchers follow a stream, and a
+ * context whose pages lie anywhere in the store is a new stream every page (16 positions by
+ * default), so each position read asks for the one PREFETCH_BYTES further on to be loaded,
+ * looking past the end of the current run into the next one. */
+#define PREFETCH_BYTES 2048
+struct run_ahead { const char *next; int64_t next_run, step, bytes, distance; };
+
+static inline __attribute__((always_inline)) struct run_ahead look_ahead(
+    const void *base, const int64_t *pages, int64_t page_size, int64_t pos, int64_t left, int64_t stride,
+    const int KIND)
+{
+    struct run_ahead a = { 0, 0, stride * (KIND == KV_F32 ? 4 : 2), 0, 0 };
+    a.bytes = a.step;
+    a.distance = (PREFETCH_BYTES + a.step - 1) / a.step;
+    if (pages && left > 0) a.next = kv_position(base, pages, page_size, pos, left, stride, &a.next_run, KIND);
+    return a;
+}
+
+/* prefetch position r + distance of a run of `run` positions from `here` */
+static inline __attribute__((always_inline)) void prefetch_ahead(const struct run_ahead *a, const void *here,
+                                                                 int64_t r, int64_t run)
+{
+    const int64_t at = r + a->distance;
+    const char *p = at < run ? (const char *)here + at * a->step
+                  : at - run < a->next_run ? a->next + (at - run) * a->step : 0;
+    if (p)
+        for (int64_t b = 0; b < a->bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+/* Positions [begin, end) of one row, all its HK K/V heads at once (a page holds every head of
+ * its positions side by side, so the row's pages are read through once): for each of the HK * G
+ * query heads, the largest score `top`, the sum of exp(score - top) `total` and the
+ * unnormalised output `acc` [HK * G][VW]. Position p's K/V for head h lie at p's place
+ * (kv_position) + h * khs / vhs. G, W, VW and KIND are compile-time constants in the
+ * specialised copies. */
 static inline __attribute__((always_inline)) void attend_span(
     const float *restrict query, const void *restrict keys, const void *restrict values, float *restrict scores,
-    int64_t begin, int64_t end, int64_t kps, int64_t vps, float scale,
+    int64_t begin, int64_t end, int64_t kps, int64_t khs, int64_t vps, int64_t vhs,
+    const int64_t *restrict pages, int64_t page_size, float scale,
     float *restrict top, float *restrict total, float *restrict acc,
-    const int64_t G, const int64_t W, const int64_t VW, const int KIND)
+    const int64_t HK, const int64_t G, const int64_t W, const int64_t VW, const int KIND)
 {
-    const int64_t n = end - begin;
+    const int64_t n = end - begin, HG = HK * G;
     const int READ = KIND == KV_F16 ? KV_F32 : KIND;  /* the kind the loops read after `readable` */
-    float qs[G * W], wide0[W], wide1[W > VW ? W : VW];
-    for (int64_t i = 0; i < G * W; ++i) qs[i] = query[i] * scale;
-    for (int64_t g = 0; g < G; ++g) { top[g] = -INFINITY; total[g] = 0.0f; }
-    for (int64_t i = 0; i < G * VW; ++i) acc[i] = 0.0f;
+    float qs[HG * W], wide0[W], wide1[W > VW ? W : VW];
+    for (int64_t i = 0; i < HG * W; ++i) qs[i] = query[i] * scale;
+    for (int64_t g = 0; g < HG; ++g) { top[g] = -INFINITY; total[g] = 0.0f; }
+    for (int64_t i = 0; i < HG * VW; ++i) acc[i] = 0.0f;
     if (n <= 0) return;
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-        const void *restrict k0 = readable(kv_row(keys, (begin + j) * kps, KIND), wide0, W, KIND);
-        const void *restrict k1 = readable(kv_row(keys, (begin + j + 1) * kps, KIND), wide1, W, KIND);
-        for (int64_t g = 0; g < G; ++g) {
-            float d0 = 0.0f, d1 = 0.0f;
-            #pragma omp simd reduction(+:d0, d1)
-            for (int64_t i = 0; i < W; ++i) {
-                d0 += qs[g * W + i] * kv_at(k0, i, READ);
-                d1 += qs[g * W + i] * kv_at(k1, i, READ);
+    for (int64_t j = 0, run; j < n; j += run) {
+        const void *run_keys = kv_position(keys, pages, page_size, begin + j, n - j, kps, &run, KIND);
+        const struct run_ahead ahead = look_ahead(keys, pages, page_size, begin + j + run, n - j - run, kps, KIND);
+        int64_t r = 0;
+        for (; r + 2 <= run; r += 2) {
+            if (pages) { prefetch_ahead(&ahead, run_keys, r, run); prefetch_ahead(&ahead, run_keys, r + 1, run); }
+            for (int64_t h = 0; h < HK; ++h) {
+                const void *restrict k0 = readable(kv_row(run_keys, r * kps + h * khs, KIND), wide0, W, KIND);
+                const void *restrict k1 = readable(kv_row(run_keys, (r + 1) * kps + h * khs, KIND), wide1, W, KIND);
+                const float *restrict qh = qs + h * G * W;
+                for (int64_t g = 0; g < G; ++g) {
+                    float d0 = 0.0f, d1 = 0.0f;
+                    #pragma omp simd reduction(+:d0, d1)
+                    for (int64_t i = 0; i < W; ++i) {
+                        d0 += qh[g * W + i] * kv_at(k0, i, READ);
+                        d1 += qh[g * W + i] * kv_at(k1, i, READ);
+                    }
+                    float *restrict s = scores + (h * G + g) * n + j + r;
+                    s[0] = d0; s[1] = d1;
+                    const float m = d0 > d1 ? d0 : d1;
+                    top[h * G + g] = m > top[h * G + g] ? m : top[h * G + g];
+                }
             }
-            scores[g * n + j] = d0; scores[g * n + j + 1] = d1;
-            float m = d0 > d1 ? d0 : d1;
-            top[g] = m > top[g] ? m : top[g];
+        }
+        for (; r < run; ++r) {
+            if (pages) prefetch_ahead(&ahead, run_keys, r, run);
+            for (int64_t h = 0; h < HK; ++h) {
+                const void *restrict k0 = readable(kv_row(run_keys, r * kps + h * khs, KIND), wide0, W, KIND);
+                const float *restrict qh = qs + h * G * W;
+                for (int64_t g = 0; g < G; ++g) {
+                    float d0 = 0.0f;
+                    #pragma omp simd reduction(+:d0)
+                    for (int64_t i = 0; i < W; ++i) d0 += qh[g * W + i] * kv_at(k0, i, READ);
+                    scores[(h * G + g) * n + j + r] = d0;
+                    top[h * G + g] = d0 > top[h * G + g] ? d0 : top[h * G + g];
+                }
+            }
         }
     }
-    for (; j < n; ++j) {
-        const void *restrict k0 = readable(kv_row(keys, (begin + j) * kps, KIND), wide0, W, KIND);
-        for (int64_t g = 0; g < G; ++g) {
-            float d0 = 0.0f;
-            #pragma omp simd reduction(+:d0)
-            for (int64_t i = 0; i < W; ++i) d0 += qs[g * W + i] * kv_at(k0, i, READ);
-            scores[g * n + j] = d0;
-            top[g] = d0 > top[g] ? d0 : top[g];
-        }
-    }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < HG; ++g) {
         float *restrict s = scores + g * n;
         const float t = top[g];
         float sum = 0.0f;
@@ -142,115 +202,102 @@ static inline __attribute__((always_inline)) void attend_span(
         for (int64_t p = 0; p < n; ++p) { s[p] = exp_lanes(s[p] - t); sum += s[p]; }
         total[g] = sum;
     }
-    for (int64_t p = 0; p < n; ++p) {
-        const void *restrict value = readable(kv_row(values, (begin + p) * vps, KIND), wide1, VW, KIND);
-        for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[g * n + p];
-            #pragma omp simd
-            for (int64_t i = 0; i < VW; ++i) acc[g * VW + i] += w * kv_at(value, i, READ);
+    for (int64_t j = 0, run; j < n; j += run) {
+        const void *run_values = kv_position(values, pages, page_size, begin + j, n - j, vps, &run, KIND);
+        const struct run_ahead ahead = look_ahead(values, pages, page_size, begin + j + run, n - j - run, vps, KIND);
+        for (int64_t r = 0; r < run; ++r) {
+            if (pages) prefetch_ahead(&ahead, run_values, r, run);
+            for (int64_t h = 0; h < HK; ++h) {
+                const void *restrict value = readable(kv_row(run_values, r * vps + h * vhs, KIND), wide1, VW, KIND);
+                for (int64_t g = 0; g < G; ++g) {
+                    const float w = scores[(h * G + g) * n + j + r];
+                    float *restrict a = acc + (h * G + g) * VW;
+                    #pragma omp simd
+                    for (int64_t i = 0; i < VW; ++i) a[i] += w * kv_at(value, i, READ);
+                }
+            }
         }
     }
 }
 
-/* one whole pair on this thread */
-static inline __attribute__((always_inline)) void attend_pair(
-    const float *restrict query, const void *restrict keys, const void *restrict values, float *restrict result,
-    float *restrict scores, int64_t len, int64_t kps, int64_t vps, float scale,
-    const int64_t G, const int64_t W, const int64_t VW, const int KIND)
+/* The `team` stretches of one row (each [top HG][total HG][acc HG * VW]) rescaled to their
+ * common maximum and summed: the softmax-weighted sum over the whole context. */
+static void combine_stretches(const float *parts, int team, float *result, int64_t HG, int64_t VW)
 {
-    float top[G], total[G], acc[G * VW];
-    attend_span(query, keys, values, scores, 0, len, kps, vps, scale, top, total, acc, G, W, VW, KIND);
-    for (int64_t g = 0; g < G; ++g) {
-        const float norm = 1.0f / total[g];
-        for (int64_t i = 0; i < VW; ++i) result[g * VW + i] = acc[g * VW + i] * norm;
-    }
-}
-
-/* The `team` stretches of one pair (each [top G][total G][acc G*VW]) rescaled to their common
- * maximum and summed: the softmax-weighted sum over the whole context. */
-static void combine_stretches(const float *parts, int team, float *result, int64_t G, int64_t VW)
-{
-    const int64_t part = 2 * G + G * VW;
-    for (int64_t g = 0; g < G; ++g) {
+    const int64_t part = 2 * HG + HG * VW;
+    for (int64_t g = 0; g < HG; ++g) {
         float top = -INFINITY;
         for (int t = 0; t < team; ++t) top = parts[t * part + g] > top ? parts[t * part + g] : top;
         float total = 0.0f;
         for (int64_t i = 0; i < VW; ++i) result[g * VW + i] = 0.0f;
         for (int t = 0; t < team; ++t) {
             const float *stretch = parts + t * part;
-            if (stretch[G + g] == 0.0f) continue;  /* an empty stretch (a context shorter than the team) */
+            if (stretch[HG + g] == 0.0f) continue;  /* an empty stretch (a context shorter than the team) */
             const float weight = expf(stretch[g] - top);
-            total += weight * stretch[G + g];
-            for (int64_t i = 0; i < VW; ++i) result[g * VW + i] += weight * stretch[2 * G + g * VW + i];
+            total += weight * stretch[HG + g];
+            for (int64_t i = 0; i < VW; ++i) result[g * VW + i] += weight * stretch[2 * HG + g * VW + i];
         }
         const float norm = 1.0f / total;
         for (int64_t i = 0; i < VW; ++i) result[g * VW + i] *= norm;
     }
 }
 
-#define PAIR_LOOP(G, W, VW, KIND) \
-    _Pragma("omp for schedule(dynamic, 1) nowait") \
-    for (int64_t pair = 0; pair < rows * heads; ++pair) { \
-        const int64_t row = pair / heads, head = pair % heads; \
-        attend_pair(q + pair * group * width, kv_row(k, row * k_row_stride + head * k_head_stride, KIND), \
-                    kv_row(v, row * v_row_stride + head * v_head_stride, KIND), out + pair * group * v_width, \
-                    scores, lens[row], k_pos_stride, v_pos_stride, scale, G, W, VW, KIND); \
-    }
-
-#define SPLIT_LOOP(G, W, VW, KIND) \
-    for (int64_t pair = 0; pair < rows * heads; ++pair) { \
-        const int64_t row = pair / heads, head = pair % heads, len = lens[row]; \
-        float *mine = partials + (pair * team + thread) * (2 * G + G * VW); \
-        attend_span(q + pair * group * width, kv_row(k, row * k_row_stride + head * k_head_stride, KIND), \
-                    kv_row(v, row * v_row_stride + head * v_head_stride, KIND), scores, \
-                    len * thread / team, len * (thread + 1) / team, k_pos_stride, v_pos_stride, scale, \
-                    mine, mine + G, mine + 2 * G, G, W, VW, KIND); \
-        if (__atomic_add_fetch(&counts[pair], 1, __ATOMIC_ACQ_REL) == team) { \
-            __atomic_store_n(&counts[pair], 0, __ATOMIC_RELAXED); \
-            combine_stretches(partials + pair * team * (2 * G + G * VW), team, out + pair * group * v_width, G, VW); \
+/* Every thread takes its stretch of every row; the last to finish a row (an atomic count per
+ * row) combines the stretches. */
+#define ROW_LOOP(G, W, VW, KIND) \
+    for (int64_t row = 0; row < rows; ++row) { \
+        const int64_t len = lens[row], part = heads * (2 * G + G * VW); \
+        float *mine = partials + (row * team + thread) * part; \
+        attend_span(q + row * heads * group * width, kv_row(k, row * k_row_stride, KIND), \
+                    kv_row(v, row * v_row_stride, KIND), scores, len * thread / team, len * (thread + 1) / team, \
+                    k_pos_stride, k_head_stride, v_pos_stride, v_head_stride, \
+                    pages ? pages + row * pages_stride : NULL, page_size, scale, \
+                    mine, mine + heads * G, mine + 2 * heads * G, heads, G, W, VW, KIND); \
+        if (__atomic_add_fetch(&counts[row], 1, __ATOMIC_ACQ_REL) == team) { \
+            __atomic_store_n(&counts[row], 0, __ATOMIC_RELAXED); \
+            combine_stretches(partials + row * team * part, team, out + row * heads * group * v_width, heads * G, VW); \
         } \
     }
 
-#define SHAPES(LOOP, KIND) \
-    if (width == 64 && v_width == 64 && group == 1) { LOOP(1, 64, 64, KIND) } \
-    else if (width == 64 && v_width == 64 && group == 2) { LOOP(2, 64, 64, KIND) } \
-    else if (width == 64 && v_width == 64 && group == 3) { LOOP(3, 64, 64, KIND) } \
-    else if (width == 64 && v_width == 64 && group == 4) { LOOP(4, 64, 64, KIND) } \
-    else if (width == 128 && v_width == 128 && group == 1) { LOOP(1, 128, 128, KIND) } \
-    else if (width == 128 && v_width == 128 && group == 2) { LOOP(2, 128, 128, KIND) } \
-    else { LOOP(group, width, v_width, KIND) }
+#define SHAPES(KIND) \
+    if (width == 64 && v_width == 64 && group == 1) { ROW_LOOP(1, 64, 64, KIND) } \
+    else if (width == 64 && v_width == 64 && group == 2) { ROW_LOOP(2, 64, 64, KIND) } \
+    else if (width == 64 && v_width == 64 && group == 3) { ROW_LOOP(3, 64, 64, KIND) } \
+    else if (width == 64 && v_width == 64 && group == 4) { ROW_LOOP(4, 64, 64, KIND) } \
+    else if (width == 128 && v_width == 128 && group == 1) { ROW_LOOP(1, 128, 128, KIND) } \
+    else if (width == 128 && v_width == 128 && group == 2) { ROW_LOOP(2, 128, 128, KIND) } \
+    else { ROW_LOOP(group, width, v_width, KIND) }
 
-/* The floats `workspace` must hold for up to `threads` threads (see the top of the file). */
-int64_t astrai_decode_attention_workspace_floats(int64_t heads, int64_t group, int64_t v_width, int64_t max_len,
-                                                 int64_t threads)
+/* The floats `workspace` must hold for up to `rows` rows, `max_len` positions and `threads`
+ * threads: a count per row, each thread's scores, and every row's stretches. */
+int64_t astrai_decode_attention_workspace_floats(int64_t rows, int64_t heads, int64_t group, int64_t v_width,
+                                                 int64_t max_len, int64_t threads)
 {
-    const int64_t split_pairs = (threads - 1) * heads;  /* fewer rows than threads */
-    return heads * SPLIT_MAX_TEAM + threads * group * max_len + split_pairs * threads * (2 * group + group * v_width);
+    const int64_t hg = heads * group;
+    return rows + threads * hg * max_len + rows * threads * (2 * hg + hg * v_width);
 }
 
 /* The work of the team running it (all of it on one thread outside a parallel region). No
  * barrier at the end: the end of astrai_decode_attention_f32's region is one, and
- * decode_step.c, which runs a whole step inside one parallel region, puts its own after it. */
+ * decode_step.c, which runs a whole step inside one parallel region, puts its own after it.
+ * `workspace` was made for `workspace_rows` >= rows rows (its layout depends on that count,
+ * so calls with fewer rows leave the counts of the others untouched); its first
+ * `workspace_rows` values (the counts) must be zero, and every call leaves them so. */
 void astrai_decode_attention_team(
     const float *q, const void *k, const void *v, float *out, const int64_t *lens, float *workspace,
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
     int64_t k_row_stride, int64_t k_head_stride, int64_t k_pos_stride,
     int64_t v_row_stride, int64_t v_head_stride, int64_t v_pos_stride,
-    float scale, int64_t max_len, int kv_kind)
+    const int64_t *pages, int64_t pages_stride, int64_t page_size,
+    float scale, int64_t max_len, int64_t workspace_rows, int kv_kind)
 {
     const int team = omp_get_num_threads(), thread = omp_get_thread_num();
     int32_t *counts = (int32_t *)workspace;
-    float *scores = workspace + heads * SPLIT_MAX_TEAM + (int64_t)thread * group * max_len;
-    float *partials = workspace + heads * SPLIT_MAX_TEAM + (int64_t)team * group * max_len;
-    if (rows < team && team <= SPLIT_MAX_TEAM) {
-        if (kv_kind == KV_BF16) { SHAPES(SPLIT_LOOP, KV_BF16) }
-        else if (kv_kind == KV_F16) { SHAPES(SPLIT_LOOP, KV_F16) }
-        else { SHAPES(SPLIT_LOOP, KV_F32) }
-    } else {
-        if (kv_kind == KV_BF16) { SHAPES(PAIR_LOOP, KV_BF16) }
-        else if (kv_kind == KV_F16) { SHAPES(PAIR_LOOP, KV_F16) }
-        else { SHAPES(PAIR_LOOP, KV_F32) }
-    }
+    float *scores = workspace + workspace_rows + (int64_t)thread * heads * group * max_len;
+    float *partials = workspace + workspace_rows + (int64_t)team * heads * group * max_len;
+    if (kv_kind == KV_BF16) { SHAPES(KV_BF16) }
+    else if (kv_kind == KV_F16) { SHAPES(KV_F16) }
+    else { SHAPES(KV_F32) }
 }
 
 void astrai_decode_attention_f32(
@@ -258,12 +305,13 @@ void astrai_decode_attention_f32(
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
     int64_t k_row_stride, int64_t k_head_stride, int64_t k_pos_stride,
     int64_t v_row_stride, int64_t v_head_stride, int64_t v_pos_stride,
-    float scale, int64_t max_len, int kv_kind, int threads)
+    const int64_t *pages, int64_t pages_stride, int64_t page_size,
+    float scale, int64_t max_len, int64_t workspace_rows, int kv_kind, int threads)
 {
     #pragma omp parallel num_threads(threads)
     astrai_decode_attention_team(q, k, v, out, lens, workspace, rows, heads, group, width, v_width, k_row_stride,
-                                 k_head_stride, k_pos_stride, v_row_stride, v_head_stride, v_pos_stride, scale,
-                                 max_len, kv_kind);
+                                 k_head_stride, k_pos_stride, v_row_stride, v_head_stride, v_pos_stride, pages,
+                                 pages_stride, page_size, scale, max_len, workspace_rows, kv_kind);
 }
 
 /* x rounded to the cache's kind: bf16 to nearest even (as torch's .to(torch.bfloat16)), fp16 by

@@ -69,8 +69,8 @@ struct astrai_decode_plan {
     int64_t head[WEIGHT_VALUES];  /* the output weight [vocab rows], as a layer's weights */
     int64_t vocab;
     float *work;                  /* astrai_step_work_floats(plan, 1) floats */
-    float *attention_workspace;   /* astrai_decode_attention_workspace_floats(kv_heads, heads / kv_heads, head_dim,
-                                     capacity, threads) floats, zeroed when made */
+    float *attention_workspace;   /* astrai_decode_attention_workspace_floats(ASTRAI_MAX_VERIFY_ROWS, kv_heads,
+                                     heads / kv_heads, head_dim, capacity, threads) floats, counts zeroed */
     int64_t threads;
     int64_t kv_kind;              /* the K/V stores' and buffers' element: decode_attention.c's KV_F32/BF16/F16 */
 };
@@ -89,7 +89,8 @@ void astrai_decode_attention_team(
     int64_t rows, int64_t heads, int64_t group, int64_t width, int64_t v_width,
     int64_t k_row_stride, int64_t k_head_stride, int64_t k_pos_stride,
     int64_t v_row_stride, int64_t v_head_stride, int64_t v_pos_stride,
-    float scale, int64_t max_len, int kv_kind);
+    const int64_t *pages, int64_t pages_stride, int64_t page_size,
+    float scale, int64_t max_len, int64_t workspace_rows, int kv_kind);
 void astrai_store_kv(void *dst, const float *src, int64_t n, int kv_kind);
 
 enum { SPIN_NS = 50000, YIELDS = 4 };  /* a wait spins about 50 us, yields 4 times, then sleeps */
@@ -249,7 +250,8 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
         /* every token reads the same buffers (row stride 0), each up to its own position */
         astrai_decode_attention_team(q, k_buffer, v_buffer, attended, lens, plan->attention_workspace, n, kv_heads,
                                      heads / kv_heads, head_dim, head_dim, 0, capacity * head_dim, head_dim,
-                                     0, capacity * head_dim, head_dim, plan->scale, capacity, kv_kind);
+                                     0, capacity * head_dim, head_dim, 0, 0, 0, plan->scale, capacity,
+                                     ASTRAI_MAX_VERIFY_ROWS, kv_kind);
         team_barrier(barrier, team);
         matmul(p + O, attended, n, q_width, 0, out, dim, q_width, dim, 0, 0);
         team_barrier(barrier, team);
