@@ -59,6 +59,9 @@ class ModelRunner:
     # how a decode step's attention may read the contexts; here always gathered from the pages
     decode_attention_reads: tuple[str, ...] = ("gathered",)
     runs_greedy = False  # whether ``greedy_run`` can take several steps in one call
+    # whether decoding rows may ride along a prefill step (one token each, after the prompt
+    # rows) at the cost of their own attention: the scheduler then mixes them in
+    mixes_decode = False
 
     def __init__(self, model: nn.Module, cache: KVCache, in_place: bool = False):
         self.model = self.prepare(model if in_place else copy.deepcopy(model))

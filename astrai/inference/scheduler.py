@@ -3,9 +3,12 @@
 Every step the loop (1) admits waiting tasks in FIFO order while the batch has room
 and pages are available, (2) picks either a prefill step (chunks of prompts still to
 compute, at most ``prefill_chunk_size`` padded tokens per step) or a decode step (every task
-with exactly one uncomputed token), alternating when both kinds wait so a long prompt
-never stalls the running decodes, (3) runs that step in one forward, and (4) turns
-the sampled tokens into events, finishing and releasing tasks as they end.
+with exactly one uncomputed token), (3) runs that step in one forward, and (4) turns
+the sampled tokens into events, finishing and releasing tasks as they end. When both kinds
+wait, a runner that mixes them (``mixes_decode``: the CPU runner, for GQA models) gets
+prefill steps whose rows end with every decoding task, one token each, so prompts never
+stall the running decodes and no decode step waits for a prompt chunk; other runners
+alternate prefill and decode steps.
 
 A lone greedy request, on a runner that takes runs of greedy steps, is given up to
 ``greedy_run_steps`` (default 8) tokens per step instead of one, each the argmax the last
@@ -389,6 +392,12 @@ class InferenceScheduler:
         """The next step: its kind, tasks, tokens each feeds, and (a verify step) each one's drafts."""
         running = self._task_mgr.running
         prefill = [t for t in running if t.remaining > 1]
+        if prefill and self._runner.mixes_decode:
+            riders = self._reserve_decode_pages()  # may preempt: the prompts are listed after it
+            prefill = [t for t in self._task_mgr.running if t.remaining > 1]
+            if prefill:
+                batch, n_new = self._plan_prefill(prefill, self.prefill_chunk_size - len(riders))
+                return "prefill", batch + riders, n_new + [1] * len(riders), None
         if prefill and (self._last_was_prefill is False or all(t.remaining > 1 for t in running)):
             self._last_was_prefill = True
             return "prefill", *self._plan_prefill(prefill), None
@@ -442,12 +451,13 @@ class InferenceScheduler:
             return steps
         return 1
 
-    def _plan_prefill(self, prefill: list[Task]) -> tuple[list[Task], list[int]]:
+    def _plan_prefill(self, prefill: list[Task], budget: Optional[int] = None) -> tuple[list[Task], list[int]]:
         """Rows of prompt chunks, FIFO, whose padded size (rows x longest chunk) stays
-        within ``prefill_chunk_size`` tokens; a task alone may use the whole budget. When
+        within ``budget`` tokens (``prefill_chunk_size``; less the decoding rows riding along);
+        a task alone may use the whole budget, and the first task gets a token at least. When
         the runner packs prefill rows (no padding), the budget counts real tokens."""
         batch, n_new, width = [], [], 0
-        budget = self.prefill_chunk_size
+        budget = max(self.prefill_chunk_size if budget is None else budget, 1)
         if self._runner.packs_prefill:
             for task in prefill:
                 n = min(task.remaining, budget - sum(n_new))

@@ -14,6 +14,9 @@ answer it as the plain ``KvcacheView`` does, only through other kernels where th
 - ``PagedDecodeView`` (decode steps whose contexts outgrow the decode buffers' budget: many
   long rows): the C kernel reads each row's K/V where they lie in the page store, through
   the row's page list, so a step copies nothing however long its contexts are.
+- ``MixedStepView`` (a prefill step with decoding rows riding along, one token each, after
+  the prompt rows): the prompt rows attend as in ``CpuKvcacheView``, the one-token rows as
+  in ``PagedDecodeView``, so riding along costs a decode row its own attention and no more.
 
 MLA layers pass ``expand`` and keep the plain path: what they cache is a latent that must
 be expanded to K/V before any of these paths could read it.
@@ -36,14 +39,17 @@ class CpuKvcacheView(KvcacheView):
     """A ``KvcacheView`` with the shared-prefix and per-row paths (see the module's docstring)."""
 
     def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
-                 packed: bool = False):
+                 packed: bool = False, cascade: bool = True):
         super().__init__(storage, page_table, start, n_new)
         B, T, S = len(n_new), max(n_new), self._total_len
-        self.shared_len = self._shared_prefix_len(page_table, start) if B > 1 and self.attn_mask is not None else 0
-        # packed (several prefill rows of different lengths, no shared prefix): the rows' new
-        # tokens follow each other in one row [1, N] with no padding, so no matmul computes
-        # padding; the mask and the context slots stay per row, for attention row by row
-        self.packed = packed and B > 1 and T > 1 and self.attn_mask is not None and not self.shared_len
+        self.shared_len = (self._shared_prefix_len(page_table, start)
+                           if cascade and B > 1 and self.attn_mask is not None else 0)
+        # packed (several prefill rows of different lengths, no shared prefix; any prefill rows
+        # without ``cascade``, which a mixed step's row of tokens needs): the rows' new tokens
+        # follow each other in one row [1, N] with no padding, so no matmul computes padding;
+        # the mask and the context slots stay per row, for attention row by row
+        self.packed = (packed and B > 1 and T > 1 and (self.attn_mask is not None or not cascade)
+                       and not self.shared_len)
         self.row_spans = list(zip(start, n_new)) if self.packed else None
         if self.packed:
             self._write_slots = self._write_slots.view(B, T)[self._real]  # the padding's sink writes dropped
@@ -188,6 +194,28 @@ class PagedDecodeView(KvcacheView):
                                      self.context_lens, self._pages, st.page_size, q.shape[-1] ** -0.5,
                                      workspace=self._workspace)
         return out.to(q.dtype)
+
+
+class MixedStepView:
+    """The view of a packed step whose first rows feed prompt chunks (``prompts``, a
+    ``CpuKvcacheView`` of them: packed, or a single row) and whose last rows feed one token
+    each (``decoding``): the model's packed row [1, N] holds the prompt rows' tokens, then
+    one token per decoding row, and each part attends through its own view."""
+
+    packed = True
+
+    def __init__(self, prompts: CpuKvcacheView, decoding: PagedDecodeView):
+        self._prompts, self._decoding = prompts, decoding
+        self._split = prompts.position_ids.shape[1]  # the prompt rows' tokens, first in the row
+        self.position_ids = torch.cat((prompts.position_ids, decoding.position_ids.view(1, -1)), dim=1)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               expand: Optional[Callable] = None) -> torch.Tensor:
+        n = self._split
+        head = self._prompts.attend(layer_idx, q[:, :n], k[:, :n], v[:, :n], expand)
+        tail = self._decoding.attend(layer_idx, q[0, n:].unsqueeze(1), k[0, n:].unsqueeze(1), v[0, n:].unsqueeze(1),
+                                     expand)
+        return torch.cat((head, tail.view(1, -1, *tail.shape[2:])), dim=1)
 
 
 def attend_one_query(q, k, v, attn_mask, scale: Optional[float] = None):

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView, PagedDecodeView
+from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView, MixedStepView, PagedDecodeView
 from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
 from astrai.backends.cpu.dense_matmul import release_slab_buffer
 from astrai.backends.cpu.fused_decode import FusedDecode
@@ -43,6 +43,7 @@ class CpuModelRunner(ModelRunner):
         self.packs_prefill = getattr(self.model.config, "attn_type", None) == "gqa"
         self.fused_decode = FusedDecode.for_model(self.model)
         self.runs_greedy = self.fused_decode is not None
+        self.mixes_decode = self.packs_prefill and PagedDecodeView.usable(cache.storage)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
@@ -82,7 +83,22 @@ class CpuModelRunner(ModelRunner):
                 self.decode_attention["pages"] += 1
                 return PagedDecodeView(self.cache.storage, pages, start)
             self.decode_attention["gathered"] += 1
+        elif self.mixes_decode and n_new[-1] == 1:
+            return self._mixed_view(rows, table, start, n_new)
         return CpuKvcacheView(self.cache.storage, table, start, n_new, packed=self.packs_prefill)
+
+    def _mixed_view(self, rows: Sequence[Row], table: torch.Tensor, start: Sequence[int],
+                    n_new: Sequence[int]) -> MixedStepView:
+        """A step whose last rows feed one token each (decoding rows riding along a prefill
+        step): those rows attend in place in the page store, the rows before them as a packed
+        prefill (without the shared-prefix path, whose rows are padded)."""
+        split = max(i for i, n in enumerate(n_new) if n > 1) + 1
+        prompts = CpuKvcacheView(self.cache.storage, table[:split], start[:split], n_new[:split], packed=True,
+                                 cascade=False)
+        decoding = PagedDecodeView(self.cache.storage, [self.cache.task_pages(r.task_id) for r in rows[split:]],
+                                   start[split:])
+        self.decode_attention["pages"] += 1
+        return MixedStepView(prompts, decoding)
 
     def model_logits(self, view, rows: Sequence[Row]) -> torch.Tensor:
         if not getattr(view, "packed", False):

@@ -172,7 +172,8 @@ def test_long_contexts_decode_as_a_batch(long_model, two_threads, kv_cache_dtype
         reads = engine.get_stats()["decode_attention"]
     assert got == expected
     assert paths["torch"] == 0 and paths["row_kernels"] + paths["batched"] > 0, paths
-    assert reads["buffers"] == sum(paths.values()) and reads["pages"] == reads["gathered"] == 0, reads
+    # every decode step read the buffers ("pages" counts prefill steps a decoding row rode along)
+    assert reads["buffers"] == sum(paths.values()) and reads["gathered"] == 0, reads
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
@@ -187,7 +188,7 @@ def test_long_contexts_past_the_buffers_budget_read_the_pages_in_place(long_mode
         got = [h.result(timeout=120).token_ids for h in handles]
         paths, reads = engine.get_stats()["decode_paths"], engine.get_stats()["decode_attention"]
     assert got == expected
-    assert reads["pages"] == sum(paths.values()) > 0 and reads["buffers"] == reads["gathered"] == 0, reads
+    assert reads["pages"] >= sum(paths.values()) > 0 and reads["buffers"] == reads["gathered"] == 0, reads
 
 
 def _decode_logprobs(model, prompt, kv_cache_dtype, fused: bool, monkeypatch):
