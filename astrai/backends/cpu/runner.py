@@ -11,8 +11,9 @@ back to plain torch, per serving.py's tally of kernels). Every step's result is 
 the kernels differ. The CPU backend registers it for the device kind "cpu" (astrai/backends/cpu/__init__.py),
 with those four path names. ``decode_attention_counts`` says how each decode step's attention
 read the contexts: from the decode buffers, from the page store in place when the buffers
-would outgrow their budget (attention.py's PagedDecodeView), or gathered (a model or cache
-dtype the kernels do not take).
+would outgrow their budget (attention.py's PagedDecodeView) or when the decoding rows ride
+along a prefill step (MixedStepView, counted once a step), or gathered (a model or cache dtype
+the kernels do not take).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class CpuModelRunner(ModelRunner):
         self.packs_prefill = getattr(self.model.config, "attn_type", None) == "gqa"
         self.fused_decode = FusedDecode.for_model(self.model)
         self.runs_greedy = self.fused_decode is not None
-        self.mixes_decode = self.packs_prefill and PagedDecodeView.usable(cache.storage)
+        # decode rows may attend in place in the page store: past the decode buffers' budget,
+        # and riding along a prefill step (which the scheduler then mixes in)
+        self.mixes_decode = self.paged_decode = self.packs_prefill and PagedDecodeView.usable(cache.storage)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
@@ -79,7 +82,7 @@ class CpuModelRunner(ModelRunner):
             if refill is not None:
                 self.decode_attention["buffers"] += 1
                 return DecodeView(self.cache.storage, table, pages, start, self.decode_buffers, refill)
-            if self.packs_prefill and PagedDecodeView.usable(self.cache.storage):
+            if self.paged_decode:
                 self.decode_attention["pages"] += 1
                 return PagedDecodeView(self.cache.storage, pages, start)
             self.decode_attention["gathered"] += 1
