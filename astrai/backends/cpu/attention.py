@@ -15,7 +15,8 @@ answer it as the plain ``KvcacheView`` does, only through other kernels where th
   long rows): the C kernel reads each row's K/V where they lie in the page store, through
   the row's page list, so a step copies nothing however long its contexts are.
 - ``MixedStepView`` (a prefill step with decoding rows riding along, one token each, after
-  the prompt rows): the prompt rows attend as in ``CpuKvcacheView``, the one-token rows as
+  the prompt rows): the prompt rows attend as in ``CpuKvcacheView`` (packed, or padded on the
+  shared-prefix path), the one-token rows as
   in ``PagedDecodeView``, so riding along costs a decode row its own attention and no more.
 
 MLA layers pass ``expand`` and keep the plain path: what they cache is a latent that must
@@ -39,17 +40,14 @@ class CpuKvcacheView(KvcacheView):
     """A ``KvcacheView`` with the shared-prefix and per-row paths (see the module's docstring)."""
 
     def __init__(self, storage: Storage, page_table: torch.Tensor, start: Sequence[int], n_new: Sequence[int],
-                 packed: bool = False, cascade: bool = True):
+                 packed: bool = False):
         super().__init__(storage, page_table, start, n_new)
         B, T, S = len(n_new), max(n_new), self._total_len
-        self.shared_len = (self._shared_prefix_len(page_table, start)
-                           if cascade and B > 1 and self.attn_mask is not None else 0)
-        # packed (several prefill rows of different lengths, no shared prefix; any prefill rows
-        # without ``cascade``, which a mixed step's row of tokens needs): the rows' new tokens
-        # follow each other in one row [1, N] with no padding, so no matmul computes padding;
-        # the mask and the context slots stay per row, for attention row by row
-        self.packed = (packed and B > 1 and T > 1 and (self.attn_mask is not None or not cascade)
-                       and not self.shared_len)
+        self.shared_len = self._shared_prefix_len(page_table, start) if B > 1 and self.attn_mask is not None else 0
+        # packed (several prefill rows of different lengths, no shared prefix): the rows' new
+        # tokens follow each other in one row [1, N] with no padding, so no matmul computes
+        # padding; the mask and the context slots stay per row, for attention row by row
+        self.packed = packed and B > 1 and T > 1 and self.attn_mask is not None and not self.shared_len
         self.row_spans = list(zip(start, n_new)) if self.packed else None
         if self.packed:
             self._write_slots = self._write_slots.view(B, T)[self._real]  # the padding's sink writes dropped
@@ -198,7 +196,7 @@ class PagedDecodeView(KvcacheView):
 
 class MixedStepView:
     """The view of a packed step whose first rows feed prompt chunks (``prompts``, a
-    ``CpuKvcacheView`` of them: packed, or a single row) and whose last rows feed one token
+    ``CpuKvcacheView`` of them: packed, a single row, or padded rows) and whose last rows feed one token
     each (``decoding``): the model's packed row [1, N] holds the prompt rows' tokens, then
     one token per decoding row, and each part attends through its own view."""
 
@@ -206,13 +204,26 @@ class MixedStepView:
 
     def __init__(self, prompts: CpuKvcacheView, decoding: PagedDecodeView):
         self._prompts, self._decoding = prompts, decoding
-        self._split = prompts.position_ids.shape[1]  # the prompt rows' tokens, first in the row
-        self.position_ids = torch.cat((prompts.position_ids, decoding.position_ids.view(1, -1)), dim=1)
+        # prompt rows not packed (the shared-prefix path) take their tokens padded [B, T]: the packed
+        # tokens are scattered into that shape and gathered back around their attention
+        self._padded = prompts._real if not prompts.packed and prompts.position_ids.shape[0] > 1 else None
+        positions = prompts.position_ids if self._padded is None else prompts.position_ids[self._padded].unsqueeze(0)
+        self._split = positions.shape[1]  # the prompt rows' tokens, first in the row
+        self.position_ids = torch.cat((positions, decoding.position_ids.view(1, -1)), dim=1)
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        padded = x.new_zeros(*self._padded.shape, *x.shape[2:])
+        padded[self._padded] = x[0]
+        return padded
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                expand: Optional[Callable] = None) -> torch.Tensor:
         n = self._split
-        head = self._prompts.attend(layer_idx, q[:, :n], k[:, :n], v[:, :n], expand)
+        if self._padded is None:
+            head = self._prompts.attend(layer_idx, q[:, :n], k[:, :n], v[:, :n], expand)
+        else:
+            head = self._prompts.attend(layer_idx, self._pad(q[:, :n]), self._pad(k[:, :n]), self._pad(v[:, :n]),
+                                        expand)[self._padded].unsqueeze(0)
         tail = self._decoding.attend(layer_idx, q[0, n:].unsqueeze(1), k[0, n:].unsqueeze(1), v[0, n:].unsqueeze(1),
                                      expand)
         return torch.cat((head, tail.view(1, -1, *tail.shape[2:])), dim=1)

@@ -93,11 +93,10 @@ class CpuModelRunner(ModelRunner):
     def _mixed_view(self, rows: Sequence[Row], table: torch.Tensor, start: Sequence[int],
                     n_new: Sequence[int]) -> MixedStepView:
         """A step whose last rows feed one token each (decoding rows riding along a prefill
-        step): those rows attend in place in the page store, the rows before them as a packed
-        prefill (without the shared-prefix path, whose rows are padded)."""
+        step): those rows attend in place in the page store, the rows before them as a prefill
+        (packed, or on the shared-prefix path)."""
         split = max(i for i, n in enumerate(n_new) if n > 1) + 1
-        prompts = CpuKvcacheView(self.cache.storage, table[:split], start[:split], n_new[:split], packed=True,
-                                 cascade=False)
+        prompts = CpuKvcacheView(self.cache.storage, table[:split], start[:split], n_new[:split], packed=True)
         decoding = PagedDecodeView(self.cache.storage, [self.cache.task_pages(r.task_id) for r in rows[split:]],
                                    start[split:])
         self.decode_attention["pages"] += 1
