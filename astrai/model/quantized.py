@@ -7,10 +7,10 @@ numbers are GGUF's exactly, so a Q8_0/Q4_0/Q4_1 tensor of a GGUF file is split i
 llama.cpp would hold. int4 has two forms: "int4" (Q4_0: (nibble - 8) * d, a grid
 symmetric about zero) and "int4-asym" (Q4_1: nibble * d + m, the block's minimum m kept
 as well: two more bytes per 32 weights, and any block's range fits its 16 levels), whose
-``scales`` hold a row's d's followed by its m's. int8 linears keep their activations
-float. int4 linears multiply activations rounded to Q8_0 blocks (``quantize_activations``),
-as llama.cpp does for Q4_0: the CPU kernels then sum int4 x int8 products in integers, far
-cheaper than widening every nibble to a float. ``QuantizedLinear.forward`` is the plain
+``scales`` hold a row's d's followed by its m's. Both multiply activations rounded to Q8_0
+blocks (``quantize_activations``), as llama.cpp does for Q8_0 and Q4_0: the CPU kernels then
+sum int8 x int8 and int4 x int8 products in integers, far cheaper than widening every weight
+to a float (which left a decode step bound by arithmetic rather than by reading the weights). ``QuantizedLinear.forward`` is the plain
 PyTorch reference that fast kernels are checked against, that rounding included.
 
 What ``quantize_model`` quantizes: every linear of the transformer blocks (attention
@@ -105,7 +105,7 @@ def quantize_weight(weight: torch.Tensor, bits: int, asymmetric: bool = False) -
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded along its last dimension to Q8_0 blocks, as the int4 matmuls multiply it.
+    """``x`` rounded along its last dimension to Q8_0 blocks, as the quantized matmuls multiply it.
 
     Per block of 32 (the last one zero-padded): d = max|x| * (1/127) in float32, q = x / d
     rounded to the nearest integer (ties to even), and q times d rounded to fp16. Returned
@@ -149,8 +149,8 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, bits: int, in
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight is held as int8 or int4 blocks with fp16 scales.
 
-    ``forward`` dequantizes and multiplies in the input's dtype (int4: the input rounded by
-    ``quantize_activations`` first): slow, but the exact reference. Casting the module (``model.to(torch.bfloat16)``) leaves the packed
+    ``forward`` dequantizes and multiplies in the input's dtype, the input rounded by
+    ``quantize_activations`` first: slow, but the exact reference. Casting the module (``model.to(torch.bfloat16)``) leaves the packed
     weight, the fp16 scales and the fp32 bias as they are, since they are the format.
     """
 
@@ -200,9 +200,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.bits == 4:
-            x = quantize_activations(x)
-        return F.linear(x, self.dequantize().to(x.dtype), bias)
+        return F.linear(quantize_activations(x), self.dequantize().to(x.dtype), bias)
 
     def _apply(self, fn, recurse=True):
         kept = {name: self._buffers[name] for name in ("scales", "bias") if self._buffers.get(name) is not None}

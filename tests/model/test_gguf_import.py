@@ -163,9 +163,9 @@ def write_gguf(path, reference, tensors, tensor_type: Q, vocab, arch=None, pre="
     return path
 
 
-def rounding_int4_inputs(reference):
-    """The float reference of a model whose every linear is int4: each linear's input rounded to
-    Q8_0 blocks first, as QuantizedLinear's int4 forward does."""
+def rounding_linear_inputs(reference):
+    """The float reference of a model whose every linear is quantized: each linear's input rounded
+    to Q8_0 blocks first, as QuantizedLinear's forward does."""
     from astrai.model.quantized import quantize_activations
 
     for module in reference.modules():
@@ -250,7 +250,7 @@ def test_gguf_opens_in_the_requested_dtype(vocab, tmp_path):
 def test_import_verb_writes_a_model_directory_with_tokenizer_and_chat_template(vocab, tmp_path):
     reference, tensors = build_case("qwen2", Q.Q4_0, vocab)
     path = write_gguf(tmp_path / "m.gguf", reference, tensors, Q.Q4_0, vocab)
-    rounding_int4_inputs(reference)  # the import keeps the Q4_0 linears
+    rounding_linear_inputs(reference)  # the import keeps the Q4_0 linears
     out = tmp_path / "imported"
     assert astrai_main(["model", "import", str(path), "--out", str(out)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
@@ -479,8 +479,7 @@ def test_q8_0_q4_0_and_q4_1_linears_are_kept_quantized_with_the_dequantized_mode
     blocks = tensors["model.layers.1.mlp.down_proj.weight"].reshape(down.out_features, -1, block_bytes)
     assert np.array_equal(down.qweight.view(torch.uint8).numpy().reshape(blocks.shape[0], -1, block_bytes - head),
                           blocks[..., head:])
-    if bits == 4:
-        rounding_int4_inputs(reference)
+    rounding_linear_inputs(reference)
     ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids)["logits"], reference(ids).logits, rtol=0, atol=1e-4)
@@ -496,7 +495,7 @@ def test_import_verb_keeps_q8_0_weights_in_a_quantized_directory(vocab, tmp_path
     assert json.loads((out / "config.json").read_text())["quantization"] == {"format": "int8", "group_size": 32}
     assert isinstance(AutoModel.from_pretrained(out).layers[0].attention.q_proj, QuantizedLinear)
     assert not any(isinstance(m, QuantizedLinear) for m in AutoModel.from_pretrained(path).modules())
-    got, expected = logits_pair(reference, out)
+    got, expected = logits_pair(rounding_linear_inputs(reference), out)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 

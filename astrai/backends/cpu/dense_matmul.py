@@ -10,7 +10,7 @@ in torch for each call makes several passes and a fresh allocation the size of t
 (page faults included); instead native/dense_rows.c widens the weight in one threaded pass,
 ``SLAB_BYTES`` of fp32 rows at a time, into a buffer that this thread keeps, and every row of the
 prompt is multiplied by each slab in turn. The numbers are those of ``F.linear`` over the
-dequantized weight, summed in another order.
+dequantized weight (int8: and the rounded activations its caller passes), summed in another order.
 """
 
 from __future__ import annotations

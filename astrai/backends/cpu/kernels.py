@@ -21,12 +21,13 @@ weights faster than oneDNN's matmul over its packed copy.
 Weight-only dequantizing matmuls. ``native/dequant_matmul.c`` is the same matmul for one to
 ``MAX_DEQUANT_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
 Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout), reading the weight once for all
-rows and dequantizing each block in registers. bf16 and int8 (W8A32) sum in fp32 over float
-activations; int4 (W4A8, as llama.cpp's ``vec_dot`` with Q8_0 activations) rounds the activations to Q8_0
-blocks as ``quantize_activations`` does and sums each block's int4 x int8 products in
-integers (the plain-C build the same integer sums). ``TypedWeight`` describes such a
-weight (``dequant_matmul`` takes it). ``rounded_activations`` is that rounding on its own,
-in one pass, for the paths that multiply an int4 weight in floats.
+rows and dequantizing each block in registers. bf16 sums in fp32 over float activations;
+int8 and int4 (W8A8 and W4A8, as llama.cpp's ``vec_dot`` with Q8_0 activations) round the
+activations to Q8_0 blocks as ``quantize_activations`` does and sum each block's int8 x int8
+or int4 x int8 products in integers (the plain-C build the same integer sums).
+``TypedWeight`` describes such a weight (``dequant_matmul`` takes it).
+``rounded_activations`` is that rounding on its own, in one pass, for the paths that
+multiply a quantized weight in floats.
 
 A whole single-request decode step. ``native/decode_step.c`` runs every layer of a GQA +
 SwiGLU model for one row - norms (QK-norm too), biases, rotary embedding, K/V writes,

@@ -24,7 +24,7 @@ Smaller weights take the weight-only dequantizing matmuls of native/dequant_matm
 a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
 ``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_DEQUANT_ROWS``
 rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
-fp32 (up to ``DEQUANT_MAX_ROWS`` rows, ``MAX_DEQUANT_ROWS`` a pass); more rows (a prefill) take
+fp32 (int8/int4: in integers, over the activations rounded to Q8_0 blocks) (up to ``DEQUANT_MAX_ROWS`` rows, ``MAX_DEQUANT_ROWS`` a pass); more rows (a prefill) take
 dense_matmul.py, which widens a bf16 or int8 weight to fp32 in C, a slab at a time into a
 buffer each thread keeps, for oneDNN's GEMM (in fp32, bf16 activations too, on a CPU without
 native bf16 matmuls, where torch would emulate them; without the native library torch
@@ -149,7 +149,7 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     ``MAX_DEQUANT_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
     through ``dense_matmul`` (slabs of the weight widened in C), an int4 weight from
     ``INTEGER_MIN_ROWS`` rows on through ``integer_matmul``, anything else through torch
-    over ``dense()``, made once for the call. An int4 weight multiplies ``x``
+    over ``dense()``, made once for the call. An int8 or int4 weight multiplies ``x``
     rounded as ``quantize_activations`` does on every path, as QuantizedLinear's forward
     does: the kernels round fp32 rows themselves, exactly so, and torch's path takes
     ``rounded_activations`` (one native pass)."""
@@ -161,7 +161,7 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
         out = integer_matmul(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)
     kernel = native and 1 <= rows <= DEQUANT_MAX_ROWS and kernels_available()
-    if weight is not None and weight.kind in (Q4, Q41) and not (kernel and x.dtype == torch.float32):
+    if weight is not None and weight.kind in (Q8, Q4, Q41) and not (kernel and x.dtype == torch.float32):
         x = rounded_activations(x)
     if kernel:
         _note("kernel")

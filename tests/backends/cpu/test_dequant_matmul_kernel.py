@@ -30,8 +30,8 @@ def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
 
 
 def multiplied(x: torch.Tensor, kind: int) -> torch.Tensor:
-    """The activations a matmul of ``kind`` multiplies, in float64: int4 rounds them to Q8_0 blocks."""
-    return (quantize_activations(x) if kind in (Q4, Q41) else x).double()
+    """The activations a matmul of ``kind`` multiplies, in float64: int8 and int4 round them to Q8_0 blocks."""
+    return (quantize_activations(x) if kind in (Q8, Q4, Q41) else x).double()
 
 
 @pytest.mark.parametrize("kind", [Q8, Q4, Q41, BF16, F32])
@@ -67,9 +67,9 @@ def test_rows_further_apart_and_subnormal_scales_are_read(kind):
 
 @pytest.mark.parametrize("n_in", [7, 45, 96, 1000])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("kind", [Q4, Q41])
-def test_int4_rounds_the_activations_as_the_reference_does(n_in, rows, kind, monkeypatch):
-    """The kernel's int4 x int8 block sums must round the activations exactly as
+@pytest.mark.parametrize("kind", [Q8, Q4, Q41])
+def test_quantized_matmuls_round_the_activations_as_the_reference_does(n_in, rows, kind, monkeypatch):
+    """The kernel's int8/int4 x int8 block sums must round the activations exactly as
     quantize_activations does: with blocks of similar magnitude the float error stays far below
     what one value rounded one step the other way would change (about 1e-3 here), a partial
     last block and a block of zeros (d = 0) included."""

@@ -1,7 +1,7 @@
 """The kernel library's instruction-set levels (kernels.LEVELS): which level a CPU's flags
 select, ASTRAI_KERNEL_ISA forcing one (a level the CPU lacks refused by name), and every level
 this machine runs, each loaded as its own library, giving the portable level's numbers at
-every kernel entry point; for int4 the vector levels' integer sums (maddubs or VNNI's
+every kernel entry point; for int8 and int4 the vector levels' integer sums (maddubs or VNNI's
 vpdpbusd) give the avx2 level's outputs bit for bit."""
 
 from __future__ import annotations
@@ -120,15 +120,17 @@ def test_a_chosen_level_that_does_not_build_gives_way_to_the_next_lower(monkeypa
     assert kernels._library.__wrapped__() is None
 
 
-def _int4_outputs(on_level, name):
-    """Every int4 entry point's outputs on odd shapes under level ``name``."""
+def _integer_outputs(on_level, name):
+    """Every entry point's outputs that sums int8 or int4 products in integers, on odd shapes
+    under level ``name``."""
     on_level(name)
     torch.manual_seed(3)
     out = []
-    for kind in (Q4, Q41):
+    for kind in (Q8, Q4, Q41):
         weight = typed(torch.randn(37, 200), kind)[0]
         out += [kernels.dequant_matmul(torch.randn(rows, 200), weight, torch.randn(37)) for rows in range(1, 9)]
-        out += [dense.integer_matmul(torch.randn(rows, 200), weight) for rows in (1, 5, 9, 30)]
+        if kind != Q8:
+            out += [dense.integer_matmul(torch.randn(rows, 200), weight) for rows in (1, 5, 9, 30)]
     x = torch.randn(5, 200)
     x[1, 3] = float("nan")
     return out + [kernels.rounded_activations(x)]
@@ -141,7 +143,8 @@ def _float_outputs(on_level, name):
     out = []
     for kind in (Q8, BF16, F32):
         weight = typed(torch.randn(37, 200), kind)[0]
-        out += [kernels.dequant_matmul(torch.randn(rows, 200), weight, torch.randn(37)) for rows in range(1, 9)]
+        if kind != Q8:  # int8's few-row sums are integers (_integer_outputs)
+            out += [kernels.dequant_matmul(torch.randn(rows, 200), weight, torch.randn(37)) for rows in range(1, 9)]
         if kind != F32:
             out.append(dense.dense_matmul(torch.randn(9, 200), weight, torch.randn(37)))
     w = torch.randn(45, 131)
@@ -155,14 +158,14 @@ def _float_outputs(on_level, name):
     return out
 
 
-def test_int4_sums_are_the_same_integers_on_every_vector_level(libraries, on_level):
+def test_int8_and_int4_sums_are_the_same_integers_on_every_vector_level(libraries, on_level):
     """Integer sums are exact: maddubs (avx2, avx512) and vpdpbusd (avx512_vnni) give the same
     outputs bit for bit, and the plain-C loops the same up to the order of the float additions."""
-    portable = _int4_outputs(on_level, "portable")
+    portable = _integer_outputs(on_level, "portable")
     vector = [name for name in libraries if name != "portable"]
-    first = _int4_outputs(on_level, vector[0]) if vector else portable
+    first = _integer_outputs(on_level, vector[0]) if vector else portable
     for name in vector[1:]:
-        for a, b in zip(first, _int4_outputs(on_level, name)):
+        for a, b in zip(first, _integer_outputs(on_level, name)):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan()), name
     for a, b in zip(first, portable):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-4, equal_nan=True)

@@ -1,5 +1,5 @@
 /* Weight-only dequantizing matmul of a few rows by a weight stored in a smaller type
- * (W8A32, bf16; W4A8 for int4): y[r] = x[r] W^T (+ bias) for
+ * (bf16; W8A8 for int8, W4A8 for int4): y[r] = x[r] W^T (+ bias) for
  * r < rows (1 to ASTRAI_MAX_DEQUANT_ROWS), x fp32, W [out][in] in one of
  *
  *   ASTRAI_BF16  bfloat16, `ld` elements between rows;
@@ -15,29 +15,31 @@
  *                several, a speculative step's drafted tokens, are summed here);
  *
  * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
- * The weight is the decode step's whole cost, so it is read once for all rows. bf16 and int8
- * are summed in fp32 without touching the activations: F.linear over the dequantized weight
- * but for the order of the additions. Blocks past `n_in` are padding and never read; a last
- * partial block reads only its first n_in % 32 elements.
+ * The weight is the decode step's whole cost, so it is read once for all rows. bf16 is summed
+ * in fp32 without touching the activations: F.linear over the dequantized weight but for the
+ * order of the additions; a last partial block reads only its first n_in % 32 elements.
  *
- * int4 multiplies in integers, as llama.cpp does: widening nibbles to floats costs more than
- * reading them, so a float sum would be bound by arithmetic, not memory. Each row of x is
- * first quantized in blocks of 32 as quantized.py's `quantize_activations` does (Q8_0: d =
- * max|x| * (1/127) in fp32, q = x / d rounded to even, the fp16-rounded d kept), each block's
- * dot product is then a sum of int4 x int8 products in integers, and each block adds d_w d_x
- * times it. The result is F.linear over the quantized activations and the dequantized weight
- * (what QuantizedLinear's forward computes for int4) but for the order of the float additions.
- * The vector loop multiplies the stored nibbles u = w + 8 as they are, unsigned, and takes
+ * int8 and int4 multiply in integers, as llama.cpp does: widening every weight to a float
+ * costs more than reading it, so a float sum would be bound by arithmetic, not memory (and
+ * each more row of a speculative step would cost a full float multiply-add per weight). Each
+ * row of x is first quantized in blocks of 32 as quantized.py's `quantize_activations` does
+ * (Q8_0: d = max|x| * (1/127) in fp32, q = x / d rounded to even, the fp16-rounded d kept),
+ * each block's dot product is then a sum of int8 x int8 or int4 x int8 products in integers,
+ * and each block adds d_w d_x times it. The result is F.linear over the quantized activations
+ * and the dequantized weight (what QuantizedLinear's forward computes) but for the order of
+ * the float additions; blocks are whole, the padding past n_in being 0 on both sides.
+ * The int4 vector loop multiplies the stored nibbles u = w + 8 as they are, unsigned, and takes
  * 8 q off the integer sums (sum (u - 8) q = sum u q - 8 sum q, the second sum made once per
  * call with the activations, in the same eight lanes): no per-block sign juggling, and the
- * weight scales are widened and multiplied eight blocks at a time.
+ * weight scales are widened and multiplied eight blocks at a time. int8 weights are signed:
+ * their magnitudes multiply the activations carrying the weights' signs.
  *
  * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
  * stream (two: values and scales) front to back, prefetched non-temporally ahead. With AVX2
- * and FMA (x86-64 builds for a CPU that has them), blocks are widened to fp32 in registers by
- * intrinsics, and with AVX512-VNNI each four int4 x int8 products are summed by one vpdpbusd
- * (the same integers as maddubs gives); otherwise, or built with ASTRAI_PORTABLE, the same
- * sums run as plain C loops.
+ * and FMA (x86-64 builds for a CPU that has them), blocks are multiplied (bf16: widened to
+ * fp32) in registers by intrinsics, and with AVX512-VNNI each four int8 products are summed
+ * by one vpdpbusd (the same integers as maddubs gives); otherwise, or built with
+ * ASTRAI_PORTABLE, the same sums run as plain C loops.
  * fp16 scales are converted by F16C where the CPU has it, else by their bits.
  */
 #include <math.h>
@@ -128,14 +130,6 @@ static inline float horizontal_sum(__m256 a)
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 widen8(const int8_t *q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))); }
-
-/* An int8 block's 32 values (before its scale) in four registers. */
-static inline __attribute__((always_inline)) void widen_block(const uint8_t *block, __m256 w[4])
-{
-    for (int k = 0; k < 4; ++k) w[k] = widen8((const int8_t *)block + 8 * k);
-}
-
 /* An int4 block's 32 nibbles (0..15) as bytes in element order: the 16 low ones, then the
  * 16 high ones. */
 static inline __m256i nibbles(const uint8_t *block)
@@ -145,9 +139,10 @@ static inline __m256i nibbles(const uint8_t *block)
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-/* The 32 products of unsigned bytes `u` (nibbles, or ones) with 32 int8 values, summed in
- * fours into 8 int32 lanes: one vpdpbusd with VNNI, else maddubs (15 * 127 * 2 is far from
- * saturating its 16-bit pair sums) and a madd of the pairs; the same integers either way. */
+/* The 32 products of unsigned bytes `u` (nibbles, int8 magnitudes, or ones) with 32 int8
+ * values, summed in fours into 8 int32 lanes: one vpdpbusd with VNNI, else maddubs (even
+ * 128 * 127 * 2 stays inside its 16-bit pair sums) and a madd of the pairs; the same integers
+ * either way. */
 static inline __m256i fours(__m256i u, __m256i x)
 {
 #if DEQUANT_VNNI
@@ -173,6 +168,16 @@ static inline __m256 q4_block_products(__m256i u, const int8_t *xq, const int32_
 /* The same sums for Q4_1's nibbles, which are the values as they are (no 8 to take off). */
 static inline __m256 q41_block_products(__m256i u, const int8_t *xq) { return _mm256_cvtepi32_ps(block_fours(u, xq)); }
 
+/* A Q8_0 block's 32 signed products with 32 int8 values, summed in fours into 8 int32 lanes, as
+ * floats: |w| against x with w's sign moved onto it (sign_epi8, which also zeroes x where w is 0),
+ * so that the unsigned operand fits maddubs and vpdpbusd (a pair of |w| x |x| is at most
+ * 2 x 128 x 127, inside maddubs' 16 bits). */
+static inline __m256 q8_block_products(__m256i w, const int8_t *xq)
+{
+    const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), w);
+    return _mm256_cvtepi32_ps(fours(_mm256_abs_epi8(w), x));
+}
+
 /* Eight consecutive fp16 scales as floats. */
 static inline __m256 scales8(const uint16_t *h)
 {
@@ -185,42 +190,9 @@ static inline __m256 scales8(const uint16_t *h)
 #endif
 }
 
-/* The 32 products of a widened block with x, summed into 8 lanes. */
-static inline __m256 block_dot(const __m256 w[4], const float *x)
-{
-    __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
-    __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(x + 8));
-    t0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), t0);
-    t1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), t1);
-    return _mm256_add_ps(t0, t1);
-}
 #endif
 
 #if DEQUANT_AVX512
-/* Several rows (a speculative step's verified tokens) against one int8 weight row, sixteen lanes
- * at a time: each block is widened and scaled once, then every row adds two fused
- * multiply-adds into its own two sums, so a row costs two loads and two FMAs per block (the
- * one-row loop below keeps the block's scale out of its inner sums instead). */
-static inline __attribute__((always_inline)) void rows_q8_avx512(const uint8_t *w, const uint16_t *scales, const float *x, int64_t x_stride,
-                                  int rows, int64_t full, float *sum, const uint8_t *end)
-{
-    __m512 low[ASTRAI_MAX_DEQUANT_ROWS], high[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) low[r] = high[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < full; ++b) {
-        if ((b & 1) == 0) prefetch_ahead(w + b * BLOCK, end);
-        const __m512 d = _mm512_set1_ps(half_to_float(scales[b]));
-        const __m128i *block = (const __m128i *)(w + b * BLOCK);
-        const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block))));
-        const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block + 1))));
-        for (int r = 0; r < rows; ++r) {
-            const float *xb = x + r * x_stride + b * BLOCK;
-            low[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), low[r]);
-            high[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), high[r]);
-        }
-    }
-    for (int r = 0; r < rows; ++r) sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(low[r], high[r]));
-}
-
 /* Several rows against one fp32 weight row, sixteen lanes at a time (two sums per row). */
 static inline __attribute__((always_inline)) int64_t rows_f32_avx512(const float *w, const float *x, int64_t x_stride, int rows, int64_t n_in,
                                       float *sum, const uint8_t *end)
@@ -242,51 +214,57 @@ static inline __attribute__((always_inline)) int64_t rows_f32_avx512(const float
 }
 #endif
 
-/* out[r] = the row's int8 blocks against x[r] for r < rows (`rows` a literal at each call:
- * the compiler makes a copy for a single row with its sums in registers). Whole blocks are
- * read two at a time into two sets of sums, so that the additions into them do not wait on
- * each other; a last partial block, and every block without AVX2, is summed element by
- * element. */
-static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const uint16_t *scales, const float *x,
-                                                         int64_t x_stride, int rows, int64_t n_in, float *out,
+/* out[r] = the row's int8 blocks against the quantized rows (values, scales) for r < rows: per
+ * block an integer sum of products, times d_w d_x, as dot_q4 (below) does for int4. Every block
+ * is whole (the weight's padding values and the activations' are 0). */
+static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const uint16_t *scales, const int8_t *xq,
+                                                         const float *xd, int rows, int64_t blocks, float *out,
                                                          const uint8_t *end)
 {
-    const int64_t blocks = (n_in + BLOCK - 1) / BLOCK;
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t b = 0;
-#if DEQUANT_AVX512
-    if (rows > 1) {
-        b = n_in / BLOCK;
-        rows_q8_avx512(w, scales, x, x_stride, rows, b, sum, end);
-    }
-#endif
 #if DEQUANT_AVX2
-    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS], values[4];
+    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS];
+    float factor[ASTRAI_MAX_DEQUANT_ROWS][8] __attribute__((aligned(32)));
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    const int64_t full = n_in / BLOCK;  /* when the sixteen-lane loop ran, b is already there */
-    for (; b + 2 <= full; b += 2) {
-        prefetch_ahead(w + b * BLOCK, end);
-        const __m256 d0 = _mm256_set1_ps(half_to_float(scales[b])), d1 = _mm256_set1_ps(half_to_float(scales[b + 1]));
-        widen_block(w + b * BLOCK, values);
-        for (int r = 0; r < rows; ++r) even[r] = _mm256_fmadd_ps(d0, block_dot(values, x + r * x_stride + b * BLOCK), even[r]);
-        widen_block(w + (b + 1) * BLOCK, values);
-        for (int r = 0; r < rows; ++r)
-            odd[r] = _mm256_fmadd_ps(d1, block_dot(values, x + r * x_stride + (b + 1) * BLOCK), odd[r]);
-    }
-    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(even[r], odd[r]));
-#endif
-    for (; b < blocks; ++b) {
-        const int8_t *block = (const int8_t *)w + b * BLOCK;
-        if ((b & 1) == 0) prefetch_ahead((const uint8_t *)block, end);
-        const float d = half_to_float(scales[b]);
-        const int64_t n = n_in - b * BLOCK < BLOCK ? n_in - b * BLOCK : BLOCK;
-        for (int r = 0; r < rows; ++r) {
-            const float *xb = x + r * x_stride + b * BLOCK;
-            float t = 0.0f;
-            for (int64_t k = 0; k < n; ++k) t += (float)block[k] * xb[k];
-            sum[r] += d * t;
+    for (; b + 8 <= blocks; b += 8) {
+        for (int line = 0; line < 4; ++line) prefetch_ahead(w + b * BLOCK + 64 * line, end);  /* eight blocks */
+        const __m256 d = scales8(scales + b);
+        for (int r = 0; r < rows; ++r) _mm256_store_ps(factor[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b)));
+        for (int k = 0; k < 8; k += 2) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + (b + k) * BLOCK));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + (b + k + 1) * BLOCK));
+            for (int r = 0; r < rows; ++r) {
+                const int64_t at = r * blocks + b + k;
+                even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k]), q8_block_products(w0, xq + at * BLOCK),
+                                          even[r]);
+                odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k + 1]),
+                                         q8_block_products(w1, xq + (at + 1) * BLOCK), odd[r]);
+            }
         }
     }
+    for (; b < blocks; ++b) {
+        const float d = half_to_float(scales[b]);
+        const __m256i wb = _mm256_loadu_si256((const __m256i *)(w + b * BLOCK));
+        for (int r = 0; r < rows; ++r) {
+            const int64_t at = r * blocks + b;
+            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q8_block_products(wb, xq + at * BLOCK), even[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+#else
+    (void)end;
+    for (; b < blocks; ++b) {
+        const int8_t *block = (const int8_t *)w + b * BLOCK;
+        const float d = half_to_float(scales[b]);
+        for (int r = 0; r < rows; ++r) {
+            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
+            int32_t t = 0;
+            for (int k = 0; k < BLOCK; ++k) t += block[k] * xb[k];
+            sum[r] += d * xd[r * blocks + b] * (float)t;
+        }
+    }
+#endif
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
@@ -593,7 +571,7 @@ static inline __attribute__((always_inline)) void dequant_dot(int type, const ui
 {
     switch (type) {
     case ASTRAI_Q8:
-        dot_q8(w + j * ld, scales + j * scale_ld, x, x_stride, rows, n_in, out, end);
+        dot_q8(w + j * ld, scales + j * scale_ld, xq, xd, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_Q4:
         dot_q4(w + j * ld, scales + j * scale_ld, xq, xd, xo, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
@@ -631,12 +609,13 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
     const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
     int64_t mine = -1;
     float highest = 0.0f, out[ASTRAI_MAX_DEQUANT_ROWS];
-    /* int4: each thread quantizes x for itself (a few microseconds), so no barrier is needed */
-    const int64_t blocks = (type == ASTRAI_Q4 || type == ASTRAI_Q41) && first < last ? (n_in + BLOCK - 1) / BLOCK : 0;
+    /* int8, int4: each thread quantizes x for itself (a few microseconds), so no barrier is needed */
+    const int64_t blocks = (type == ASTRAI_Q8 || type == ASTRAI_Q4 || type == ASTRAI_Q41) && first < last
+                               ? (n_in + BLOCK - 1) / BLOCK : 0;
     int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
     float xd[rows * blocks + 1], xs[rows * blocks + 1];
     int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
-    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, xo, xs);
+    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, type == ASTRAI_Q4 ? xo : NULL, xs);
     for (int64_t j = first; j < last; ++j) {
         /* a literal row count per case: each copy keeps its rows' sums in registers */
         switch (rows) {
