@@ -147,8 +147,10 @@ def accept_sampled(logits: torch.Tensor, draft: Sequence[int], pipeline: Samplin
 
 @dataclass
 class RowRecord:
-    """One task's recent drafting: how often its guesses were kept, and how many steps it pauses."""
+    """One task's recent drafting: how long its drafts are, how often its guesses were kept, and
+    how many steps it pauses."""
 
+    length: int  # tokens to draft next step
     kept: float = 0.5  # moving average of the fraction of drafted tokens kept (from a neutral start)
     paused: int = 0  # decode steps to skip drafting
     pauses: int = 0  # pauses so far (each twice as long as the last)
@@ -170,8 +172,13 @@ class StepTimes:
 class SpeculationControl:
     """Which rows draft this step, and counts of what speculation did (``stats``).
 
+    A row's draft length follows its drafts: twice as long (up to ``k``) after a step that kept
+    every drafted token, one more than it kept after a step that did not. A run of agreement
+    (a passage being copied) then drafts long, and the step after a disagreement, where the
+    next guesses are seldom right, drafts short and costs little more than a plain step.
+
     Two switches, since a verify step costs more than a plain one (each drafted token is one
-    more row of every matmul; on int8 weights that is arithmetic, not only reading):
+    more row of every matmul, which is arithmetic, not only reading):
     - per row: a row whose recent drafts were mostly rejected (kept fraction below
       ``min_kept``) pauses drafting for a while, longer each time; prompt lookup finds no
       guess at all where the output does not repeat, which costs nothing;
@@ -220,11 +227,11 @@ class SpeculationControl:
     def wanted(self, task, room: int) -> int:
         """Tokens to draft for ``task`` this step (0: decode it as usual); ``room`` is how many
         tokens past the next one it may still produce."""
-        record = self._rows.setdefault(task.task_id, RowRecord())
+        record = self._rows.setdefault(task.task_id, RowRecord(self.k))
         if record.paused > 0:
             record.paused -= 1
             return 0
-        return max(0, min(self.k, room))
+        return max(0, min(record.length, room))
 
     def record(self, task_id: str, drafted: int, kept_drafts: int, produced: int) -> None:
         """A verify step's outcome for one row: ``kept_drafts`` of its ``drafted`` guesses kept,
@@ -235,12 +242,13 @@ class SpeculationControl:
         self.rows_verified += 1
         if drafted == 0:
             return
-        record = self._rows.setdefault(task_id, RowRecord())
+        record = self._rows.setdefault(task_id, RowRecord(self.k))
+        record.length = min(self.k, 2 * drafted) if kept_drafts == drafted else kept_drafts + 1
         record.kept = self.decay * record.kept + (1 - self.decay) * kept_drafts / drafted
         if record.kept < self.min_kept:
             record.pauses += 1
             record.paused = self.pause_steps * 2 ** min(record.pauses - 1, 4)
-            record.kept = 0.5
+            record.kept, record.length = 0.5, self.k  # it starts again as a new row would
 
     def forget(self, task_id: str) -> None:
         self._rows.pop(task_id, None)

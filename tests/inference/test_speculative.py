@@ -159,21 +159,34 @@ def test_accept_greedy_keeps_the_agreeing_prefix_and_the_models_token():
     assert accept_greedy(logits[:1], []) == [3]
 
 
-def test_a_row_whose_drafts_fail_pauses_drafting():
+def test_a_rows_draft_length_follows_what_it_kept():
     control = SpeculationControl("ngram", 4)
     task = type("T", (), {"task_id": "a"})()
     assert control.wanted(task, room=10) == 4
     assert control.wanted(task, room=2) == 2  # never past max_tokens or the context limit
     control.record("a", 4, 3, 4)
+    assert control.wanted(task, 10) == 4  # one more than it kept
+    control.record("a", 4, 1, 2)
+    assert control.wanted(task, 10) == 2
+    control.record("a", 2, 2, 3)
+    assert control.wanted(task, 10) == 4  # every draft kept: twice as long
+    control.record("a", 4, 4, 5)
+    assert control.wanted(task, 10) == 4  # never past k
+
+
+def test_a_row_whose_drafts_fail_pauses_drafting():
+    control = SpeculationControl("ngram", 4)
+    task = type("T", (), {"task_id": "a"})()
+    control.record("a", 4, 3, 4)
     control.record("a", 4, 0, 1)
-    assert control.wanted(task, 10) == 4  # one failure after a good step: no pause yet
-    control.record("a", 4, 0, 1)
+    assert control.wanted(task, 10) == 1  # one failure after a good step: no pause yet, a short draft
+    control.record("a", 1, 0, 1)
     assert [control.wanted(task, 10) for _ in range(8)] == [0] * 8  # paused for 8 steps
-    assert control.wanted(task, 10) == 4
+    assert control.wanted(task, 10) == 4  # then drafts as a new row
     for _ in range(2):
         control.record("a", 4, 0, 1)
     assert [control.wanted(task, 10) for _ in range(16)] == [0] * 16  # the second pause is twice as long
-    assert control.stats()["acceptance_rate"] == 3 / 20
+    assert control.stats()["acceptance_rate"] == 3 / 17
 
 
 def test_a_batch_size_whose_verify_steps_lose_to_plain_steps_stops_drafting():
