@@ -1,8 +1,9 @@
 """Many rows (a prefill) by a bf16 or block-quantized weight.
 
-``integer_matmul`` multiplies by an int4 weight in integers (W4A8, native/integer_matmul.c):
-the activations rounded to Q8_0 blocks, as every int4 path rounds them, times the nibbles, 32
-multiply-adds per instruction, about twice an fp32 matmul's rate on the same cores.
+``integer_matmul`` multiplies by an int4 weight (and, on a CPU with VNNI, an int8 one) in
+integers (W4A8, W8A8, native/integer_matmul.c): the activations rounded to Q8_0 blocks, as
+every quantized path rounds them, times the weight's bytes, 32 multiply-adds per instruction,
+about twice an fp32 matmul's rate on the same cores.
 
 ``dense_matmul`` serves the other types. A prompt's GEMM is compute bound: it wants
 oneDNN's (or the BLAS's) fp32 GEMM. Dequantizing
@@ -23,7 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.cpu.kernels import BF16, Q4, Q8, Q41, TypedWeight, _library, fits_bias
+from astrai.backends.cpu.kernels import (BF16, FEATURE_VNNI, Q4, Q8, Q41, TypedWeight, _library, fits_bias,
+                                         kernel_features)
 
 # fp32 weight rows widened per matmul: a whole projection of a small model, or a few slabs of a
 # large one's, bounding the buffer each thread keeps
@@ -91,13 +93,21 @@ def _prompt_rows(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tens
     return x.reshape(-1, weight.in_features).contiguous()
 
 
+def integer_int8_available() -> bool:
+    """Whether ``integer_matmul`` takes int8 weights: the library was built with VNNI (without
+    it, the int8 values stored unsigned as w + 128 would overflow maddubs' 16-bit pair sums,
+    and a prompt's int8 weight is widened for ``dense_matmul`` instead)."""
+    return dense_matmul_available() and bool(kernel_features() & FEATURE_VNNI)
+
+
 def integer_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(quantize_activations(x), w, bias)`` for ``x`` [..., in] fp32 and the int4 weight
-    ``w`` (Q4_0 or Q4_1 blocks) that ``weight`` describes, dequantized: native/integer_matmul.c
-    rounds ``x`` to Q8_0 blocks and sums each block's products in integers. Call only when
-    ``dense_matmul_available()``."""
+    ``w`` (Q4_0 or Q4_1 blocks), or where ``integer_int8_available()`` the int8 one (Q8_0), that
+    ``weight`` describes, dequantized: native/integer_matmul.c rounds ``x`` to Q8_0 blocks and
+    sums each block's products in integers. Call only when ``dense_matmul_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    rows = _prompt_rows(x, weight, bias, (Q4, Q41), "integer_matmul")
+    kinds = (Q4, Q41, Q8) if integer_int8_available() else (Q4, Q41)
+    rows = _prompt_rows(x, weight, bias, kinds, "integer_matmul")
     out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
     data, data_ld, scales, scale_ld, kind = weight.pointers()
     status = _library().astrai_integer_matmul(rows.data_ptr(), rows.shape[0], n_in, data, data_ld, scales, scale_ld,

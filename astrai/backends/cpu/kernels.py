@@ -3,7 +3,7 @@
 Six kernels live in ``native/``, built into one library: the four below,
 ``native/dense_rows.c``, which widens rows of a bf16 or int8 weight to fp32 for the
 prefill's matmuls, and ``native/integer_matmul.c``, which multiplies many rows by an int4
-weight in integers (both bound in dense_matmul.py).
+(with VNNI, also an int8) weight in integers (both bound in dense_matmul.py).
 
 Decode attention. PyTorch has no CPU kernel for attention of one query over rows of
 different lengths: batched matmuls over every row padded to the longest context read the

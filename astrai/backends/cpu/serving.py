@@ -20,20 +20,20 @@ memory (huge_pages.py); every other plain linear becomes a ``ServingLinear``. Va
 parameter names and ties never change, so the model's state dict is the same.
 
 Smaller weights take the weight-only dequantizing matmuls of native/dequant_matmul.c
-(``dequant_serving_linear``):
-a ``QuantizedLinear`` (int8/int4 blocks, astrai/model/quantized.py) becomes a
-``ServingQuantizedLinear`` and a bf16 linear a ``ServingLinear``; up to ``MAX_DEQUANT_ROWS``
-rows (a decode step, continuous batching's few rows) read the weight once in C, summing in
-fp32 (int8/int4: in integers, over the activations rounded to Q8_0 blocks) (up to ``DEQUANT_MAX_ROWS`` rows, ``MAX_DEQUANT_ROWS`` a pass); more rows (a prefill) take
+(``dequant_serving_linear``): a ``QuantizedLinear`` (int8/int4 blocks,
+astrai/model/quantized.py) becomes a ``ServingQuantizedLinear`` and a bf16 linear a
+``ServingLinear``; up to ``DEQUANT_MAX_ROWS`` rows (a decode step, continuous batching's few
+rows; ``MAX_DEQUANT_ROWS`` a pass) read the weight once in C, summing in fp32 (int8/int4: in
+integers, over the activations rounded to Q8_0 blocks). More rows (a prefill) take
 dense_matmul.py, which widens a bf16 or int8 weight to fp32 in C, a slab at a time into a
 buffer each thread keeps, for oneDNN's GEMM (in fp32, bf16 activations too, on a CPU without
 native bf16 matmuls, where torch would emulate them; without the native library torch
-multiplies the weight dequantized once for the call). An int4 weight takes the dequantizing matmul
-for one to three rows only: from ``INTEGER_MIN_ROWS`` rows on, ``integer_matmul`` multiplies
-it by the rounded activations in integers, which beats reading the weight once as soon as the
-sums, not the reads, are the bound. Their
-groups stack too: stacking along the outputs concatenates rows, so the joint weight of
-quantized members is their values and scales, each concatenated.
+multiplies the weight dequantized once for the call). ``integer_matmul`` multiplies by the
+rounded activations in integers instead: an int4 weight from ``INTEGER_MIN_ROWS`` rows on
+(the dequantizing matmul's one read of the weight wins for one to three rows only, as soon
+as the sums, not the reads, are the bound), an int8 one past ``DEQUANT_MAX_ROWS`` rows on a
+CPU with VNNI. Their groups stack too: stacking along the outputs concatenates rows, so the
+joint weight of quantized members is their values and scales, each concatenated.
 
 Every matmul notes which kernel ran it in a per-thread tally (``kernel_counts``), which the
 runner turns into its count of decode steps per path.
@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.backends.cpu.dense_matmul import dense_matmul, dense_matmul_available, integer_matmul
+from astrai.backends.cpu.dense_matmul import (dense_matmul, dense_matmul_available, integer_int8_available,
+                                              integer_matmul)
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.backends.cpu.kernels import (BF16, F32, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q8, Q41, TypedWeight,
                                          cpu_flags, dequant_matmul, kernels_available, rounded_activations,
@@ -148,7 +149,8 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     ``DEQUANT_MAX_ROWS`` rows of a matmul without autograd through ``dequant_matmul``,
     ``MAX_DEQUANT_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
     through ``dense_matmul`` (slabs of the weight widened in C), an int4 weight from
-    ``INTEGER_MIN_ROWS`` rows on through ``integer_matmul``, anything else through torch
+    ``INTEGER_MIN_ROWS`` rows on, and past ``DEQUANT_MAX_ROWS`` an int8 one where
+    ``integer_int8_available()``, through ``integer_matmul``, anything else through torch
     over ``dense()``, made once for the call. An int8 or int4 weight multiplies ``x``
     rounded as ``quantize_activations`` does on every path, as QuantizedLinear's forward
     does: the kernels round fp32 rows themselves, exactly so, and torch's path takes
@@ -156,7 +158,9 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     rows = x.numel() // max(x.shape[-1], 1)
     native = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
               and x.shape[-1] == weight.in_features)
-    if native and weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS and dense_matmul_available():
+    integer = weight is not None and (weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS
+                                      or weight.kind == Q8 and rows > DEQUANT_MAX_ROWS and integer_int8_available())
+    if native and integer and dense_matmul_available():
         _note("kernel")
         out = integer_matmul(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)

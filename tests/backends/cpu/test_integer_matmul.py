@@ -1,6 +1,7 @@
-"""Many rows by an int4 weight in integers (astrai/backends/cpu/native/integer_matmul.c through
-dense_matmul.integer_matmul): equal to the float64 product of the activations rounded to
-Q8_0 blocks and the dequantized Q4_0 or Q4_1 weight on shapes that are not multiples of a
+"""Many rows by an int4 weight, and on a CPU with VNNI an int8 one, in integers
+(astrai/backends/cpu/native/integer_matmul.c through dense_matmul.integer_matmul): equal to
+the float64 product of the activations rounded to Q8_0 blocks and the dequantized Q4_0, Q4_1
+or Q8_0 weight on shapes that are not multiples of a
 block, of the eight rows unpacked together or of a thread's share; a NaN or an infinity poisons
 its row as in the reference; a block of a stacked weight reads its own rows; the serving
 linear takes this kernel from four rows on (prefill and batched decode alike); the plain-C
@@ -13,14 +14,16 @@ import torch
 
 from astrai.backends.cpu import dense_matmul as dense
 from astrai.backends.cpu import kernels, serving
-from astrai.backends.cpu.kernels import Q4, Q8, Q41, TypedWeight, kernels_available
+from astrai.backends.cpu.kernels import BF16, Q4, Q8, Q41, TypedWeight, kernels_available
 from astrai.model.quantized import dequantize_weight, quantize_activations, quantize_weight
 from test_dequant_matmul_kernel import multiplied, typed
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
+# int8 weights multiply in integers where the kernels have VNNI; elsewhere they are refused (below)
+KINDS = [Q4, Q41] + ([Q8] if kernels_available() and dense.integer_int8_available() else [])
 
 
-@pytest.mark.parametrize("kind", [Q4, Q41])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n_out,n_in,rows", [(37, 45, 17), (5, 31, 1), (70, 96, 601), (23, 64, 50), (129, 200, 6),
                                                (16, 1000, 3)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -42,7 +45,7 @@ def test_many_rows_equal_the_float64_product_of_the_rounded_activations(kind, n_
     assert torch.allclose(got.double(), want, rtol=0, atol=2e-4)
 
 
-@pytest.mark.parametrize("kind", [Q4, Q41])
+@pytest.mark.parametrize("kind", KINDS)
 def test_an_infinity_or_a_nan_makes_its_row_nan_as_the_reference_does(kind):
     torch.manual_seed(1)
     weight, reference = typed(torch.randn(20, 70), kind)
@@ -54,24 +57,37 @@ def test_an_infinity_or_a_nan_makes_its_row_nan_as_the_reference_does(kind):
     assert torch.allclose(got[[0, 3]].double(), want[[0, 3]], rtol=0, atol=2e-4)
 
 
-@pytest.mark.parametrize("kind", [Q4, Q41])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_block_of_a_stacked_weight_reads_only_its_rows(kind):
     """A member of a joint weight: a view of some of its rows, its scales further apart too."""
     torch.manual_seed(2)
-    values, scales = quantize_weight(torch.randn(50, 64), 4, asymmetric=kind == Q41)
+    bits = 8 if kind == Q8 else 4
+    values, scales = quantize_weight(torch.randn(50, 64), bits, asymmetric=kind == Q41)
     block = TypedWeight(values[10:29], scales[10:29], kind, 64)
     x = torch.randn(9, 64)
-    want = multiplied(x, kind) @ dequantize_weight(values, scales, 4, 64)[10:29].double().t()
+    want = multiplied(x, kind) @ dequantize_weight(values, scales, bits, 64)[10:29].double().t()
     assert torch.allclose(dense.integer_matmul(x, block).double(), want, rtol=0, atol=2e-4)
 
 
 def test_it_refuses_what_it_cannot_multiply():
-    weight, _ = typed(torch.randn(8, 32), Q8)
+    weight, _ = typed(torch.randn(8, 32), BF16)
     with pytest.raises(ValueError, match="integer_matmul"):
         dense.integer_matmul(torch.randn(4, 32), weight)
+    if not dense.integer_int8_available():  # int8 needs VNNI: maddubs' pair sums would overflow
+        weight, _ = typed(torch.randn(8, 32), Q8)
+        with pytest.raises(ValueError, match="integer_matmul"):
+            dense.integer_matmul(torch.randn(4, 32), weight)
     weight, _ = typed(torch.randn(8, 32), Q4)
     with pytest.raises(ValueError, match="integer_matmul"):
         dense.integer_matmul(torch.randn(4, 31), weight)
+
+
+def count_integer_matmuls(monkeypatch) -> list:
+    """A list that gains an item for each call of integer_matmul by the serving linear."""
+    calls = []
+    real = dense.integer_matmul
+    monkeypatch.setattr(serving, "integer_matmul", lambda *args: calls.append(1) or real(*args))
+    return calls
 
 
 @pytest.mark.parametrize("kind", [Q4, Q41])
@@ -83,9 +99,7 @@ def test_the_serving_linear_takes_this_kernel_from_four_rows(kind, rows, monkeyp
     torch.manual_seed(3)
     weight, reference = typed(torch.randn(48, 40), kind)
     bias = torch.randn(48)
-    calls = []
-    real = dense.integer_matmul
-    monkeypatch.setattr(serving, "integer_matmul", lambda *args: calls.append(1) or real(*args))
+    calls = count_integer_matmuls(monkeypatch)
     with torch.no_grad():
         x = torch.randn(rows, 40)
         fast = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
@@ -95,6 +109,22 @@ def test_the_serving_linear_takes_this_kernel_from_four_rows(kind, rows, monkeyp
         fallback = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
     assert len(calls) == 1
     assert torch.allclose(fast, fallback, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("rows", [serving.INTEGER_MIN_ROWS, serving.DEQUANT_MAX_ROWS, serving.DEQUANT_MAX_ROWS + 1, 64])
+def test_an_int8_prompt_takes_this_kernel_where_the_cpu_has_vnni(rows, monkeypatch):
+    """An int8 weight reads once for a decode step's few rows (the dequantizing matmul) and
+    multiplies a prompt's rows in integers where VNNI is built in, else widened for oneDNN:
+    the same numbers either way."""
+    torch.manual_seed(5)
+    weight, reference = typed(torch.randn(48, 40), Q8)
+    calls = count_integer_matmuls(monkeypatch)
+    with torch.no_grad():
+        x = torch.randn(rows, 40)
+        fast = serving.dequant_serving_linear(x, weight, None, lambda: reference.float())
+    want = multiplied(x, Q8) @ reference.t()
+    assert len(calls) == (rows > serving.DEQUANT_MAX_ROWS and dense.integer_int8_available())
+    assert torch.allclose(fast.double(), want, rtol=0, atol=2e-4)
 
 
 def test_the_portable_build_gives_the_same_sums(monkeypatch):

@@ -1,6 +1,6 @@
-/* Integer matmul (W4A8) of many rows (a prompt) by an int4 weight: y = x W^T (+ bias) for
- * W in GGUF's Q4_0 or Q4_1 blocks (dequant_matmul.c's ASTRAI_Q4 / ASTRAI_Q41 layout) and x
- * fp32 [rows][n_in].
+/* Integer matmul (W4A8, W8A8) of many rows (a prompt) by an int4 or int8 weight: y = x W^T
+ * (+ bias) for W in GGUF's Q4_0, Q4_1 or (with VNNI) Q8_0 blocks (dequant_matmul.c's
+ * ASTRAI_Q4 / ASTRAI_Q41 / ASTRAI_Q8 layout) and x fp32 [rows][n_in].
  *
  * Widening the nibbles to floats for an fp32 GEMM (as dense_rows.c does for bf16 and
  * int8) leaves the prompt's matmuls at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
@@ -46,7 +46,7 @@
 #define ROWS_VNNI 0
 #endif
 
-enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, PAIR_MIN_ROWS = 24, TYPE_Q4 = 3, TYPE_Q41 = 4 };
+enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, PAIR_MIN_ROWS = 24, TYPE_Q8 = 2, TYPE_Q4 = 3, TYPE_Q41 = 4 };
 
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
@@ -66,8 +66,9 @@ static inline float half_value(uint16_t h)
 
 /* Eight weight rows from `first` (rows past n_out are zero) unpacked for the products:
  * `bytes` [blocks][8 fours][8 rows][4], `steps` [blocks][8] (d) and `extras` [blocks][8]
- * (what d_x s multiplies: -8 d for Q4_0, m for Q4_1). With AVX2 each block of the eight rows
- * is eight registers of nibbles in element order, transposed as an 8 x 8 matrix of fours. */
+ * (what d_x s multiplies: -8 d for Q4_0, m for Q4_1, -128 d for Q8_0, whose signed values
+ * are stored as w + 128 to be the unsigned operand). With AVX2 each block of the eight rows
+ * is eight registers of bytes in element order, transposed as an 8 x 8 matrix of fours. */
 static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, int64_t scale_ld, int type,
                          int64_t first, int64_t n_out, int64_t blocks, uint8_t *bytes, float *steps, float *extras)
 {
@@ -77,7 +78,8 @@ static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, i
         for (int64_t b = 0; b < blocks; ++b) {
             const float d = c < live ? half_value(row[b]) : 0.0f;
             steps[b * GROUP + c] = d;
-            extras[b * GROUP + c] = c >= live ? 0.0f : type == TYPE_Q41 ? half_value(row[blocks + b]) : -8.0f * d;
+            extras[b * GROUP + c] = c >= live ? 0.0f : type == TYPE_Q41 ? half_value(row[blocks + b])
+                                                      : type == TYPE_Q8 ? -128.0f * d : -8.0f * d;
         }
     }
     for (int64_t b = 0; b < blocks; ++b) {
@@ -86,6 +88,11 @@ static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, i
         __m256i r[GROUP];
         for (int c = 0; c < GROUP; ++c) {
             if (c >= live) { r[c] = _mm256_setzero_si256(); continue; }
+            if (type == TYPE_Q8) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (first + c) * ld + b * Q_BLOCK));
+                r[c] = _mm256_xor_si256(raw, _mm256_set1_epi8((char)0x80));
+                continue;
+            }
             const __m128i raw = _mm_loadu_si128((const __m128i *)(w + (first + c) * ld + b * (Q_BLOCK / 2)));
             const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
             r[c] = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
@@ -107,6 +114,11 @@ static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, i
         }
 #else
         for (int c = 0; c < GROUP; ++c) {
+            if (type == TYPE_Q8) {
+                const uint8_t *block = w + (first + c) * ld + b * Q_BLOCK;
+                for (int k = 0; k < Q_BLOCK; ++k) out[(k / 4) * GROUP * 4 + 4 * c + k % 4] = c < live ? block[k] ^ 0x80 : 0;
+                continue;
+            }
             const uint8_t *block = w + (first + c) * ld + b * (Q_BLOCK / 2);
             for (int k = 0; k < Q_BLOCK / 2; ++k) {
                 const int low = k, high = k + Q_BLOCK / 2;
@@ -222,14 +234,16 @@ static void group_rows(const uint8_t *bytes, const float *steps, const float *ex
     }
 }
 
-/* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias) for an int4 weight W [n_out][n_in]
- * (type 3: Q4_0, 4: Q4_1; `ld` bytes and `scale_ld` fp16 values between two rows), shared
- * among `threads`. Returns 0, -1 for another type, -2 when memory ran out. */
+/* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias) for an int4 or int8 weight W [n_out][n_in]
+ * (type 3: Q4_0, 4: Q4_1, 2: Q8_0; `ld` bytes and `scale_ld` fp16 values between two rows),
+ * shared among `threads`. Q8_0 only with VNNI: its unsigned w + 128 against int8 x would
+ * overflow maddubs' 16-bit pair sums. Returns 0, -1 for another type (or Q8_0 without VNNI),
+ * -2 when memory ran out. */
 int64_t astrai_integer_matmul(const float *x, int64_t rows, int64_t x_stride, const uint8_t *weight, int64_t ld,
                               const uint16_t *scales, int64_t scale_ld, int type, const float *bias, float *y,
                               int64_t y_stride, int64_t n_in, int64_t n_out, int threads)
 {
-    if (type != TYPE_Q4 && type != TYPE_Q41) return -1;
+    if (type != TYPE_Q4 && type != TYPE_Q41 && !(type == TYPE_Q8 && ROWS_VNNI)) return -1;
     if (rows <= 0 || n_out <= 0) return 0;
     const int64_t blocks = (n_in + Q_BLOCK - 1) / Q_BLOCK;
     int8_t *xq = aligned((size_t)(rows * blocks * Q_BLOCK));
