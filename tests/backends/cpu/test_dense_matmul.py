@@ -98,6 +98,7 @@ def test_the_serving_linear_takes_this_kernel_for_many_rows_and_torch_without_it
     calls = []
     real = dense.dense_matmul
     monkeypatch.setattr(serving, "dense_matmul", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(serving, "integer_int8_available", lambda: False)  # int8 widened, as without VNNI
     with torch.no_grad():
         fast = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
         monkeypatch.setattr(serving, "dense_matmul_available", lambda: False)
