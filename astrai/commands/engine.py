@@ -55,7 +55,8 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-model", dest="draft_model", metavar="DIR", default=None,
                        help="a smaller model with the same tokenizer, drafting for --speculative draft")
     group.add_argument("--draft-tokens", dest="draft_tokens", type=int, default=None,
-                       help=f"tokens drafted per step, 1 to {MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_TOKENS})")
+                       help=f"the most tokens a row drafts per step (shorter after a rejection), "
+                            f"1 to {MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_TOKENS})")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
