@@ -4,8 +4,9 @@ The model calls ``paged_cache.attend(layer_idx, q, k, v)`` once per layer; these
 answer it as the plain ``KvcacheView`` does, only through other kernels where the CPU gains:
 
 - ``CpuKvcacheView`` (prefill, and decode steps the decode buffers do not serve): rows
-  whose contexts begin with the same cached pages attend to that prefix in one matmul
-  for all of them (cascade attention) instead of a gathered copy per row; prefill rows of
+  whose contexts begin with the same cached pages, making at least half of the longest
+  context, attend to that prefix in one matmul for all of them (cascade attention)
+  instead of a gathered copy per row; prefill rows of
   different lengths come ``packed``, one unpadded row of every task's tokens, and attend
   one at a time (SDPA's causal kernel skips the masked half).
 - ``DecodeView`` (decode steps over ``DecodeBuffers``): each row's context is already
@@ -44,6 +45,12 @@ class CpuKvcacheView(KvcacheView):
         super().__init__(storage, page_table, start, n_new)
         B, T, S = len(n_new), max(n_new), self._total_len
         self.shared_len = self._shared_prefix_len(page_table, start) if B > 1 and self.attn_mask is not None else 0
+        if 2 * self.shared_len < S:
+            # cascade attention saves reading the prefix again per row, not arithmetic, and its
+            # suffix part is a dense masked matmul over padded rows: it pays only while the
+            # prefix is most of the context (a few system-prompt pages before thousands of
+            # tokens of each row's own chat take the packed rows, several times faster)
+            self.shared_len = 0
         # packed (several prefill rows of different lengths, no shared prefix): the rows' new
         # tokens follow each other in one row [1, N] with no padding, so no matmul computes
         # padding; the mask and the context slots stay per row, for attention row by row

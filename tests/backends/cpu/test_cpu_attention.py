@@ -75,3 +75,29 @@ def test_an_additive_mask_masks_like_the_boolean_one_on_every_path():
     low = attend(q.bfloat16(), dense_k.bfloat16(), dense_v.bfloat16(), additive)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("own_pages, cascade", [(1, True), (6, False)])
+def test_a_shared_prefix_takes_cascade_attention_only_while_it_is_most_of_the_context(own_pages, cascade):
+    """Two prompt rows continue contexts that begin with the same two cached pages: behind one
+    page of their own the prefix is most of the context (cascade attention), behind six it
+    is not, and the rows attend packed, one at a time. Either way the result is the plain view's."""
+    from astrai.backends.cpu.attention import CpuKvcacheView
+    from astrai.inference.cache import KvcacheView, Storage
+
+    torch.manual_seed(0)
+    ps, heads, kv_heads, D, n = 4, 4, 2, 8, 3
+    storage = Storage(1, 32, ps, ((kv_heads, D), (kv_heads, D)))
+    storage.k_cache.normal_()
+    storage.v_cache.normal_()
+    rows = [[0, 1] + [2 + b * 8 + i for i in range(own_pages + 1)] for b in range(2)]
+    table = torch.tensor(rows)
+    start = [(2 + own_pages) * ps] * 2
+    q, k, v = torch.randn(2, n, heads, D), torch.randn(2, n, kv_heads, D), torch.randn(2, n, kv_heads, D)
+    view = CpuKvcacheView(storage, table, start, [n, n], packed=True)
+    assert (view.shared_len, view.packed) == ((2 * ps, False) if cascade else (0, True))
+    got = view.attend(0, q.reshape(1, 2 * n, heads, D) if view.packed else q,
+                      k.reshape(1, 2 * n, kv_heads, D) if view.packed else k,
+                      v.reshape(1, 2 * n, kv_heads, D) if view.packed else v)
+    expected = KvcacheView(storage, table, start, [n, n]).attend(0, q, k, v)
+    torch.testing.assert_close(got.reshape(2, n, heads, D), expected, atol=1e-5, rtol=1e-5)
