@@ -310,7 +310,8 @@ def cast_linear_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     the activations and the KV cache, which lets the CPU's fused decode step (fp32
     activations) read bf16 weights. A head tied to the embedding gets its own cast copy.
     The result is meant for the inference engine's CPU runner, whose linears take a
-    weight of another dtype than their input; the plain forward needs one dtype throughout.
+    weight of another dtype than their input (and multiply it rounded to bf16, W16A16, as
+    llama.cpp's BF16 matmuls do); the plain forward needs one dtype throughout.
     """
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():

@@ -11,7 +11,8 @@ It registers itself for the device kind "cpu" (astrai/backends/__init__.py) with
   this CPU's bf16 matmuls (AMX, AVX-512-BF16) are fast enough to try bf16 autocast training;
 - ``tune_process`` (tuning.py): the process-wide allocator tuning, and
   ``release_thread_pool``: a thread's idle OpenMP workers given back;
-- bfloat16 weights on the CPU cast the linear weights only (activations and KV cache stay fp32).
+- bfloat16 weights on the CPU cast the linear weights only (activations and KV cache stay fp32;
+  each linear multiplies its input rounded to bf16, summing in fp32).
 
 Importing this package builds and imports nothing heavy: the C library is compiled on first
 use, and the parts (and the two names below) are imported when first asked for

@@ -154,7 +154,10 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     over ``dense()``, made once for the call. An int8 or int4 weight multiplies ``x``
     rounded as ``quantize_activations`` does on every path, as QuantizedLinear's forward
     does: the kernels round fp32 rows themselves, exactly so, and torch's path takes
-    ``rounded_activations`` (one native pass)."""
+    ``rounded_activations`` (one native pass). A bf16 weight multiplies ``x`` rounded to bf16
+    on every path (W16A16, as llama.cpp's BF16 matmuls; the dequantizing matmul rounds it
+    itself), summed in fp32: the products of two bf16 values are exact in fp32, so the paths
+    differ only in the order of their additions."""
     rows = x.numel() // max(x.shape[-1], 1)
     native = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
               and x.shape[-1] == weight.in_features)
@@ -180,9 +183,14 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     _note("dense")
     if (native and weight.kind in (BF16, Q8) and not (x.dtype == torch.bfloat16 and native_bf16_matmul())
             and dense_matmul_available()):
-        out = dense_matmul(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
+        rows_in = x.bfloat16().float() if weight.kind == BF16 else x.float()  # bf16: W16A16
+        out = dense_matmul(rows_in.contiguous(), weight, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)
-    weight_values = dense().to(x.dtype)
+    weight_values = dense()
+    bf16_weight = weight.kind == BF16 if weight is not None else weight_values.dtype == torch.bfloat16
+    if bf16_weight and x.dtype == torch.float32:
+        x = x.bfloat16().float()
+    weight_values = weight_values.to(x.dtype)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_matmul():
         # the same bf16 values multiplied in fp32: torch's bf16 matmul is emulated (slower) here
         out = F.linear(x.float(), weight_values.float(), None if bias is None else bias.to(x.dtype).float())

@@ -107,6 +107,26 @@ def test_the_serving_linear_takes_this_kernel_for_many_rows_and_torch_without_it
     assert torch.allclose(fast, fallback, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, serving.DEQUANT_MAX_ROWS + 1, 200])
+def test_a_bf16_serving_linear_multiplies_the_activations_rounded_to_bf16_on_every_path(rows, monkeypatch):
+    """W16A16 whatever the rows: the dequantizing matmul, the widened prompt matmul and torch's
+    fallback all equal the float64 product of the bf16-rounded activations (far closer than the
+    unrounded product, about 1e-2 away here)."""
+    torch.manual_seed(rows)
+    weight, reference = typed(torch.randn(48, 256), BF16)
+    x = torch.randn(rows, 256)
+    want = x.bfloat16().double() @ reference.t()
+    assert not torch.allclose(x.double() @ reference.t(), want, atol=1e-3)
+    with torch.no_grad():
+        got = [serving.dequant_serving_linear(x, weight, None, lambda: weight.data)]
+        monkeypatch.setattr(serving, "dense_matmul_available", lambda: False)
+        monkeypatch.setattr(serving, "kernels_available", lambda: False)
+        got.append(serving.dequant_serving_linear(x, weight, None, lambda: weight.data))
+        got.append(serving.dequant_serving_linear(x, None, None, lambda: weight.data))  # the kernels cannot read it
+    for out in got:
+        assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-5)
+
+
 def test_int4_weights_are_refused():
     """int4 prompts take integer_matmul; widening them is not this function's job."""
     weight, _ = typed(torch.randn(8, 32), Q4)

@@ -1,7 +1,7 @@
 """The dequantizing matmuls (astrai/backends/cpu/native/dequant_matmul.c through kernels.dequant_matmul):
 one to eight rows against int8 and int4 blocks (Q4_0's and Q4_1's), bf16 and fp32 weights equal the float64 product with
-the dequantized weight (int4: of the activations rounded to Q8_0 blocks, the integer sums of
-the kernel), on shapes that are not multiples of a block or of a thread's stretch, and the
+the dequantized weight (int8 and int4: of the activations rounded to Q8_0 blocks, the integer
+sums of the kernel; bf16: of the activations rounded to bf16), on shapes that are not multiples of a block or of a thread's stretch, and the
 plain-C build forced by ASTRAI_PORTABLE_KERNELS gives the same numbers."""
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
 
 
 def multiplied(x: torch.Tensor, kind: int) -> torch.Tensor:
-    """The activations a matmul of ``kind`` multiplies, in float64: int8 and int4 round them to Q8_0 blocks."""
+    """The activations a matmul of ``kind`` multiplies, in float64: int8 and int4 round them to
+    Q8_0 blocks, bf16 to bf16."""
+    if kind == BF16:
+        return x.bfloat16().double()
     return (quantize_activations(x) if kind in (Q8, Q4, Q41) else x).double()
 
 
@@ -80,6 +83,22 @@ def test_quantized_matmuls_round_the_activations_as_the_reference_does(n_in, row
     x[:, :min(n_in, 32)] = 0.0
     want = multiplied(x, kind) @ dense.T
     assert torch.allclose(dequant_matmul(x, weight).double(), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_bf16_weights_multiply_the_activations_rounded_to_bf16_as_torch_rounds(rows, monkeypatch):
+    """Through the identity matrix in bf16 the kernel returns the activations it multiplied:
+    bit for bit torch's ``.bfloat16()`` (ties to even, the largest values, subnormals), on
+    every thread's stretch."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    n = 40
+    one_step = 2.0 ** -7  # bf16's step just above 1
+    ties = torch.tensor([1 + one_step / 2, 1 + 3 * one_step / 2, -(1 + one_step / 2), 3.38e38, 1e-40, -2.5e-39, 0.1])
+    x = torch.randn(rows, n)
+    x[0, :len(ties)] = ties
+    got = dequant_matmul(x, TypedWeight(torch.eye(n).bfloat16(), None, BF16, n))
+    assert torch.equal(got, x.bfloat16().float())
+    assert got[0, 0] == 1.0 and got[0, 1] == 1 + 2 * one_step and got[0, 2] == -1.0
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (5, 45), (3, 96), (512, 200)])

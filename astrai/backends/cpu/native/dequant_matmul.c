@@ -15,9 +15,11 @@
  *                several, a speculative step's drafted tokens, are summed here);
  *
  * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
- * The weight is the decode step's whole cost, so it is read once for all rows. bf16 is summed
- * in fp32 without touching the activations: F.linear over the dequantized weight but for the
- * order of the additions; a last partial block reads only its first n_in % 32 elements.
+ * The weight is the decode step's whole cost, so it is read once for all rows. bf16 multiplies
+ * the activations rounded to bf16 (W16A16, as llama.cpp's BF16 matmuls and bf16_matmul.c's
+ * prompt rows do), each thread rounding x for itself: every product of two bf16 values is exact
+ * in fp32, so the result is F.linear over the rounded x and the weight but for the order of the
+ * additions; a last partial block reads only its first n_in % 32 elements.
  *
  * int8 and int4 multiply in integers, as llama.cpp does: widening every weight to a float
  * costs more than reading it, so a float sum would be bound by arithmetic, not memory (and
@@ -44,6 +46,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -113,6 +116,35 @@ static inline float bf16_to_float(uint16_t b)
 {
     union { uint32_t i; float f; } out = { .i = (uint32_t)b << 16 };
     return out.f;
+}
+
+/* v rounded to the nearest bf16, ties to even, as torch's .bfloat16() rounds (a NaN stays a NaN) */
+static inline float bf16_rounded(float v)
+{
+    union { uint32_t i; float f; } in = { .f = v };
+    if ((in.i & 0x7fffffffu) > 0x7f800000u) return v;
+    in.i = (in.i + 0x7fffu + ((in.i >> 16) & 1u)) & 0xffff0000u;
+    return in.f;
+}
+
+/* rows of x rounded to bf16 into the calling thread's own buffer (grown as needed, kept for
+ * the thread's next call); NULL when memory ran out */
+static const float *bf16_rounded_rows(const float *x, int64_t rows, int64_t x_stride, int64_t n_in)
+{
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (rows * n_in > capacity) {
+        float *grown = realloc(buffer, sizeof(float) * (size_t)(rows * n_in));
+        if (grown == NULL) return NULL;
+        buffer = grown, capacity = rows * n_in;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *in = x + r * x_stride;
+        float *out = buffer + r * n_in;
+        #pragma omp simd
+        for (int64_t i = 0; i < n_in; ++i) out[i] = bf16_rounded(in[i]);
+    }
+    return buffer;
 }
 
 static inline void prefetch_ahead(const uint8_t *p, const uint8_t *end)
@@ -609,13 +641,24 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
     const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
     int64_t mine = -1;
     float highest = 0.0f, out[ASTRAI_MAX_DEQUANT_ROWS];
-    /* int8, int4: each thread quantizes x for itself (a few microseconds), so no barrier is needed */
+    /* int8 and int4 quantize x, bf16 rounds it (below): each thread for itself (a few
+     * microseconds), so no barrier is needed */
     const int64_t blocks = (type == ASTRAI_Q8 || type == ASTRAI_Q4 || type == ASTRAI_Q41) && first < last
                                ? (n_in + BLOCK - 1) / BLOCK : 0;
     int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
     float xd[rows * blocks + 1], xs[rows * blocks + 1];
     int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
     if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, type == ASTRAI_Q4 ? xo : NULL, xs);
+    if (type == ASTRAI_BF16 && first < last) {
+        const float *rounded = bf16_rounded_rows(x, rows, x_stride, n_in);
+        if (rounded == NULL) {  /* no memory for a few rows: NaN outputs rather than other numbers */
+            for (int64_t j = first; j < last; ++j)
+                for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = NAN;
+            if (best) { best[t] = first; top[t] = NAN; }
+            return;
+        }
+        x = rounded, x_stride = n_in;
+    }
     for (int64_t j = first; j < last; ++j) {
         /* a literal row count per case: each copy keeps its rows' sums in registers */
         switch (rows) {
