@@ -5,7 +5,11 @@ integers (W4A8, W8A8, native/integer_matmul.c): the activations rounded to Q8_0 
 every quantized path rounds them, times the weight's bytes, 32 multiply-adds per instruction,
 about twice an fp32 matmul's rate on the same cores.
 
-``dense_matmul`` serves the other types. A prompt's GEMM is compute bound: it wants
+``bf16_matmul`` multiplies by a bf16 weight on a CPU with AVX512-BF16 (W16A16,
+native/bf16_matmul.c): the activations rounded to bf16, as every bf16 path rounds them, two
+products added per lane by ``vdpbf16ps``, twice an fp32 FMA's multiply-adds.
+
+``dense_matmul`` serves the other types (and bf16 elsewhere). A prompt's GEMM is compute bound: it wants
 oneDNN's (or the BLAS's) fp32 GEMM. Dequantizing
 in torch for each call makes several passes and a fresh allocation the size of the fp32 weight
 (page faults included); instead native/dense_rows.c widens the weight in one threaded pass,
@@ -24,8 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.cpu.kernels import (BF16, FEATURE_VNNI, Q4, Q8, Q41, TypedWeight, _library, fits_bias,
-                                         kernel_features)
+from astrai.backends.cpu.kernels import (BF16, FEATURE_BF16, FEATURE_VNNI, Q4, Q8, Q41, TypedWeight, _library,
+                                         fits_bias, kernel_features)
 
 # fp32 weight rows widened per matmul: a whole projection of a small model, or a few slabs of a
 # large one's, bounding the buffer each thread keeps
@@ -115,6 +119,30 @@ def integer_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Te
                                               n_in, n_out, max(torch.get_num_threads(), 1))
     if status == -2:
         raise MemoryError("integer_matmul: no memory for the quantized rows")
+    return out.view(*x.shape[:-1], n_out)
+
+
+def bf16_matmul_available() -> bool:
+    """Whether ``bf16_matmul`` runs here: the library was built with AVX512-BF16 (the
+    ``avx512_bf16`` level, on a CPU that reports it)."""
+    return dense_matmul_available() and bool(kernel_features() & FEATURE_BF16)
+
+
+def bf16_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x.bfloat16().float(), w, bias)`` for ``x`` [..., in] fp32 and the bf16 weight
+    ``w`` that ``weight`` describes, summed in fp32 (native/bf16_matmul.c). Call only when
+    ``bf16_matmul_available()``."""
+    n_in, n_out = weight.in_features, weight.out_features
+    rows = _prompt_rows(x, weight, bias, (BF16,), "bf16_matmul")
+    out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
+    data, data_ld, _, _, _ = weight.pointers()
+    status = _library().astrai_bf16_matmul(rows.data_ptr(), rows.shape[0], n_in, data, data_ld,
+                                           0 if bias is None else bias.data_ptr(), out.data_ptr(), n_out, n_in, n_out,
+                                           max(torch.get_num_threads(), 1))
+    if status == -1:
+        raise ValueError("bf16_matmul: this build has no AVX512-BF16 (see bf16_matmul_available)")
+    if status == -2:
+        raise MemoryError("bf16_matmul: no memory for the rounded rows")
     return out.view(*x.shape[:-1], n_out)
 
 

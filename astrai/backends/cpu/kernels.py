@@ -50,7 +50,9 @@ Instruction-set levels. On x86-64 the library is built for one of ``LEVELS``: ``
 dequantizing and integer matmuls widen blocks with intrinsics and sum int4 x int8 products
 with maddubs), ``avx512`` (x86-64-v4's: sixteen-lane loops for several rows of int8 and fp32
 weights) and ``avx512_vnni`` (x86-64-v4's with AVX512-VNNI: each group of four int4 x int8
-products summed by one ``vpdpbusd``, the same integer sums, so the same outputs as ``avx2``).
+products summed by one ``vpdpbusd``, the same integer sums, so the same outputs as ``avx2``)
+and ``avx512_bf16`` (as ``avx512_vnni``, and a prompt's rows multiplied by a bf16 weight with
+``vdpbf16ps``, native/bf16_matmul.c).
 Each is built into its own library, tuned for this CPU (``-mtune=native``), and the process
 loads the highest level whose flags /proc/cpuinfo reports (``kernel_isa()`` names it), or,
 where the compiler cannot build that one, the next lower that it can.
@@ -116,7 +118,8 @@ OPTIONS = {"cx16": "-mcx16", "lahf_lm": "-msahf", "popcnt": "-mpopcnt", "pni": "
            "sse4_1": "-msse4.1", "sse4_2": "-msse4.2", "avx": "-mavx", "avx2": "-mavx2", "bmi1": "-mbmi",
            "bmi2": "-mbmi2", "f16c": "-mf16c", "fma": "-mfma", "abm": "-mlzcnt", "movbe": "-mmovbe",
            "xsave": "-mxsave", "avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512cd": "-mavx512cd",
-           "avx512dq": "-mavx512dq", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni"}
+           "avx512dq": "-mavx512dq", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni",
+           "avx512_bf16": "-mavx512bf16"}
 
 
 def _x86_level(name: str, needs: frozenset[str]) -> KernelLevel:
@@ -126,7 +129,8 @@ def _x86_level(name: str, needs: frozenset[str]) -> KernelLevel:
 
 PORTABLE = KernelLevel("portable", ("-DASTRAI_PORTABLE",))
 LEVELS = (PORTABLE, _x86_level("avx2", X86_64_V3), _x86_level("avx512", X86_64_V4),
-          _x86_level("avx512_vnni", X86_64_V4 | {"avx512_vnni"}))  # lowest first
+          _x86_level("avx512_vnni", X86_64_V4 | {"avx512_vnni"}),
+          _x86_level("avx512_bf16", X86_64_V4 | {"avx512_vnni", "avx512_bf16"}))  # lowest first
 OTHER_LEVELS = (PORTABLE, KernelLevel("native", ("-march=native",)))  # CPUs other than x86-64
 
 
@@ -304,6 +308,8 @@ def _load(compiler: str, level: KernelLevel) -> ctypes.CDLL:
     library.astrai_integer_matmul.argtypes = ([ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ptr, ptr]
                                               + [i64] * 3 + [ctypes.c_int])
     library.astrai_integer_matmul.restype = i64
+    library.astrai_bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr] + [i64] * 3 + [ctypes.c_int]
+    library.astrai_bf16_matmul.restype = i64
     library.astrai_kernel_features.argtypes = []
     library.astrai_kernel_features.restype = ctypes.c_int
     for function in (library.astrai_decode_attention_f32, library.astrai_row_matmul_f32,
@@ -552,7 +558,7 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 # what astrai_kernel_features() reports a build's loops use (native/dequant_matmul.c)
-FEATURE_AVX2, FEATURE_AVX512, FEATURE_VNNI = 1, 2, 4
+FEATURE_AVX2, FEATURE_AVX512, FEATURE_VNNI, FEATURE_BF16 = 1, 2, 4, 8
 
 
 def kernel_features(library: Optional[ctypes.CDLL] = None) -> int:

@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.backends.cpu.dense_matmul import (dense_matmul, dense_matmul_available, integer_int8_available,
-                                              integer_matmul)
+from astrai.backends.cpu.dense_matmul import (bf16_matmul, bf16_matmul_available, dense_matmul, dense_matmul_available,
+                                              integer_int8_available, integer_matmul)
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.backends.cpu.kernels import (BF16, F32, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q8, Q41, TypedWeight,
                                          cpu_flags, dequant_matmul, kernels_available, rounded_activations,
@@ -167,6 +167,10 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
         _note("kernel")
         out = integer_matmul(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)
+    if (native and weight.kind == BF16 and rows > DEQUANT_MAX_ROWS and x.dtype == torch.float32
+            and bf16_matmul_available()):
+        _note("kernel")
+        return bf16_matmul(x.contiguous(), weight, None if bias is None else bias.float().contiguous())
     kernel = native and 1 <= rows <= DEQUANT_MAX_ROWS and kernels_available()
     if weight is not None and weight.kind in (Q8, Q4, Q41) and not (kernel and x.dtype == torch.float32):
         x = rounded_activations(x)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from astrai.backends.cpu.dense_matmul import integer_int8_available
+from astrai.backends.cpu.dense_matmul import bf16_matmul_available, integer_int8_available
 from astrai.backends.cpu.kernels import kernels_available
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference.engine import load_model
@@ -45,7 +45,8 @@ EXPECTED = {
     # a batch's MLA step expands every cached position's latent (kv_b_proj over batch x context
     # rows): oneDNN's packed copy in fp32, the integer matmul in int4 (and int8 on a CPU with
     # VNNI; see the test), and in bf16, once the context outgrows the dequantizing matmul's
-    # rows, the weight widened for torch (counted "torch")
+    # rows, the weight widened for torch (counted "torch"; the bf16 matmul on a CPU with
+    # AVX512-BF16, see the test)
     ("tiny-mla", "fp32"): ("row_kernels", {"batched"}),
     ("tiny-mla", "int4"): ("row_kernels", {"row_kernels"}),
     ("tiny-mla", "int8"): ("row_kernels", {"row_kernels"}),
@@ -89,6 +90,8 @@ def test_each_model_decodes_on_its_expected_path(name, weights, model_dirs):
     lone, batch = EXPECTED[name, weights]
     if (name, weights) == ("tiny-mla", "int8") and not integer_int8_available():
         batch = {"row_kernels", "torch"}  # without VNNI a prompt's int8 weight is widened for torch, as bf16's
+    if (name, weights) == ("tiny-mla", "bf16") and bf16_matmul_available():
+        batch = {"row_kernels"}  # the prompt's bf16 rows in vdpbf16ps
     assert decode_paths(model, 1) == {path: STEPS if path == lone else 0 for path in ("fused", "row_kernels",
                                                                                         "batched", "torch")}
     assert {path for path, steps in decode_paths(model, 2).items() if steps} == batch

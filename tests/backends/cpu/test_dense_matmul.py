@@ -99,6 +99,7 @@ def test_the_serving_linear_takes_this_kernel_for_many_rows_and_torch_without_it
     real = dense.dense_matmul
     monkeypatch.setattr(serving, "dense_matmul", lambda *args: calls.append(1) or real(*args))
     monkeypatch.setattr(serving, "integer_int8_available", lambda: False)  # int8 widened, as without VNNI
+    monkeypatch.setattr(serving, "bf16_matmul_available", lambda: False)  # bf16 widened, as without AVX512-BF16
     with torch.no_grad():
         fast = serving.dequant_serving_linear(x, weight, bias, lambda: reference.float())
         monkeypatch.setattr(serving, "dense_matmul_available", lambda: False)
@@ -109,9 +110,9 @@ def test_the_serving_linear_takes_this_kernel_for_many_rows_and_torch_without_it
 
 @pytest.mark.parametrize("rows", [1, serving.DEQUANT_MAX_ROWS + 1, 200])
 def test_a_bf16_serving_linear_multiplies_the_activations_rounded_to_bf16_on_every_path(rows, monkeypatch):
-    """W16A16 whatever the rows: the dequantizing matmul, the widened prompt matmul and torch's
-    fallback all equal the float64 product of the bf16-rounded activations (far closer than the
-    unrounded product, about 1e-2 away here)."""
+    """W16A16 whatever the rows: the dequantizing matmul, the prompt's bf16 matmul (where the CPU
+    has it), the widened prompt matmul and torch's fallback all equal the float64 product of the
+    bf16-rounded activations (far closer than the unrounded product, about 1e-2 away here)."""
     torch.manual_seed(rows)
     weight, reference = typed(torch.randn(48, 256), BF16)
     x = torch.randn(rows, 256)
@@ -119,12 +120,34 @@ def test_a_bf16_serving_linear_multiplies_the_activations_rounded_to_bf16_on_eve
     assert not torch.allclose(x.double() @ reference.t(), want, atol=1e-3)
     with torch.no_grad():
         got = [serving.dequant_serving_linear(x, weight, None, lambda: weight.data)]
+        monkeypatch.setattr(serving, "bf16_matmul_available", lambda: False)
+        got.append(serving.dequant_serving_linear(x, weight, None, lambda: weight.data))
         monkeypatch.setattr(serving, "dense_matmul_available", lambda: False)
         monkeypatch.setattr(serving, "kernels_available", lambda: False)
         got.append(serving.dequant_serving_linear(x, weight, None, lambda: weight.data))
         got.append(serving.dequant_serving_linear(x, None, None, lambda: weight.data))  # the kernels cannot read it
     for out in got:
         assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_out,n_in,rows", [(37, 45, 9), (70, 96, 600), (129, 201, 13), (16, 31, 64), (33, 2, 25)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_matmul_equals_the_float64_product_of_the_rounded_activations(n_out, n_in, rows, with_bias):
+    """native/bf16_matmul.c on shapes that fill neither a group of sixteen outputs, a pass of
+    twelve rows nor a pair of inputs; a build without AVX512-BF16 declines (the serving linear
+    then widens the weight, test above)."""
+    torch.manual_seed(n_out + n_in + rows)
+    weight, reference = typed(torch.randn(n_out, n_in), BF16)
+    x = torch.randn(rows, n_in)
+    bias = torch.randn(n_out) if with_bias else None
+    if not dense.bf16_matmul_available():
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            dense.bf16_matmul(x, weight, bias)
+        return
+    got = dense.bf16_matmul(x, weight, bias)
+    want = x.bfloat16().double() @ reference.t() + (0 if bias is None else bias.double())
+    assert got.shape == (rows, n_out) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
 
 
 def test_int4_weights_are_refused():

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from astrai.backends.cpu import dense_matmul as dense
-from astrai.backends.cpu import kernels
-from astrai.backends.cpu.kernels import (BF16, F32, FEATURE_AVX2, FEATURE_AVX512, FEATURE_VNNI, Q4, Q8, Q41,
-                                        kernels_available)
+from astrai.backends.cpu import kernels, serving
+from astrai.backends.cpu.kernels import (BF16, F32, FEATURE_AVX2, FEATURE_AVX512, FEATURE_BF16, FEATURE_VNNI, Q4, Q8,
+                                        Q41, kernels_available)
 from astrai.errors import ConfigError
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.quantized import quantize_model
@@ -25,7 +25,8 @@ from test_dequant_matmul_kernel import typed
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
 FEATURES = {"portable": 0, "avx2": FEATURE_AVX2, "avx512": FEATURE_AVX2 | FEATURE_AVX512,
-            "avx512_vnni": FEATURE_AVX2 | FEATURE_AVX512 | FEATURE_VNNI, "native": None}
+            "avx512_vnni": FEATURE_AVX2 | FEATURE_AVX512 | FEATURE_VNNI,
+            "avx512_bf16": FEATURE_AVX2 | FEATURE_AVX512 | FEATURE_VNNI | FEATURE_BF16, "native": None}
 V3 = "flags : fpu sse2 ssse3 pni cx16 lahf_lm popcnt sse4_1 sse4_2 avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
 V4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
 EVERYTHING = V4 + " avx512_vnni avx512_bf16 amx_tile amx_int8"
@@ -56,7 +57,8 @@ def _on_cpu(monkeypatch, flags, machine="x86_64"):
 
 @pytest.mark.parametrize("flags,machine,level", [(V3, "x86_64", "avx2"), ("flags : fpu sse2", "x86_64", "portable"),
                                                  ("", "x86_64", "portable"), (V4, "x86_64", "avx512"),
-                                                 (EVERYTHING, "x86_64", "avx512_vnni"),
+                                                 (EVERYTHING, "x86_64", "avx512_bf16"),
+                                                 (V4 + " avx512_vnni", "x86_64", "avx512_vnni"),
                                                  (V3 + " avx512_vnni", "x86_64", "avx2"),  # VNNI without AVX-512
                                                  ("Features : fp asimd", "aarch64", "native")])
 def test_the_highest_level_the_cpu_reports_is_selected(monkeypatch, flags, machine, level):
@@ -147,6 +149,10 @@ def _float_outputs(on_level, name):
             out += [kernels.dequant_matmul(torch.randn(rows, 200), weight, torch.randn(37)) for rows in range(1, 9)]
         if kind != F32:
             out.append(dense.dense_matmul(torch.randn(9, 200), weight, torch.randn(37)))
+        if kind == BF16:  # a prompt's rows: vdpbf16ps where the level has it, else the weight widened
+            with torch.no_grad():
+                out += [serving.dequant_serving_linear(torch.randn(rows, 200), weight, torch.randn(37), None)
+                        for rows in (9, 40)]
     w = torch.randn(45, 131)
     out += [kernels.row_matmul(torch.randn(131), w, torch.randn(45)), kernels.row_matmul_argmax(torch.randn(131), w)[0]]
     out += [kernels.rows_matmul(torch.randn(rows, 131), w) for rows in (2, 5, 9, 16)]

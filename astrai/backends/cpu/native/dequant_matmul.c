@@ -725,5 +725,11 @@ void astrai_quantize_rows_q8(const float *x, int64_t x_stride, int64_t rows, int
 float astrai_half_value(uint16_t h) { return half_to_float(h); }
 
 /* The intrinsics this build's loops use, as bits (kernels.py's FEATURE_*): 1 AVX2 and FMA,
- * 2 AVX-512's sixteen-lane loops, 4 VNNI's integer sums; 0 for plain C loops. */
-int astrai_kernel_features(void) { return DEQUANT_AVX2 | DEQUANT_AVX512 << 1 | DEQUANT_VNNI << 2; }
+ * 2 AVX-512's sixteen-lane loops, 4 VNNI's integer sums, 8 bf16_matmul.c's vdpbf16ps (its
+ * condition); 0 for plain C loops. */
+#if DEQUANT_AVX512 && defined(__AVX512BF16__)
+#define BF16_PRODUCTS 1
+#else
+#define BF16_PRODUCTS 0
+#endif
+int astrai_kernel_features(void) { return DEQUANT_AVX2 | DEQUANT_AVX512 << 1 | DEQUANT_VNNI << 2 | BF16_PRODUCTS << 3; }
