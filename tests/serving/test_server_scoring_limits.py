@@ -15,7 +15,7 @@ import torch
 from server_helpers import MODEL_NAME, live_server
 from starlette.testclient import TestClient
 
-from astrai.backends.cpu import dense_matmul
+from astrai.backends.cpu import dense_matmul, serving
 from astrai.config import preset
 from astrai.inference import InferenceEngine
 from astrai.inference.engine import load_model
@@ -110,9 +110,10 @@ def test_scores_from_many_chunks_equal_the_plain_forward(tiny_engine, plain_mode
     assert [[t for t, _, _ in e.top] for e in entries] == logprobs.topk(2, dim=-1).indices.tolist()
 
 
-def test_scoring_frees_the_scratch_of_the_thread_that_ran_it(tiny_model_dir):
-    """A bf16 model's prompt matmuls widen weights into a per-thread slab (dense_matmul.py);
-    the thread that scored keeps none of it afterwards."""
+def test_scoring_frees_the_scratch_of_the_thread_that_ran_it(tiny_model_dir, monkeypatch):
+    """A bf16 model's prompt matmuls widen weights into a per-thread slab (dense_matmul.py;
+    on a CPU without AVX512-BF16, made so here); the thread that scored keeps none of it afterwards."""
+    monkeypatch.setattr(serving, "bf16_matmul_available", lambda: False)
     model = load_model(tiny_model_dir, torch.bfloat16, "cpu")
     seen = {}
     with InferenceEngine(model, max_seq_len=64, page_size=16, in_place=True) as engine:
