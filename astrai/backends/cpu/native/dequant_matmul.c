@@ -19,7 +19,8 @@
  * the activations rounded to bf16 (W16A16, as llama.cpp's BF16 matmuls and bf16_matmul.c's
  * prompt rows do), each thread rounding x for itself: every product of two bf16 values is exact
  * in fp32, so the result is F.linear over the rounded x and the weight but for the order of the
- * additions; a last partial block reads only its first n_in % 32 elements.
+ * additions (with AVX512-BF16, vdpbf16ps adds two products to each of sixteen lanes, and
+ * flushes subnormal values to zero); a last partial block reads only its first n_in % 32 elements.
  *
  * int8 and int4 multiply in integers, as llama.cpp does: widening every weight to a float
  * costs more than reading it, so a float sum would be bound by arithmetic, not memory (and
@@ -65,6 +66,11 @@
 #define DEQUANT_VNNI 1  /* vpdpbusd on 256-bit registers: four u8 x s8 products summed into each int32 lane */
 #else
 #define DEQUANT_VNNI 0
+#endif
+#if DEQUANT_AVX512 && defined(__AVX512BF16__)
+#define BF16_PRODUCTS 1  /* vdpbf16ps: two bf16 x bf16 products added to each fp32 lane */
+#else
+#define BF16_PRODUCTS 0
 #endif
 
 enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4 };
@@ -127,22 +133,35 @@ static inline float bf16_rounded(float v)
     return in.f;
 }
 
-/* rows of x rounded to bf16 into the calling thread's own buffer (grown as needed, kept for
- * the thread's next call); NULL when memory ran out */
-static const float *bf16_rounded_rows(const float *x, int64_t rows, int64_t x_stride, int64_t n_in)
+/* Rows of x rounded to bf16 into the calling thread's own buffer (grown as needed, kept for
+ * the thread's next call), n_in elements apart: with vdpbf16ps (BF16_PRODUCTS) as bf16 bits
+ * for dot_bf16 to multiply as they are, else as floats; NULL when memory ran out. */
+#if BF16_PRODUCTS
+typedef uint16_t bf16_row_t;
+static inline bf16_row_t bf16_row_value(float v)
 {
-    static __thread float *buffer = NULL;
+    union { float f; uint32_t i; } in = { .f = bf16_rounded(v) };
+    return (uint16_t)(in.i >> 16);
+}
+#else
+typedef float bf16_row_t;
+static inline bf16_row_t bf16_row_value(float v) { return bf16_rounded(v); }
+#endif
+
+static const bf16_row_t *bf16_rounded_rows(const float *x, int64_t rows, int64_t x_stride, int64_t n_in)
+{
+    static __thread bf16_row_t *buffer = NULL;
     static __thread int64_t capacity = 0;
     if (rows * n_in > capacity) {
-        float *grown = realloc(buffer, sizeof(float) * (size_t)(rows * n_in));
+        bf16_row_t *grown = realloc(buffer, sizeof(bf16_row_t) * (size_t)(rows * n_in));
         if (grown == NULL) return NULL;
         buffer = grown, capacity = rows * n_in;
     }
     for (int64_t r = 0; r < rows; ++r) {
         const float *in = x + r * x_stride;
-        float *out = buffer + r * n_in;
+        bf16_row_t *out = buffer + r * n_in;
         #pragma omp simd
-        for (int64_t i = 0; i < n_in; ++i) out[i] = bf16_rounded(in[i]);
+        for (int64_t i = 0; i < n_in; ++i) out[i] = bf16_row_value(in[i]);
     }
     return buffer;
 }
@@ -519,9 +538,25 @@ static inline __attribute__((always_inline)) void dot_q41(const uint8_t *w, cons
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
-static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
-                            const uint8_t *end)
+/* The bf16 weight row's products with the rows of x, rounded to bf16 (bf16_rounded_rows:
+ * `rounded` holds bf16 bits with vdpbf16ps, else floats, rows x_stride elements apart). */
+static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const bf16_row_t *rounded,
+                                                           int64_t x_stride, int rows, int64_t n_in, float *out,
+                                                           const uint8_t *end)
 {
+#if BF16_PRODUCTS
+    __m512 acc[ASTRAI_MAX_DEQUANT_ROWS];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n_in; i += 32) {
+        const __mmask32 live = n_in - i >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (n_in - i)) - 1u);
+        prefetch_ahead((const uint8_t *)(w + i), end);
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, w + i);
+        for (int r = 0; r < rows; ++r)
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(live, rounded + r * x_stride + i));
+    }
+    for (int r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+    const float *x = rounded;
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t i = 0;
 #if DEQUANT_AVX2
@@ -555,6 +590,7 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
     for (; i < n_in; ++i)
         for (int r = 0; r < rows; ++r) sum[r] += bf16_to_float(w[i]) * x[r * x_stride + i];
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
+#endif
 }
 
 /* The fp32 weight row's products with several rows of x (one row takes row_matmul.c's kernel):
@@ -599,7 +635,7 @@ int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
 static inline __attribute__((always_inline)) void dequant_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
                              int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
                              const uint8_t *end, const int8_t *xq, const float *xd, const int32_t *xo,
-                             const float *xs)
+                             const float *xs, const bf16_row_t *xr)
 {
     switch (type) {
     case ASTRAI_Q8:
@@ -615,7 +651,7 @@ static inline __attribute__((always_inline)) void dequant_dot(int type, const ui
         dot_f32((const float *)w + j * ld, x, x_stride, rows, n_in, out, end);
         break;
     default:
-        dot_bf16((const uint16_t *)w + j * ld, x, x_stride, rows, n_in, out, end);
+        dot_bf16((const uint16_t *)w + j * ld, xr, n_in, rows, n_in, out, end);
         break;
     }
 }
@@ -649,23 +685,23 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
     float xd[rows * blocks + 1], xs[rows * blocks + 1];
     int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
     if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, type == ASTRAI_Q4 ? xo : NULL, xs);
+    const bf16_row_t *xr = NULL;
     if (type == ASTRAI_BF16 && first < last) {
-        const float *rounded = bf16_rounded_rows(x, rows, x_stride, n_in);
-        if (rounded == NULL) {  /* no memory for a few rows: NaN outputs rather than other numbers */
+        xr = bf16_rounded_rows(x, rows, x_stride, n_in);
+        if (xr == NULL) {  /* no memory for a few rows: NaN outputs rather than other numbers */
             for (int64_t j = first; j < last; ++j)
                 for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = NAN;
             if (best) { best[t] = first; top[t] = NAN; }
             return;
         }
-        x = rounded, x_stride = n_in;
     }
     for (int64_t j = first; j < last; ++j) {
         /* a literal row count per case: each copy keeps its rows' sums in registers */
         switch (rows) {
-#define ROWS_CASE(n) case n: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs); break;
+#define ROWS_CASE(n) case n: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs, xr); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
         default: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, ASTRAI_MAX_DEQUANT_ROWS, n_in, out, end, xq, xd,
-                             xo, xs);
+                             xo, xs, xr);
 #undef ROWS_CASE
         }
         const float b = bias ? bias[j] : 0.0f;
@@ -727,9 +763,4 @@ float astrai_half_value(uint16_t h) { return half_to_float(h); }
 /* The intrinsics this build's loops use, as bits (kernels.py's FEATURE_*): 1 AVX2 and FMA,
  * 2 AVX-512's sixteen-lane loops, 4 VNNI's integer sums, 8 bf16_matmul.c's vdpbf16ps (its
  * condition); 0 for plain C loops. */
-#if DEQUANT_AVX512 && defined(__AVX512BF16__)
-#define BF16_PRODUCTS 1
-#else
-#define BF16_PRODUCTS 0
-#endif
 int astrai_kernel_features(void) { return DEQUANT_AVX2 | DEQUANT_AVX512 << 1 | DEQUANT_VNNI << 2 | BF16_PRODUCTS << 3; }
