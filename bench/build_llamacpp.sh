@@ -6,7 +6,10 @@
 # Usage: bash bench/build_llamacpp.sh            (prints the bin directory on its last line;
 #        about 10-30 minutes on 2 cores the first time)
 # Env:   LLAMACPP_VERSION (0.3.36), LLAMACPP_CACHE (~/.cache/astrai/llamacpp),
-#        LLAMACPP_JOBS (2), PIP (pip of the project venv when present)
+#        LLAMACPP_JOBS (2), PIP (pip of the project venv when present),
+#        LLAMACPP_ISA (native: -march=native, every tool; avx2: x86-64-v3 only, AVX-512 and
+#        AMX off, llama-bench and llama-quantize into build-avx2/, for comparing with astrai's
+#        avx2 kernel level on a CPU that has more)
 set -euo pipefail
 
 version="${LLAMACPP_VERSION:-0.3.36}"
@@ -19,11 +22,21 @@ fi
 # built in this order: the one-stream tools first, so they are usable while the server builds;
 # llama-lookup and llama-speculative are the speculative-decoding peers (bench/speculative.py)
 targets=(llama-bench llama-quantize llama-server llama-lookup llama-speculative)
+isa="${LLAMACPP_ISA:-native}"
 # convert_hf_to_gguf.py imports sentencepiece, which astrai does not need: kept beside the build
 pydeps="$cache/pydeps"
 
 src="$cache/llama_cpp_python-$version/vendor/llama.cpp"
-build="$src/build"
+case "$isa" in
+    native) build="$src/build"; isa_flags=(-DGGML_NATIVE=ON) ;;
+    avx2)
+        build="$src/build-avx2"
+        targets=(llama-bench llama-quantize)
+        isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                   -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                   -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "LLAMACPP_ISA must be native or avx2, got '$isa'" >&2; exit 1 ;;
+esac
 bin="$build/bin"
 
 # GGML_NATIVE compiles for the CPU it builds on (-march=native): a build made on another CPU
@@ -72,7 +85,7 @@ fi
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 cmake -S "$src" -B "$build" "${generator[@]}" \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DCMAKE_BUILD_TYPE=Release "${isa_flags[@]}" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >&2
 for t in "${targets[@]}"; do
     nice -n 10 cmake --build "$build" -j "$jobs" --target "$t" >&2

@@ -19,11 +19,16 @@ from astrai.backends.cpu.kernels import kernel_isa
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+# settings that hold a run below what the CPU offers (astrai's kernels, oneDNN, PyTorch's own
+# vector code, MKL, the llama.cpp build): recorded when set, so such a run is never read as the CPU's best
+ISA_LIMITS = ("ASTRAI_KERNEL_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+              "LLAMACPP_ISA")
 
 
 def describe_machine() -> dict:
-    """The CPU model, logical cores, memory, the vector features found at run time and the
-    instruction-set level of the C kernels the process served with (None without them)."""
+    """The CPU model, logical cores, memory, the vector features found at run time, the
+    instruction-set level of the C kernels the process served with (None without them) and
+    PyTorch's, and the ``ISA_LIMITS`` settings in force."""
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -40,7 +45,9 @@ def describe_machine() -> dict:
 
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib,
             "features": [f for f in FEATURES if f in flags], "kernel_isa": kernel_isa(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_limits": {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}}
 
 
 def write_result(name: str, results: dict, out: str | os.PathLike | None = None) -> Path:

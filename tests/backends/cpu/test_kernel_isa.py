@@ -197,8 +197,14 @@ def test_every_level_decodes_an_int4_model_to_the_same_tokens(libraries, on_leve
     assert len(set(map(str, tokens.values()))) == 1, tokens
 
 
-def test_a_benchmarks_json_records_the_level_it_ran():
+def test_a_benchmarks_json_records_the_level_it_ran(monkeypatch):
+    """The kernel level, PyTorch's, and any setting that held the run below the CPU's best."""
     spec = importlib.util.spec_from_file_location("results_file", RESULTS_FILE)
     results_file = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(results_file)
-    assert results_file.describe_machine()["kernel_isa"] == kernels.kernel_isa() is not None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    machine = results_file.describe_machine()
+    assert machine["kernel_isa"] == kernels.kernel_isa() is not None
+    assert machine["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert machine["isa_limits"].get("ONEDNN_MAX_CPU_ISA") == "AVX2" and "ATEN_CPU_CAPABILITY" not in machine["isa_limits"]

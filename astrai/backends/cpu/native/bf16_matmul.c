@@ -2,11 +2,11 @@
  * y = x W^T (+ bias) for x fp32 [rows][n_in] and W bf16 [n_out][n_in], `ld` elements between
  * two rows of W.
  *
- * x is first rounded to bf16 (ties to even, as torch's .bfloat16() and dequant_matmul.c's
- * bf16 rows round it); each product of two bf16 values is then exact in fp32, and vdpbf16ps
+ * x is first rounded to bf16 (ties to even, as torch's .bfloat16() rounds it, by
+ * vcvtne2ps2bf16); each product of two bf16 values is then exact in fp32, and vdpbf16ps
  * adds two of them to each of sixteen fp32 lanes per instruction, twice an fp32 FMA's
  * multiply-adds. The result is F.linear over the rounded x and the weight but for the order
- * of the additions (and the instruction's flushing of subnormal values to zero).
+ * of the additions (and both instructions' flushing of subnormal values to zero).
  *
  * The layout follows integer_matmul.c's. Each thread takes sixteen weight rows at a time (two
  * such groups for a prompt) and interleaves them: 64 bytes hold inputs 2k and 2k + 1 of the
@@ -32,16 +32,22 @@
 #if BF16_NATIVE
 enum { LANES = 16, TILE = 12 };
 
+/* out[0 .. n) = in[0 .. n) rounded to bf16, to nearest with ties to even, 32 at a time by
+ * vcvtne2ps2bf16 (which, as vdpbf16ps, takes subnormal values as zero; a NaN stays a NaN);
+ * dequant_matmul.c rounds its few rows with it too */
+void astrai_bf16_round_row(const float *in, int64_t n, uint16_t *out)
+{
+    for (int64_t i = 0; i < n; i += 32) {
+        const int64_t left = n - i;
+        const __mmask16 low = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+        const __mmask16 high = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, in + i + 16), _mm512_maskz_loadu_ps(low, in + i));
+        _mm512_mask_storeu_epi16(out + i, left >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << left) - 1u), (__m512i)both);
+    }
+}
+
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
-/* v's bf16 bits, rounded to nearest, ties to even (a NaN stays a NaN) */
-static inline uint32_t bf16_bits(float v)
-{
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bits >> 16) | 0x40u;
-    return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-}
 
 /* Sixteen weight rows from `first` (rows past n_out are zero) interleaved in pairs of inputs:
  * `pairs` [n_pairs][16] of (input 2k) | (input 2k + 1) << 16. */
@@ -119,11 +125,10 @@ int64_t astrai_bf16_matmul(const float *x, int64_t rows, int64_t x_stride, const
     int failed = xb == NULL;
     if (!failed) {
         #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *in = x + r * x_stride;
-            uint32_t *out = xb + r * n_pairs;
-            for (int64_t k = 0; k < n_pairs; ++k)
-                out[k] = bf16_bits(in[2 * k]) | (2 * k + 1 < n_in ? bf16_bits(in[2 * k + 1]) << 16 : 0u);
+        for (int64_t r = 0; r < rows; ++r) {  /* each row as bf16 pairs, an odd row's last one padded with 0 */
+            uint16_t *out = (uint16_t *)(xb + r * n_pairs);
+            out[2 * n_pairs - 1] = 0;
+            astrai_bf16_round_row(x + r * x_stride, n_in, out);
         }
         const int64_t groups = (n_out + LANES - 1) / LANES, stride = n_pairs * LANES;
         #pragma omp parallel num_threads(threads)

@@ -138,14 +138,9 @@ static inline float bf16_rounded(float v)
  * for dot_bf16 to multiply as they are, else as floats; NULL when memory ran out. */
 #if BF16_PRODUCTS
 typedef uint16_t bf16_row_t;
-static inline bf16_row_t bf16_row_value(float v)
-{
-    union { float f; uint32_t i; } in = { .f = bf16_rounded(v) };
-    return (uint16_t)(in.i >> 16);
-}
+void astrai_bf16_round_row(const float *in, int64_t n, uint16_t *out);  /* bf16_matmul.c */
 #else
 typedef float bf16_row_t;
-static inline bf16_row_t bf16_row_value(float v) { return bf16_rounded(v); }
 #endif
 
 static const bf16_row_t *bf16_rounded_rows(const float *x, int64_t rows, int64_t x_stride, int64_t n_in)
@@ -158,10 +153,14 @@ static const bf16_row_t *bf16_rounded_rows(const float *x, int64_t rows, int64_t
         buffer = grown, capacity = rows * n_in;
     }
     for (int64_t r = 0; r < rows; ++r) {
+#if BF16_PRODUCTS
+        astrai_bf16_round_row(x + r * x_stride, n_in, buffer + r * n_in);
+#else
         const float *in = x + r * x_stride;
         bf16_row_t *out = buffer + r * n_in;
         #pragma omp simd
-        for (int64_t i = 0; i < n_in; ++i) out[i] = bf16_row_value(in[i]);
+        for (int64_t i = 0; i < n_in; ++i) out[i] = bf16_rounded(in[i]);
+#endif
     }
     return buffer;
 }
