@@ -9,8 +9,8 @@ about twice an fp32 matmul's rate on the same cores.
 native/bf16_matmul.c): the activations rounded to bf16, as every bf16 path rounds them, two
 products added per lane by ``vdpbf16ps``, twice an fp32 FMA's multiply-adds.
 
-``dense_matmul`` serves the other types (and bf16 elsewhere). A prompt's GEMM is compute bound: it wants
-oneDNN's (or the BLAS's) fp32 GEMM. Dequantizing
+``dense_matmul`` serves the other types (and bf16 elsewhere). A prompt's GEMM is compute
+bound: it wants oneDNN's (or the BLAS's) fp32 GEMM. Dequantizing
 in torch for each call makes several passes and a fresh allocation the size of the fp32 weight
 (page faults included); instead native/dense_rows.c widens the weight in one threaded pass,
 ``SLAB_BYTES`` of fp32 rows at a time, into a buffer that this thread keeps, and every row of the

@@ -51,8 +51,8 @@ dequantizing and integer matmuls widen blocks with intrinsics and sum int4 x int
 with maddubs), ``avx512`` (x86-64-v4's: sixteen-lane loops for several rows of int8 and fp32
 weights) and ``avx512_vnni`` (x86-64-v4's with AVX512-VNNI: each group of four int4 x int8
 products summed by one ``vpdpbusd``, the same integer sums, so the same outputs as ``avx2``)
-and ``avx512_bf16`` (as ``avx512_vnni``, and a prompt's rows multiplied by a bf16 weight with
-``vdpbf16ps``, native/bf16_matmul.c).
+and ``avx512_bf16`` (as ``avx512_vnni``, and bf16 weights multiplied with ``vdpbf16ps``: a few
+rows in native/dequant_matmul.c, a prompt's in native/bf16_matmul.c).
 Each is built into its own library, tuned for this CPU (``-mtune=native``), and the process
 loads the highest level whose flags /proc/cpuinfo reports (``kernel_isa()`` names it), or,
 where the compiler cannot build that one, the next lower that it can.
