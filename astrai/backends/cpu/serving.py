@@ -24,11 +24,12 @@ Smaller weights take the weight-only dequantizing matmuls of native/dequant_matm
 astrai/model/quantized.py) becomes a ``ServingQuantizedLinear`` and a bf16 linear a
 ``ServingLinear``; up to ``DEQUANT_MAX_ROWS`` rows (a decode step, continuous batching's few
 rows; ``MAX_DEQUANT_ROWS`` a pass) read the weight once in C, summing in fp32 (int8/int4: in
-integers, over the activations rounded to Q8_0 blocks). More rows (a prefill) take
-dense_matmul.py, which widens a bf16 or int8 weight to fp32 in C, a slab at a time into a
-buffer each thread keeps, for oneDNN's GEMM (in fp32, bf16 activations too, on a CPU without
-native bf16 matmuls, where torch would emulate them; without the native library torch
-multiplies the weight dequantized once for the call). ``integer_matmul`` multiplies by the
+integers, over the activations rounded to Q8_0 blocks; bf16: over the activations rounded
+to bf16). More rows (a prefill) of a bf16 weight take ``bf16_matmul`` on a CPU with
+AVX512-BF16; otherwise dense_matmul.py widens a bf16 or int8 weight to fp32 in C, a slab at a
+time into a buffer each thread keeps, for oneDNN's GEMM (in fp32, bf16 activations too, on a
+CPU without native bf16 matmuls, where torch would emulate them; without the native library
+torch multiplies the weight dequantized once for the call). ``integer_matmul`` multiplies by the
 rounded activations in integers instead: an int4 weight from ``INTEGER_MIN_ROWS`` rows on
 (the dequantizing matmul's one read of the weight wins for one to three rows only, as soon
 as the sums, not the reads, are the bound), an int8 one past ``DEQUANT_MAX_ROWS`` rows on a
