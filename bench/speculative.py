@@ -10,11 +10,13 @@ weights and SmolLM2's tokenizer; greedy, the chat template applied):
 For each prompt, in one run and alternating: astrai without speculation, astrai with prompt
 lookup (``--speculative ngram``), optionally a draft model or head (``--draft DIR``), and
 llama.cpp's ``llama-lookup`` on the same weights (GGUF of the same type) with the same draft
-length. Decode tokens/s is (tokens - 1) / (time after the first token) for astrai, and
-llama-lookup's own "decoded ... t/s" line. Prints the ratios, writes dated JSON to bench/results/.
+length. Replies end at the end-of-turn token, as a user sees them (``--ignore-eos`` decodes
+``--new-tokens`` past it). Decode tokens/s is (tokens - 1) / (time after the first token) for
+astrai, each prompt's and over all prompts' tokens together, and llama-lookup's own
+"decoded ... t/s" line. Prints the ratios, writes dated JSON to bench/results/.
 
 Usage: .venv/bin/python bench/speculative.py [--model smollm2] [--precision int8] [--workloads rewrite,chat]
-       [--prompts 4] [--new-tokens 192] [--draft-tokens 4] [--draft DIR] [--no-llamacpp]
+       [--prompts 4] [--new-tokens 192] [--draft-tokens 4] [--draft DIR] [--no-llamacpp] [--ignore-eos]
 """
 
 from __future__ import annotations
@@ -62,24 +64,26 @@ def chat_prompts(n: int) -> list[list[dict]]:
 WORKLOADS = {"rewrite": rewrite_prompts, "chat": chat_prompts}
 
 
-def astrai_decode(engine: InferenceEngine, ids: list[int], n_new: int) -> dict:
+def astrai_decode(engine: InferenceEngine, ids: list[int], n_new: int, ignore_eos: bool = False) -> dict:
     engine.scheduler.clear_prefix_cache()
     before = engine.get_stats().get("speculative", {})
     start = time.perf_counter()
-    handle = engine.submit(ids, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
+    handle = engine.submit(ids, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=ignore_eos))
     tokens = handle.result().token_ids
     seconds = time.perf_counter() - start
     after = engine.get_stats().get("speculative", {})
-    out = {"tok_s": (len(tokens) - 1) / (seconds - handle.time_to_first_token), "tokens": tokens}
+    decode_s = seconds - handle.time_to_first_token
+    out = {"tok_s": (len(tokens) - 1) / decode_s, "tokens": tokens, "decode_s": decode_s}
     if after:
         drafted = after["drafted_tokens"] - before.get("drafted_tokens", 0)
         out["acceptance"] = (after["accepted_tokens"] - before.get("accepted_tokens", 0)) / drafted if drafted else 0.0
     return out
 
 
-def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens: int, threads: int) -> dict:
+def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens: int, threads: int,
+                 ignore_eos: bool) -> dict:
     cmd = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(n_new), "--spec-draft-n-max", str(draft_tokens),
-           "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096", "--ignore-eos"]
+           "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096"] + (["--ignore-eos"] if ignore_eos else [])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     log = done.stdout + done.stderr
     speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
@@ -101,6 +105,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--draft", default=None, metavar="DIR", help="also run --speculative draft with this draft model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="decode --new-tokens past the end of the reply (default: stop there, as a user sees it)")
     parser.add_argument("--out", default=None)
     return parser.parse_args()
 
@@ -123,7 +129,7 @@ def main() -> None:
     tokenizer = systems["plain"].tokenizer
     warm = tokenizer.apply_chat_template(chat_prompts(1)[0], tokenize=True, add_generation_prompt=True)
     for engine in systems.values():
-        astrai_decode(engine, list(warm), 16)
+        astrai_decode(engine, list(warm), 16, True)
     results = {"model": args.model, "precision": args.precision, "draft_tokens": args.draft_tokens, "new_tokens": args.new_tokens,
                "threads": args.threads, "workloads": {}}
     for workload in args.workloads.split(","):
@@ -133,8 +139,9 @@ def main() -> None:
             ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
             row = {"prompt_tokens": len(ids)}
             for name, engine in systems.items():
-                run = astrai_decode(engine, ids, args.new_tokens)
+                run = astrai_decode(engine, ids, args.new_tokens, args.ignore_eos)
                 row[name] = {k: v for k, v in run.items() if k != "tokens"}
+                row[name]["new_tokens"] = len(run["tokens"])
                 row.setdefault("same_tokens", True)
                 if name == "plain":
                     plain_tokens = run["tokens"]
@@ -142,18 +149,22 @@ def main() -> None:
                     row["same_tokens"] &= run["tokens"] == plain_tokens
             if gguf is not None:
                 row["llama-lookup"] = llama_lookup(llamacpp.tool("llama-lookup"), gguf, text, args.new_tokens,
-                                                   args.draft_tokens, args.threads)
+                                                   args.draft_tokens, args.threads, args.ignore_eos)
             rows.append(row)
             print(f"[{workload}] {len(ids)} prompt tokens: " + ", ".join(
                 f"{k} {v['tok_s']:.1f} tok/s" + (f" (acc {v['acceptance']:.2f})" if v.get("acceptance") is not None else "")
                 for k, v in row.items() if isinstance(v, dict)) + f"; same tokens: {row['same_tokens']}", flush=True)
-        summary = {}
+        summary, overall = {}, {}
         for name in [k for k in rows[0] if isinstance(rows[0][k], dict)]:
             summary[name] = statistics.median(r[name]["tok_s"] for r in rows)
+            if name != "llama-lookup":  # every token after each reply's first, over the time they took
+                overall[name] = sum(r[name]["new_tokens"] - 1 for r in rows) / sum(r[name]["decode_s"] for r in rows)
         ratios = {f"{name}/plain": summary[name] / summary["plain"] for name in summary if name != "plain"}
+        ratios.update({f"{name}/plain, all tokens": overall[name] / overall["plain"] for name in overall if name != "plain"})
         if "llama-lookup" in summary:
             ratios["ngram/llama-lookup"] = summary["ngram"] / summary["llama-lookup"]
-        results["workloads"][workload] = {"rows": rows, "median_tok_s": summary, "ratios": ratios}
+        results["workloads"][workload] = {"rows": rows, "median_tok_s": summary, "all_tokens_tok_s": overall,
+                                          "ratios": ratios}
         print(f"[{workload}] median tok/s {json.dumps({k: round(v, 1) for k, v in summary.items()})}; "
               f"ratios {json.dumps({k: round(v, 2) for k, v in ratios.items()})}", flush=True)
     for engine in systems.values():

@@ -12,6 +12,7 @@ import torch
 
 from astrai.cli import main
 from astrai.config import preset
+from astrai.dataset.records import RecordEncoder
 from astrai.inference import InferenceEngine
 from astrai.model import AutoModel
 
@@ -130,3 +131,50 @@ def test_speculative_flags_keep_the_text_and_refuse_what_cannot_run(model_dir, m
         assert main(["generate", "--model", str(model_dir), "--prompt", "hi", *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("astrai generate: error:") and message in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(120)
+def test_sft_records_answer_each_chats_last_user_turn(model_dir, tokenizer, tmp_path, monkeypatch, capsys):
+    """--sft-records writes what `astrai preprocess --train_type sft` reads: each chat up to its
+    last user turn with the model's reply as the assistant's; a plain prompt is asked as a user turn."""
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
+            {"role": "user", "content": PROMPT}, {"role": "assistant", "content": "a human's answer"}]
+    source = tmp_path / "chats.jsonl"
+    source.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"prompt": PROMPT}) + "\n")
+    path = tmp_path / "replies.jsonl"
+    run_cli(["--model", str(model_dir), "--input", str(source), "--max-tokens", "6", "--sft-records", "--output",
+             str(path)], monkeypatch)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    with InferenceEngine.from_pretrained(model_dir, max_batch_size=1, num_pages=32) as engine:
+        reply = engine.generate(chat[:3], max_tokens=6, temperature=0.0)
+        response = engine.generate([{"role": "user", "content": PROMPT}], max_tokens=6, temperature=0.0)
+    assert rows == [{"messages": chat[:3] + [{"role": "assistant", "content": reply}]},
+                    {"messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": response}]}]
+    encoder = RecordEncoder(tokenizer, "sft")
+    for row in rows:  # SFT records as the preprocessor reads them
+        pieces, build = encoder.prepare(row)
+        ids, mask = build(encoder.encode_pieces(pieces))
+        assert len(ids) == len(mask) and mask.sum() > 0  # the reply is what is learned
+    assert capsys.readouterr().err.splitlines()[-1] == f"wrote {path}: 2 completion(s) as SFT records"
+    source.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"}]}) + "\n")
+    assert main(["generate", "--model", str(model_dir), "--input", str(source), "--sft-records"]) == 2
+    assert "these messages have none" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_an_input_longer_than_the_engines_queue_waits_for_room(model_dir, tmp_path, monkeypatch):
+    """Every line of a long file is answered: when the engine's queue is full, generate waits for
+    the oldest request instead of failing with the queue's 'retry later'."""
+    import astrai.inference.cli as cli
+
+    build = cli.build_engine
+    monkeypatch.setattr(cli, "build_engine", lambda args: _with_queue(build(args), 2))
+    source = tmp_path / "many.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"{PROMPT} {i}"}) + "\n" for i in range(7)))
+    out = run_cli(["--model", str(model_dir), "--input", str(source), "--max-tokens", "3", "--json"], monkeypatch)
+    assert [json.loads(line)["index"] for line in out.getvalue().splitlines()] == list(range(7))
+
+
+def _with_queue(engine, size: int):
+    engine.scheduler.max_queue = size
+    return engine

@@ -6,7 +6,10 @@ Prompts come from ``--prompt`` (repeatable) or ``--input`` (JSONL; each line has
 batches them. On the terminal the completions stream as text, in input order, as a
 user of ``llama-cli`` expects; ``--json`` (or ``--output FILE``) writes one JSON line per
 prompt instead, for programs. ``--json-schema FILE`` holds every completion to a JSON Schema
-(as can a "json_schema", "regex" or "grammar" field of a JSONL line).
+(as can a "json_schema", "regex" or "grammar" field of a JSONL line). ``--sft-records``
+answers each chat's last user turn (a plain prompt as a user turn) and writes the exchanges as
+SFT records instead: a model's own replies, the data a draft head learns to guess them from
+(docs/training.md).
 
 Unset sampling flags take the model's generation_config.json, and greedy decoding when
 there is none: the engine's own default (temperature 1.0) would make fp32 and int8 copies of
@@ -23,7 +26,7 @@ from typing import Optional, TextIO
 
 from tqdm import tqdm
 
-from astrai.errors import DataError, RequestError
+from astrai.errors import DataError, OverloadedError, RequestError
 from astrai.inference.constraints import CONSTRAINT_FIELDS
 from astrai.inference.engine import InferenceEngine
 from astrai.inference.handle import RequestHandle
@@ -82,15 +85,35 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
 
 
 def read_requests(args: argparse.Namespace) -> list[dict]:
-    requests = [{"messages": [{"role": "user", "content": p}]} if args.chat else {"prompt": p} for p in args.prompt]
+    sft_records = getattr(args, "sft_records", False)  # every prompt a chat: SFT records are exchanges
+    requests = [{"messages": [{"role": "user", "content": p}]} if args.chat or sft_records else {"prompt": p}
+                for p in args.prompt]
     if args.input:
         for where, record in iter_jsonl(args.input):
             if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list)):
                 raise DataError(f"{where}: expected an object with a 'prompt' string or a 'messages' list")
+            if sft_records:
+                messages = record["messages"] if "messages" in record else [{"role": "user", "content": record["prompt"]}]
+                record = {k: v for k, v in record.items() if k != "prompt"}
+                record["messages"] = until_last_user_turn(messages, where)
             requests.append(record)
     if not requests:
         raise RequestError("no prompts: give --prompt TEXT or --input FILE.jsonl")
     return requests
+
+
+def until_last_user_turn(messages: list, where: str) -> list:
+    """A chat's turns up to its last user turn: the exchange ``--sft-records`` answers anew."""
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise DataError(f"{where}: --sft-records answers a user turn, and these messages have none")
+    return messages[:users[-1] + 1]
+
+
+def sft_record(record: dict, reply: str) -> dict:
+    """The exchange as an SFT record (astrai/dataset/records.py): the chat with the reply as its
+    assistant turn."""
+    return {"messages": [*record["messages"], {"role": "assistant", "content": reply}]}
 
 
 def timing_line(handle: RequestHandle, completion_tokens: int) -> str:
@@ -119,13 +142,15 @@ def stream_text(handle: RequestHandle, out: TextIO) -> int:
     return 0
 
 
-def write_json_lines(requests: list[dict], handles: list[RequestHandle], out: TextIO, verbose: bool) -> None:
+def write_json_lines(requests: list[dict], handles: list[RequestHandle], out: TextIO, verbose: bool,
+                     sft_records: bool = False) -> None:
     for i, (record, handle) in enumerate(tqdm(list(zip(requests, handles)), desc="generate", file=sys.stderr,
                                                disable=len(handles) < 2 or not on_terminal(sys.stderr))):
         result = handle.result()
-        row = {"index": i, **{k: record[k] for k in ("prompt", "messages") if k in record},
-               "text": result.text, "finish_reason": result.finish_reason,
-               "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+        row = sft_record(record, result.text) if sft_records else {
+            "index": i, **{k: record[k] for k in ("prompt", "messages") if k in record},
+            "text": result.text, "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
         out.write(json.dumps(row, ensure_ascii=False) + "\n")
         out.flush()
         if verbose:
@@ -145,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     requests = read_requests(args)
     defaults = sampling_from_args(args)
     with build_engine(args) as engine:
-        handles = []
+        handles, finished = [], 0
         for i, record in enumerate(requests):
             overrides = {k: record[k] for k in (*SAMPLING_FLAGS, "stop", *CONSTRAINT_FIELDS) if k in record}
             base = defaults  # a line's own language replaces --json-schema's
@@ -154,15 +179,23 @@ def run(args: argparse.Namespace) -> int:
             try:
                 params = engine.make_params(**{**base, **overrides})
                 ids = engine.encode_prompt(record["messages"] if "messages" in record else record["prompt"])
-                handles.append(engine.submit(ids, params))
+                while True:
+                    try:
+                        handles.append(engine.submit(ids, params))
+                        break
+                    except OverloadedError:  # a file longer than the engine's queue: wait for the oldest
+                        handles[finished].result()
+                        finished += 1
             except RequestError as exc:
                 raise RequestError(f"request {i + 1}: {exc}") from None
+        sft_records = getattr(args, "sft_records", False)
         if args.output:
             with open(args.output, "w", encoding="utf-8") as out:
-                write_json_lines(requests, handles, out, args.verbose)
-            print(f"wrote {args.output}: {len(handles)} completion(s) as JSON lines", file=sys.stderr)
-        elif args.json:
-            write_json_lines(requests, handles, sys.stdout, args.verbose)
+                write_json_lines(requests, handles, out, args.verbose, sft_records)
+            kind = "SFT records" if sft_records else "JSON lines"
+            print(f"wrote {args.output}: {len(handles)} completion(s) as {kind}", file=sys.stderr)
+        elif args.json or sft_records:
+            write_json_lines(requests, handles, sys.stdout, args.verbose, sft_records)
         else:
             write_text(handles, sys.stdout, args.verbose)
     return 0

@@ -25,6 +25,12 @@ class HeadDrafter:
         self.head = head
         self._state: dict[str, tuple[int, torch.Tensor]] = {}  # task → (its num_computed then, hidden state)
 
+    def prepare(self, runner) -> None:
+        """Lay the head out as ``runner`` lays out the model it serves, so that a draft's few-row
+        matmuls take the same kernels as a decode step's (on the CPU the C GEMV for one row,
+        where torch's one-row matmul took several times as long)."""
+        self.head = runner.prepare(self.head)
+
     def observe(self, task, hidden: torch.Tensor) -> None:
         """``hidden`` [dim]: the target's final hidden state at ``task``'s last computed position."""
         self._state[task.task_id] = (task.num_computed, hidden.detach().float().clone())

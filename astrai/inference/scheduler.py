@@ -128,6 +128,9 @@ class InferenceScheduler:
         self._page_cache = KVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_cache=prefix_cache,
                                              dtype=cache_dtype)
         self._runner = create_runner(model, self._page_cache, in_place)
+        prepare = getattr(self._drafter, "prepare", None)
+        if prepare is not None:  # a draft head's matmuls take the runner's serving kernels
+            prepare(self._runner)
         self.model = self._runner.model
         self._executor = Executor(self._runner, tokenizer)
         self._constraints = ConstraintCompiler(tokenizer, self.stop_ids)
@@ -318,7 +321,10 @@ class InferenceScheduler:
         with self._lock:
             produced = 0
             if self._speculation is not None and kind != "prefill":
-                self._speculation.timed(kind, len(batch), time.perf_counter() - started,
+                # a verify step without drafts (a draft head fetching its first hidden state) is
+                # a plain step for the measure of what drafting gains
+                timed_as = "decode" if kind == "verify" and not any(drafts) else kind
+                self._speculation.timed(timed_as, len(batch), time.perf_counter() - started,
                                         sum(map(len, results)) / len(batch))
             if kind == "verify":
                 self._speculation.verify_steps += 1

@@ -42,8 +42,9 @@ class Drafter(Protocol):
     """Proposes up to ``k`` tokens to follow each task's context (``[]`` when it has no guess).
 
     A drafter that drafts from the target's hidden state (head_drafter.py) also has
-    ``observe(task, hidden)``, which the scheduler calls after each verify step, and
-    ``ready(task)``, false while it holds no current state for the task."""
+    ``observe(task, hidden)``, which the scheduler calls after each verify step,
+    ``ready(task)``, false while it holds no current state for the task, and
+    ``prepare(runner)``, which the scheduler calls once its runner is made."""
 
     def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]: ...
 

@@ -6,11 +6,13 @@ what it says, leaking no page."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 import torch
 
+from astrai.backends.cpu.serving import ServingLinear
 from astrai.errors import RequestError
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference.draft_model import DraftModel
@@ -275,10 +277,17 @@ def test_a_draft_head_drafts_from_the_verify_steps_hidden_states(batch):
     observe = drafter.observe
     drafter.observe = lambda task, hidden: (seen.append((task.context[:task.num_computed], hidden.clone())),
                                             observe(task, hidden))
+    unprepared = copy.deepcopy(drafter.head)
     got, stats = run(target, prompts, 30, batch, speculative="draft", drafter=drafter)
     assert got == expected
     assert stats["speculative"]["drafted_tokens"] > 0 and stats["speculative"]["verify_steps"] > 0
     assert not drafter._state  # every finished task forgotten
+    # the runner laid the head out for its kernels (the C GEMV for a draft's one row), same numbers
+    assert isinstance(drafter.head.out_proj, ServingLinear) and isinstance(drafter.head.down_proj, ServingLinear)
+    hidden, tokens = torch.randn(batch, target.config.dim), torch.tensor([3, 9, 27][:batch])
+    with torch.no_grad():
+        for a, b in zip(drafter.head(hidden, tokens), unprepared.bind(target)(hidden, tokens)):
+            assert torch.allclose(a, b, atol=1e-4)
     with torch.no_grad():  # each hidden state handed over is the model's own at the last computed position
         for context, hidden in seen[::5]:
             want = target(torch.tensor([context]))["hidden_states"][0, -1]
@@ -296,3 +305,33 @@ def test_the_head_drafter_drafts_only_from_a_current_hidden_state():
     assert drafter.propose([task], [3]) == [head.draft(hidden, 8, 3)]  # from context[num_computed], the next input
     task.num_computed = 4  # a plain step ran since: the state is stale
     assert not drafter.ready(task) and drafter.propose([task], [3]) == [[]]
+
+
+class _NeverReady:
+    """A drafter that never holds a hidden state: every decode step is a verify step without drafts."""
+
+    def propose(self, tasks, k):
+        return [[] for _ in tasks]
+
+    def ready(self, task):
+        return False
+
+    def observe(self, task, hidden):
+        pass
+
+    def forget(self, task_id):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_a_verify_step_without_drafts_is_timed_as_a_plain_step():
+    """What drafting gains is judged by the verify steps that carried drafts: the steps a draft
+    head takes to fetch its first hidden state count as plain decode steps (counted as verify
+    steps, they would pull the measure down and pause drafting for the whole batch)."""
+    target = make_model("tiny")
+    with InferenceEngine(target, None, max_batch_size=1, page_size=4, num_pages=64, speculative="draft",
+                         drafter=_NeverReady()) as engine:
+        tokens = engine.submit(repeating_prompts(3)[0], SamplingParams(max_tokens=12, **GREEDY)).result(timeout=60)
+        times = engine.scheduler._speculation._times[1]
+        assert len(tokens.token_ids) == 12 and engine.get_stats()["speculative"]["verify_steps"] >= 10
+    assert times.verify_s is None and times.verifies == 0 and times.decode_s is not None
