@@ -84,7 +84,7 @@ def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens
                  ignore_eos: bool) -> dict:
     cmd = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(n_new), "--spec-draft-n-max", str(draft_tokens),
            "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096"] + (["--ignore-eos"] if ignore_eos else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=900)  # a piece of a character
     log = done.stdout + done.stderr
     speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
     accept = re.search(r"accept\s+=\s+([\d.]+)%", log)
@@ -122,17 +122,13 @@ def main() -> None:
     model_dir = ensure_hf(args.model)
     llamacpp = None if args.no_llamacpp else build_llamacpp()
     gguf = None if llamacpp is None else ensure_gguf(args.model, GGUF_TYPES[args.precision], llamacpp)
-    systems = {"plain": open_engine(model_dir, args.precision),
-               "ngram": open_engine(model_dir, args.precision, speculative="ngram", draft_tokens=args.draft_tokens)}
-    if args.draft:
-        systems["draft"] = open_engine(model_dir, args.precision, draft_model=args.draft, draft_tokens=args.draft_tokens)
-    tokenizer = systems["plain"].tokenizer
-    warm = tokenizer.apply_chat_template(chat_prompts(1)[0], tokenize=True, add_generation_prompt=True)
-    for engine in systems.values():
-        astrai_decode(engine, list(warm), 16, True)
     results = {"model": args.model, "precision": args.precision, "draft_tokens": args.draft_tokens, "new_tokens": args.new_tokens,
                "threads": args.threads, "workloads": {}}
     for workload in args.workloads.split(","):
+        # fresh engines per workload: what the engine learned of drafting on one (how long a
+        # row drafts, whether drafting pays) is not carried into the other
+        systems = open_systems(model_dir, args)
+        tokenizer = systems["plain"].tokenizer
         rows = []
         for messages in WORKLOADS[workload](args.prompts):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -167,9 +163,22 @@ def main() -> None:
                                           "ratios": ratios}
         print(f"[{workload}] median tok/s {json.dumps({k: round(v, 1) for k, v in summary.items()})}; "
               f"ratios {json.dumps({k: round(v, 2) for k, v in ratios.items()})}", flush=True)
-    for engine in systems.values():
-        engine.shutdown()
+        for engine in systems.values():
+            engine.shutdown()
     write_result("speculative", results, args.out)
+
+
+def open_systems(model_dir: Path, args: argparse.Namespace) -> dict[str, InferenceEngine]:
+    """The astrai engines compared, each warmed up on one short chat."""
+    systems = {"plain": open_engine(model_dir, args.precision),
+               "ngram": open_engine(model_dir, args.precision, speculative="ngram", draft_tokens=args.draft_tokens)}
+    if args.draft:
+        systems["draft"] = open_engine(model_dir, args.precision, draft_model=args.draft, draft_tokens=args.draft_tokens)
+    tokenizer = systems["plain"].tokenizer
+    warm = tokenizer.apply_chat_template(chat_prompts(1)[0], tokenize=True, add_generation_prompt=True)
+    for engine in systems.values():
+        astrai_decode(engine, list(warm), 16, True)
+    return systems
 
 
 if __name__ == "__main__":
