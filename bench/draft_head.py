@@ -15,7 +15,6 @@ timed as the CPU engine lays it out (its linears on the serving kernels) and wit
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -109,7 +108,7 @@ def main() -> None:
     stage("decode steps timed", start)
     acceptance = draft_acceptance(head, prompts, replies, args.k)
     torch_seconds = draft_token_seconds(head, args.k)
-    served = copy.deepcopy(head).bind(target)
+    served = load_draft_head(args.head, target)
     prepare_for_serving(served)  # as the CPU engine lays it out (HeadDrafter.prepare)
     draft_seconds = draft_token_seconds(served, args.k)
     stage("fp32 head measured", start)

@@ -85,7 +85,7 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
 
 
 def read_requests(args: argparse.Namespace) -> list[dict]:
-    sft_records = getattr(args, "sft_records", False)  # every prompt a chat: SFT records are exchanges
+    sft_records = args.sft_records  # every prompt a chat: SFT records are exchanges
     requests = [{"messages": [{"role": "user", "content": p}]} if args.chat or sft_records else {"prompt": p}
                 for p in args.prompt]
     if args.input:
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                         finished += 1
             except RequestError as exc:
                 raise RequestError(f"request {i + 1}: {exc}") from None
-        sft_records = getattr(args, "sft_records", False)
+        sft_records = args.sft_records
         if args.output:
             with open(args.output, "w", encoding="utf-8") as out:
                 write_json_lines(requests, handles, out, args.verbose, sft_records)
