@@ -26,7 +26,7 @@ from typing import Optional, TextIO
 
 from tqdm import tqdm
 
-from astrai.errors import DataError, OverloadedError, RequestError
+from astrai.errors import DataError, RequestError
 from astrai.inference.constraints import CONSTRAINT_FIELDS
 from astrai.inference.engine import InferenceEngine
 from astrai.inference.handle import RequestHandle
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     requests = read_requests(args)
     defaults = sampling_from_args(args)
     with build_engine(args) as engine:
-        handles, finished = [], 0
+        handles = []
         for i, record in enumerate(requests):
             overrides = {k: record[k] for k in (*SAMPLING_FLAGS, "stop", *CONSTRAINT_FIELDS) if k in record}
             base = defaults  # a line's own language replaces --json-schema's
@@ -179,13 +179,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 params = engine.make_params(**{**base, **overrides})
                 ids = engine.encode_prompt(record["messages"] if "messages" in record else record["prompt"])
-                while True:
-                    try:
-                        handles.append(engine.submit(ids, params))
-                        break
-                    except OverloadedError:  # a file longer than the engine's queue: wait for the oldest
-                        handles[finished].result()
-                        finished += 1
+                handles.append(engine.submit_waiting(ids, params, handles))  # a file longer than the queue
             except RequestError as exc:
                 raise RequestError(f"request {i + 1}: {exc}") from None
         sft_records = args.sft_records

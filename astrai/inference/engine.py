@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import torch
 
 from astrai.backends import backend_for
-from astrai.errors import ConfigError, RequestError
+from astrai.errors import ConfigError, OverloadedError, RequestError
 from astrai.inference.draft_model import DraftModel
 from astrai.inference.handle import RequestHandle
 from astrai.inference.head_drafter import HeadDrafter
@@ -121,12 +121,30 @@ class InferenceEngine:
         if _is_batch(prompt):
             if stream:
                 raise RequestError("stream=True takes one prompt; call generate once per prompt to stream several")
-            handles = [self.submit(self.encode_prompt(p), params) for p in prompt]
+            handles: list[RequestHandle] = []
+            for p in prompt:
+                handles.append(self.submit_waiting(self.encode_prompt(p), params, handles))
             return [h.result().text for h in handles]
         handle = self.submit(self.encode_prompt(prompt), params)
         if stream:
             return _text_pieces(handle)
         return handle.result().text
+
+    def submit_waiting(self, prompt_ids: list[int], params: SamplingParams,
+                       earlier: list[RequestHandle]) -> RequestHandle:
+        """``submit``, waiting while the queue is full for the caller's ``earlier`` requests to
+        finish, oldest first: a list of prompts longer than the queue runs through instead of
+        failing with "retry later". OverloadedError still when none of them is left to wait for
+        (the queue is full of other callers' requests)."""
+        waiting = (handle for handle in earlier if not handle.finished)
+        while True:
+            try:
+                return self.submit(prompt_ids, params)
+            except OverloadedError:
+                oldest = next(waiting, None)
+                if oldest is None:
+                    raise
+                oldest.result()
 
     async def generate_async(self, prompt: Prompt, max_tokens: Optional[int] = None, temperature: Optional[float] = None,
                              top_p: Optional[float] = None, top_k: Optional[int] = None, **sampling: Any) -> AsyncIterator[str]:

@@ -113,6 +113,28 @@ def test_full_queue_is_overloaded(text_model, tokenizer):
                 eng.submit([1, 2, 3], SamplingParams(max_tokens=100, **GREEDY))
 
 
+@pytest.mark.timeout(60)
+def test_a_list_longer_than_the_queue_is_answered_whole(text_model, tokenizer):
+    """generate([...]) waits for its own earlier prompts when the queue is full, and gives the
+    answers each prompt gets alone; submit_waiting with nothing of the caller's to wait for
+    still says the queue is full."""
+    prompts = [f"prompt {i}" for i in range(7)]
+    with InferenceEngine(text_model, tokenizer, max_batch_size=1, max_queue=2, page_size=8, num_pages=64) as eng:
+        answers = eng.generate(prompts, max_tokens=4, temperature=0.0)
+        alone = [eng.generate(p, max_tokens=4, temperature=0.0) for p in prompts]
+        assert answers == alone
+        params = SamplingParams(max_tokens=100, **GREEDY)
+        others = [eng.submit([1, 2, 3], params)]
+        next(iter(others[0]))  # running: the queue behind it is filled next
+        with pytest.raises(OverloadedError):  # other callers' requests fill the queue
+            for _ in range(10):
+                others.append(eng.submit([1, 2, 3], params))
+        with pytest.raises(OverloadedError):
+            eng.submit_waiting([1, 2, 3], params, [])
+        for handle in others:
+            handle.abort()
+
+
 @pytest.mark.timeout(30)
 def test_update_weights_changes_output_and_drops_prefix_cache(tokenizer):
     a = make_model("tiny", seed=1, vocab_size=tokenizer.vocab_size)

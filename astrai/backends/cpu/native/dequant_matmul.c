@@ -34,7 +34,11 @@
  * The int4 vector loop multiplies the stored nibbles u = w + 8 as they are, unsigned, and takes
  * 8 q off the integer sums (sum (u - 8) q = sum u q - 8 sum q, the second sum made once per
  * call with the activations, in the same eight lanes): no per-block sign juggling, and the
- * weight scales are widened and multiplied eight blocks at a time. int8 weights are signed:
+ * weight scales are widened and multiplied eight blocks at a time. It takes two blocks per
+ * 32-byte load of nibbles (one mask gives both blocks' low halves, a shift and a mask their
+ * high halves), the activations rearranged once per call to match (pair_blocks), which halves
+ * the unpacking and the integer work per weight; every row count runs this same loop, so a
+ * row's sums do not depend on how many rows share the call. int8 weights are signed:
  * their magnitudes multiply the activations carrying the weights' signs.
  *
  * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
@@ -217,6 +221,20 @@ static inline __m256 q4_block_products(__m256i u, const int8_t *xq, const int32_
 
 /* The same sums for Q4_1's nibbles, which are the values as they are (no 8 to take off). */
 static inline __m256 q41_block_products(__m256i u, const int8_t *xq) { return _mm256_cvtepi32_ps(block_fours(u, xq)); }
+
+/* Two Q4_0 blocks' products, as q4_block_products gives one's: `lo` and `hi` hold the low
+ * and the high nibbles of blocks b and b + 1, `xq` the two blocks' activations as pair_blocks
+ * lays them out, `offsets` their 8 q sums in the same lanes; block b's come out in lanes 0-3. */
+static inline __m256 q4_pair_products(__m256i lo, __m256i hi, const int8_t *xq, const int32_t *offsets)
+{
+    const __m256i low = block_fours(lo, xq);
+#if DEQUANT_VNNI
+    const __m256i both = _mm256_dpbusd_epi32(low, hi, _mm256_loadu_si256((const __m256i *)(xq + BLOCK)));
+#else
+    const __m256i both = _mm256_add_epi32(low, block_fours(hi, xq + BLOCK));
+#endif
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(both, _mm256_loadu_si256((const __m256i *)offsets)));
+}
 
 /* A Q8_0 block's 32 signed products with 32 int8 values, summed in fours into 8 int32 lanes, as
  * floats: |w| against x with w's sign moved onto it (sign_epi8, which also zeroes x where w is 0),
@@ -422,6 +440,31 @@ static void quantize_activations(const float *x, int64_t x_stride, int64_t rows,
         }
 }
 
+#if DEQUANT_AVX2
+/* Rows quantized for the int4 matmul, rearranged for dot_q4's pairs of blocks: in each pair
+ * (b, b + 1), b even, the values become b's first 16, b + 1's first 16, b's last 16, b + 1's
+ * last 16 (the order in which a 32-byte load of the two blocks' nibbles holds its low and
+ * then its high nibbles), and the pair's first 8 offsets the sums of those fours, lane by
+ * lane (block b's in lanes 0-3). An odd last block keeps its layout. */
+static void pair_blocks(int8_t *values, int32_t *offsets, int64_t rows, int64_t blocks)
+{
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b + 1 < blocks; b += 2) {
+            int8_t *q = values + (r * blocks + b) * BLOCK;
+            const __m128i first_high = _mm_loadu_si128((const __m128i *)(q + 16));
+            _mm_storeu_si128((__m128i *)(q + 16), _mm_loadu_si128((const __m128i *)(q + 32)));
+            _mm_storeu_si128((__m128i *)(q + 32), first_high);
+            int32_t *o = offsets + (r * blocks + b) * 8;
+            const __m128i first = _mm_add_epi32(_mm_loadu_si128((const __m128i *)o),
+                                                _mm_loadu_si128((const __m128i *)(o + 4)));
+            const __m128i second = _mm_add_epi32(_mm_loadu_si128((const __m128i *)(o + 8)),
+                                                 _mm_loadu_si128((const __m128i *)(o + 12)));
+            _mm_storeu_si128((__m128i *)o, first);
+            _mm_storeu_si128((__m128i *)(o + 4), second);
+        }
+}
+#endif
+
 /* out[r] = the row's int4 blocks against the quantized rows (values, scales) for r < rows:
  * per block an integer sum of products, times d_w d_x. Every block is whole here (the
  * weight's padding nibbles are 8, the activations' padding 0). */
@@ -432,35 +475,53 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t b = 0;
 #if DEQUANT_AVX2
-    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS];
-    float factor[ASTRAI_MAX_DEQUANT_ROWS][8] __attribute__((aligned(32)));
-    for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    /* two blocks at a time, against activations laid out by pair_blocks: one 32-byte load
+     * gives both blocks' nibbles, the low ones (elements 0-15 of each) in one register and the
+     * high ones in another; their sums of fours hold block b in lanes 0-3 and block b + 1 in
+     * lanes 4-7, which take each block's factor d_w d_x */
+    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (; b + 8 <= blocks; b += 8) {
         prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
         prefetch_ahead(w + b * (BLOCK / 2) + 64, end);
         const __m256 d = scales8(scales + b);
-        for (int r = 0; r < rows; ++r) _mm256_store_ps(factor[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b)));
+        __m256 factor[ASTRAI_MAX_DEQUANT_ROWS];
+        for (int r = 0; r < rows; ++r) factor[r] = _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b));
         for (int k = 0; k < 8; k += 2) {
-            const __m256i u0 = nibbles(w + (b + k) * (BLOCK / 2)), u1 = nibbles(w + (b + k + 1) * (BLOCK / 2));
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (b + k) * (BLOCK / 2)));
+            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            const __m256i pick = _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
             for (int r = 0; r < rows; ++r) {
                 const int64_t at = r * blocks + b + k;
-                even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k]),
-                                          q4_block_products(u0, xq + at * BLOCK, xo + at * 8), even[r]);
-                odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k + 1]),
-                                         q4_block_products(u1, xq + (at + 1) * BLOCK, xo + (at + 1) * 8), odd[r]);
+                const __m256 products = q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8);
+                const __m256 f = _mm256_permutevar8x32_ps(factor[r], pick);
+                if (k & 2) acc1[r] = _mm256_fmadd_ps(f, products, acc1[r]);
+                else acc0[r] = _mm256_fmadd_ps(f, products, acc0[r]);
             }
         }
     }
-    for (; b < blocks; ++b) {
+    for (; b + 2 <= blocks; b += 2) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + b * (BLOCK / 2)));
+        const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        const float d0 = half_to_float(scales[b]), d1 = half_to_float(scales[b + 1]);
+        for (int r = 0; r < rows; ++r) {
+            const int64_t at = r * blocks + b;
+            const float f0 = d0 * xd[at], f1 = d1 * xd[at + 1];
+            const __m256 f = _mm256_setr_ps(f0, f0, f0, f0, f1, f1, f1, f1);
+            acc0[r] = _mm256_fmadd_ps(f, q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8), acc0[r]);
+        }
+    }
+    if (b < blocks) {  /* an odd last block keeps its own layout */
         const float d = half_to_float(scales[b]);
         const __m256i u = nibbles(w + b * (BLOCK / 2));
         for (int r = 0; r < rows; ++r) {
             const int64_t at = r * blocks + b;
-            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q4_block_products(u, xq + at * BLOCK, xo + at * 8),
-                                      even[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q4_block_products(u, xq + at * BLOCK, xo + at * 8),
+                                      acc1[r]);
         }
     }
-    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
 #else
     (void)xo, (void)end;
     for (; b < blocks; ++b) {
@@ -684,6 +745,9 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
     float xd[rows * blocks + 1], xs[rows * blocks + 1];
     int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
     if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, type == ASTRAI_Q4 ? xo : NULL, xs);
+#if DEQUANT_AVX2
+    if (blocks && type == ASTRAI_Q4) pair_blocks(xq, xo, rows, blocks);
+#endif
     const bf16_row_t *xr = NULL;
     if (type == ASTRAI_BF16 && first < last) {
         xr = bf16_rounded_rows(x, rows, x_stride, n_in);
