@@ -38,7 +38,9 @@
  * 32-byte load of nibbles (one mask gives both blocks' low halves, a shift and a mask their
  * high halves), the activations rearranged once per call to match (pair_blocks), which halves
  * the unpacking and the integer work per weight; every row count runs this same loop, so a
- * row's sums do not depend on how many rows share the call. int8 weights are signed:
+ * row's sums do not depend on how many rows share the call. Q4_1 blocks take the same centred
+ * sums with the minimum moved to the block's middle (m + 8 d), which keeps every float term
+ * the size of the result instead of two large ones that cancel. int8 weights are signed:
  * their magnitudes multiply the activations carrying the weights' signs.
  *
  * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
@@ -219,21 +221,23 @@ static inline __m256 q4_block_products(__m256i u, const int8_t *xq, const int32_
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(block_fours(u, xq), _mm256_loadu_si256((const __m256i *)offsets)));
 }
 
-/* The same sums for Q4_1's nibbles, which are the values as they are (no 8 to take off). */
-static inline __m256 q41_block_products(__m256i u, const int8_t *xq) { return _mm256_cvtepi32_ps(block_fours(u, xq)); }
-
-/* Two Q4_0 blocks' products, as q4_block_products gives one's: `lo` and `hi` hold the low
- * and the high nibbles of blocks b and b + 1, `xq` the two blocks' activations as pair_blocks
- * lays them out, `offsets` their 8 q sums in the same lanes; block b's come out in lanes 0-3. */
-static inline __m256 q4_pair_products(__m256i lo, __m256i hi, const int8_t *xq, const int32_t *offsets)
+/* Two int4 blocks' integer sums, as block_fours gives one's: `lo` and `hi` hold the low and
+ * the high nibbles of blocks b and b + 1, `xq` the two blocks' activations as pair_blocks lays
+ * them out; block b's sums come out in lanes 0-3, block b + 1's in lanes 4-7. */
+static inline __m256i pair_fours(__m256i lo, __m256i hi, const int8_t *xq)
 {
     const __m256i low = block_fours(lo, xq);
 #if DEQUANT_VNNI
-    const __m256i both = _mm256_dpbusd_epi32(low, hi, _mm256_loadu_si256((const __m256i *)(xq + BLOCK)));
+    return _mm256_dpbusd_epi32(low, hi, _mm256_loadu_si256((const __m256i *)(xq + BLOCK)));
 #else
-    const __m256i both = _mm256_add_epi32(low, block_fours(hi, xq + BLOCK));
+    return _mm256_add_epi32(low, block_fours(hi, xq + BLOCK));
 #endif
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(both, _mm256_loadu_si256((const __m256i *)offsets)));
+}
+
+/* q4_block_products for a pair of blocks, `offsets` the pair's 8 q sums in the same lanes. */
+static inline __m256 q4_pair_products(__m256i lo, __m256i hi, const int8_t *xq, const int32_t *offsets)
+{
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(pair_fours(lo, hi, xq), _mm256_loadu_si256((const __m256i *)offsets)));
 }
 
 /* A Q8_0 block's 32 signed products with 32 int8 values, summed in fours into 8 int32 lanes, as
@@ -466,11 +470,13 @@ static void pair_blocks(int8_t *values, int32_t *offsets, int64_t rows, int64_t 
 #endif
 
 /* out[r] = the row's int4 blocks against the quantized rows (values, scales) for r < rows:
- * per block an integer sum of products, times d_w d_x. Every block is whole here (the
- * weight's padding nibbles are 8, the activations' padding 0). */
+ * per block an integer sum of products times d_w d_x, and for Q4_1 (`mins`, else NULL) the
+ * block's minimum m_w times d_x times the sum of its values (`xs`). Every block is whole here
+ * (Q4_0's padding nibbles are 8, the activations' padding 0). */
 static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const uint16_t *scales,
-                                                         const int8_t *xq, const float *xd, const int32_t *xo,
-                                                         int rows, int64_t blocks, float *out, const uint8_t *end)
+                                                         const uint16_t *mins, const int8_t *xq, const float *xd,
+                                                         const int32_t *xo, const float *xs, int rows, int64_t blocks,
+                                                         float *out, const uint8_t *end)
 {
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
     int64_t b = 0;
@@ -478,9 +484,12 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
     /* two blocks at a time, against activations laid out by pair_blocks: one 32-byte load
      * gives both blocks' nibbles, the low ones (elements 0-15 of each) in one register and the
      * high ones in another; their sums of fours hold block b in lanes 0-3 and block b + 1 in
-     * lanes 4-7, which take each block's factor d_w d_x */
-    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+     * lanes 4-7, which take each block's factor d_w d_x. The sums are of u - 8 for Q4_1 too,
+     * its minimum moved to the block's middle (m + 8 d): every float term is then the size of
+     * the result, where u's sums and m's (m near -8 d) would be eight times larger and cancel.
+     * The middles' terms of eight blocks gather in the lanes of `low`. */
+    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS], low[ASTRAI_MAX_DEQUANT_ROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = low[r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (; b + 8 <= blocks; b += 8) {
         prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
@@ -488,6 +497,10 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
         const __m256 d = scales8(scales + b);
         __m256 factor[ASTRAI_MAX_DEQUANT_ROWS];
         for (int r = 0; r < rows; ++r) factor[r] = _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b));
+        if (mins) {
+            const __m256 middle = _mm256_fmadd_ps(d, _mm256_set1_ps(8.0f), scales8(mins + b));
+            for (int r = 0; r < rows; ++r) low[r] = _mm256_fmadd_ps(middle, _mm256_loadu_ps(xs + r * blocks + b), low[r]);
+        }
         for (int k = 0; k < 8; k += 2) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (b + k) * (BLOCK / 2)));
             const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
@@ -510,6 +523,10 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
             const float f0 = d0 * xd[at], f1 = d1 * xd[at + 1];
             const __m256 f = _mm256_setr_ps(f0, f0, f0, f0, f1, f1, f1, f1);
             acc0[r] = _mm256_fmadd_ps(f, q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8), acc0[r]);
+            if (mins) {
+                sum[r] += (half_to_float(mins[b]) + 8.0f * d0) * xs[at];
+                sum[r] += (half_to_float(mins[b + 1]) + 8.0f * d1) * xs[at + 1];
+            }
         }
     }
     if (b < blocks) {  /* an odd last block keeps its own layout */
@@ -519,79 +536,23 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
             const int64_t at = r * blocks + b;
             acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q4_block_products(u, xq + at * BLOCK, xo + at * 8),
                                       acc1[r]);
+            if (mins) sum[r] += (half_to_float(mins[b]) + 8.0f * d) * xs[at];
         }
     }
-    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), low[r]));
 #else
     (void)xo, (void)end;
     for (; b < blocks; ++b) {
         const uint8_t *block = w + b * (BLOCK / 2);
         const float d = half_to_float(scales[b]);
+        const int centre = mins ? 0 : 8;  /* Q4_1's nibbles are its values as they are */
         for (int r = 0; r < rows; ++r) {
             const int8_t *xb = xq + (r * blocks + b) * BLOCK;
             int32_t t = 0;
             for (int k = 0; k < BLOCK / 2; ++k)
-                t += ((block[k] & 0x0f) - 8) * xb[k] + ((block[k] >> 4) - 8) * xb[k + BLOCK / 2];
-            sum[r] += d * xd[r * blocks + b] * (float)t;
-        }
-    }
-#endif
-    for (int r = 0; r < rows; ++r) out[r] = sum[r];
-}
-
-/* out[r] = the row's Q4_1 blocks against the quantized rows for r < rows: per block
- * d_w d_x (an integer sum of nibble x value products) + m_w (d_x times the sum of the values,
- * `xs`). The minimum terms of eight blocks are summed in the eight lanes of their own register. */
-static inline __attribute__((always_inline)) void dot_q41(const uint8_t *w, const uint16_t *scales,
-                                                          const int8_t *xq, const float *xd, const float *xs,
-                                                          int rows, int64_t blocks, float *out, const uint8_t *end)
-{
-    const uint16_t *mins = scales + blocks;
-    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
-    int64_t b = 0;
-#if DEQUANT_AVX2
-    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS], low[ASTRAI_MAX_DEQUANT_ROWS];
-    float factor[ASTRAI_MAX_DEQUANT_ROWS][8] __attribute__((aligned(32)));
-    for (int r = 0; r < rows; ++r) even[r] = odd[r] = low[r] = _mm256_setzero_ps();
-    for (; b + 8 <= blocks; b += 8) {
-        prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
-        prefetch_ahead(w + b * (BLOCK / 2) + 64, end);
-        const __m256 d = scales8(scales + b), m = scales8(mins + b);
-        for (int r = 0; r < rows; ++r) {
-            _mm256_store_ps(factor[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b)));
-            low[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * blocks + b), low[r]);
-        }
-        for (int k = 0; k < 8; k += 2) {
-            const __m256i u0 = nibbles(w + (b + k) * (BLOCK / 2)), u1 = nibbles(w + (b + k + 1) * (BLOCK / 2));
-            for (int r = 0; r < rows; ++r) {
-                const int64_t at = r * blocks + b + k;
-                even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k]), q41_block_products(u0, xq + at * BLOCK),
-                                          even[r]);
-                odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k + 1]),
-                                         q41_block_products(u1, xq + (at + 1) * BLOCK), odd[r]);
-            }
-        }
-    }
-    for (; b < blocks; ++b) {
-        const float d = half_to_float(scales[b]), m = half_to_float(mins[b]);
-        const __m256i u = nibbles(w + b * (BLOCK / 2));
-        for (int r = 0; r < rows; ++r) {
-            const int64_t at = r * blocks + b;
-            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q41_block_products(u, xq + at * BLOCK), even[r]);
-            sum[r] += m * xs[at];
-        }
-    }
-    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(_mm256_add_ps(even[r], odd[r]), low[r]));
-#else
-    (void)end;
-    for (; b < blocks; ++b) {
-        const uint8_t *block = w + b * (BLOCK / 2);
-        const float d = half_to_float(scales[b]), m = half_to_float(mins[b]);
-        for (int r = 0; r < rows; ++r) {
-            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
-            int32_t t = 0;
-            for (int k = 0; k < BLOCK / 2; ++k) t += (block[k] & 0x0f) * xb[k] + (block[k] >> 4) * xb[k + BLOCK / 2];
-            sum[r] += d * xd[r * blocks + b] * (float)t + m * xs[r * blocks + b];
+                t += ((block[k] & 0x0f) - centre) * xb[k] + ((block[k] >> 4) - centre) * xb[k + BLOCK / 2];
+            sum[r] += mins ? d * xd[r * blocks + b] * (float)t + half_to_float(mins[b]) * xs[r * blocks + b]
+                           : d * xd[r * blocks + b] * (float)t;
         }
     }
 #endif
@@ -702,10 +663,11 @@ static inline __attribute__((always_inline)) void dequant_dot(int type, const ui
         dot_q8(w + j * ld, scales + j * scale_ld, xq, xd, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_Q4:
-        dot_q4(w + j * ld, scales + j * scale_ld, xq, xd, xo, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
+        dot_q4(w + j * ld, scales + j * scale_ld, NULL, xq, xd, xo, xs, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_Q41:
-        dot_q41(w + j * ld, scales + j * scale_ld, xq, xd, xs, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
+        dot_q4(w + j * ld, scales + j * scale_ld, scales + j * scale_ld + (n_in + BLOCK - 1) / BLOCK, xq, xd, xo, xs,
+               rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_F32:
         dot_f32((const float *)w + j * ld, x, x_stride, rows, n_in, out, end);
@@ -744,9 +706,9 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
     int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
     float xd[rows * blocks + 1], xs[rows * blocks + 1];
     int32_t xo[rows * blocks * 8 + 1] __attribute__((aligned(32)));
-    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, type == ASTRAI_Q4 ? xo : NULL, xs);
+    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, type != ASTRAI_Q8 ? xo : NULL, xs);
 #if DEQUANT_AVX2
-    if (blocks && type == ASTRAI_Q4) pair_blocks(xq, xo, rows, blocks);
+    if (blocks && type != ASTRAI_Q8) pair_blocks(xq, xo, rows, blocks);
 #endif
     const bf16_row_t *xr = NULL;
     if (type == ASTRAI_BF16 && first < last) {
