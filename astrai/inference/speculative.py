@@ -182,7 +182,10 @@ class SpeculationControl:
     more row of every matmul, which is arithmetic, not only reading):
     - per row: a row whose recent drafts were mostly rejected (kept fraction below
       ``min_kept``) pauses drafting for a while, longer each time; prompt lookup finds no
-      guess at all where the output does not repeat, which costs nothing;
+      guess at all where the output does not repeat, which costs nothing. The kept fraction is
+      an average in which a step counts by the tokens it drafted (a missed one-token draft
+      weighs a quarter of a missed four-token one at k = 4): short drafts after a miss cost
+      little, and counted as whole steps two of them would pause a row;
     - per batch size: the measured tokens per second of verify steps (tokens each row got,
       over the step's time) against plain decode steps of the same batch size; when drafting
       loses, the batch decodes plainly for a while (longer each time), then measures again.
@@ -245,7 +248,8 @@ class SpeculationControl:
             return
         record = self._rows.setdefault(task_id, RowRecord(self.k))
         record.length = min(self.k, 2 * drafted) if kept_drafts == drafted else kept_drafts + 1
-        record.kept = self.decay * record.kept + (1 - self.decay) * kept_drafts / drafted
+        weight = self.decay ** (drafted / self.k)
+        record.kept = weight * record.kept + (1 - weight) * kept_drafts / drafted
         if record.kept < self.min_kept:
             record.pauses += 1
             record.paused = self.pause_steps * 2 ** min(record.pauses - 1, 4)

@@ -182,13 +182,16 @@ def test_a_row_whose_drafts_fail_pauses_drafting():
     control.record("a", 4, 3, 4)
     control.record("a", 4, 0, 1)
     assert control.wanted(task, 10) == 1  # one failure after a good step: no pause yet, a short draft
+    for _ in range(3):  # a missed one-token draft weighs a quarter of a missed four-token one
+        control.record("a", 1, 0, 1)
+        assert control.wanted(task, 10) == 1
     control.record("a", 1, 0, 1)
     assert [control.wanted(task, 10) for _ in range(8)] == [0] * 8  # paused for 8 steps
     assert control.wanted(task, 10) == 4  # then drafts as a new row
     for _ in range(2):
         control.record("a", 4, 0, 1)
     assert [control.wanted(task, 10) for _ in range(16)] == [0] * 16  # the second pause is twice as long
-    assert control.stats()["acceptance_rate"] == 3 / 17
+    assert control.stats()["acceptance_rate"] == 3 / 20
 
 
 def test_a_batch_size_whose_verify_steps_lose_to_plain_steps_stops_drafting():
