@@ -184,6 +184,24 @@ def test_every_level_gives_the_portable_levels_numbers(libraries, on_level):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-4), (name, i)
 
 
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(libraries, on_level):
+    """A speculative step verifies drafts as extra rows of the same matmuls: each row of a
+    few-row call must be the one-row call's numbers bit for bit (else greedy decoding with
+    drafts could leave greedy decoding without them), on every vector level, with a pair
+    tail and an odd last block of int4."""
+    for name in (name for name in libraries if name != "portable"):
+        on_level(name)
+        torch.manual_seed(5)
+        for kind in (Q8, Q4, Q41, BF16):
+            for n_in in (64, 200, 576):
+                weight = typed(torch.randn(9, n_in), kind)[0]
+                x = torch.randn(8, n_in)
+                alone = torch.cat([kernels.dequant_matmul(x[r:r + 1].contiguous(), weight) for r in range(8)])
+                for rows in range(2, 9):
+                    assert torch.equal(kernels.dequant_matmul(x[:rows].contiguous(), weight), alone[:rows]), \
+                        (name, kind, n_in, rows)
+
+
 def test_every_level_decodes_an_int4_model_to_the_same_tokens(libraries, on_level):
     """The fused C step and the few-row and prompt matmuls under each level: the same greedy tokens."""
     model = quantize_model(make_model("tiny", seed=2), "int4")
