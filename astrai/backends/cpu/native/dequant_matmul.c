@@ -48,7 +48,9 @@
  * and FMA (x86-64 builds for a CPU that has them), blocks are multiplied (bf16: widened to
  * fp32) in registers by intrinsics, and with AVX512-VNNI each four int8 products are summed
  * by one vpdpbusd (the same integers as maddubs gives); otherwise, or built with
- * ASTRAI_PORTABLE, the same sums run as plain C loops.
+ * ASTRAI_PORTABLE, the same sums run as plain C loops, one row of x at a time in a function of
+ * its own whose float additions keep their source order. Every path gives a row of x the
+ * same numbers whatever rows share the call, which greedy speculative decoding relies on.
  * fp16 scales are converted by F16C where the CPU has it, else by their bits.
  */
 #include <math.h>
@@ -286,6 +288,64 @@ static inline __attribute__((always_inline)) int64_t rows_f32_avx512(const float
 }
 #endif
 
+#if !DEQUANT_AVX2
+/* The plain-C loops, one row of x at a time. Each is its own function, never inlined, with
+ * the float additions in source order (reassociation off here alone, so the integer loops
+ * still vectorize): under -fassociative-math an inlined loop over several rows may be
+ * vectorized or reordered differently for each row count, and a row of a speculative step's
+ * verify would then differ from the same row decoded alone. */
+#if defined(__clang__)
+#define IN_SOURCE_ORDER __attribute__((noinline))
+#define SOURCE_ORDER_PRAGMA _Pragma("clang fp reassociate(off)")
+#else
+#define IN_SOURCE_ORDER __attribute__((noinline, optimize("no-associative-math")))
+#define SOURCE_ORDER_PRAGMA
+#endif
+
+/* One row's int8 blocks against one quantized row of x. */
+static IN_SOURCE_ORDER float row_q8(const int8_t *w, const uint16_t *scales, const int8_t *xq, const float *xd,
+                                    int64_t blocks)
+{
+    SOURCE_ORDER_PRAGMA
+    float sum = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        int32_t t = 0;
+        for (int k = 0; k < BLOCK; ++k) t += w[b * BLOCK + k] * xq[b * BLOCK + k];
+        sum += half_to_float(scales[b]) * xd[b] * (float)t;
+    }
+    return sum;
+}
+
+/* One row's int4 blocks (Q4_1 with `mins`, else Q4_0) against one quantized row of x. */
+static IN_SOURCE_ORDER float row_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const int8_t *xq,
+                                    const float *xd, const float *xs, int64_t blocks)
+{
+    SOURCE_ORDER_PRAGMA
+    const int centre = mins ? 0 : 8;  /* Q4_1's nibbles are its values as they are */
+    float sum = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = w + b * (BLOCK / 2);
+        const int8_t *xb = xq + b * BLOCK;
+        int32_t t = 0;
+        for (int k = 0; k < BLOCK / 2; ++k)
+            t += ((block[k] & 0x0f) - centre) * xb[k] + ((block[k] >> 4) - centre) * xb[k + BLOCK / 2];
+        const float d = half_to_float(scales[b]);
+        sum += mins ? d * xd[b] * (float)t + half_to_float(mins[b]) * xs[b] : d * xd[b] * (float)t;
+    }
+    return sum;
+}
+
+/* One bf16 weight row against one row of x rounded to bf16 (as floats). */
+static IN_SOURCE_ORDER float row_bf16(const uint16_t *w, const float *x, int64_t n_in)
+{
+    SOURCE_ORDER_PRAGMA
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n_in; ++i) sum += bf16_to_float(w[i]) * x[i];
+    return sum;
+}
+
+#endif
+
 /* out[r] = the row's int8 blocks against the quantized rows (values, scales) for r < rows: per
  * block an integer sum of products, times d_w d_x, as dot_q4 (below) does for int4. Every block
  * is whole (the weight's padding values and the activations' are 0). */
@@ -325,17 +385,9 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
     }
     for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
 #else
-    (void)end;
-    for (; b < blocks; ++b) {
-        const int8_t *block = (const int8_t *)w + b * BLOCK;
-        const float d = half_to_float(scales[b]);
-        for (int r = 0; r < rows; ++r) {
-            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
-            int32_t t = 0;
-            for (int k = 0; k < BLOCK; ++k) t += block[k] * xb[k];
-            sum[r] += d * xd[r * blocks + b] * (float)t;
-        }
-    }
+    (void)end, (void)b;
+    for (int r = 0; r < rows; ++r)
+        sum[r] = row_q8((const int8_t *)w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks);
 #endif
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
@@ -541,20 +593,9 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
     }
     for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), low[r]));
 #else
-    (void)xo, (void)end;
-    for (; b < blocks; ++b) {
-        const uint8_t *block = w + b * (BLOCK / 2);
-        const float d = half_to_float(scales[b]);
-        const int centre = mins ? 0 : 8;  /* Q4_1's nibbles are its values as they are */
-        for (int r = 0; r < rows; ++r) {
-            const int8_t *xb = xq + (r * blocks + b) * BLOCK;
-            int32_t t = 0;
-            for (int k = 0; k < BLOCK / 2; ++k)
-                t += ((block[k] & 0x0f) - centre) * xb[k] + ((block[k] >> 4) - centre) * xb[k + BLOCK / 2];
-            sum[r] += mins ? d * xd[r * blocks + b] * (float)t + half_to_float(mins[b]) * xs[r * blocks + b]
-                           : d * xd[r * blocks + b] * (float)t;
-        }
-    }
+    (void)xo, (void)end, (void)b;
+    for (int r = 0; r < rows; ++r)
+        sum[r] = row_q4(w, scales, mins, xq + r * blocks * BLOCK, xd + r * blocks, xs + r * blocks, blocks);
 #endif
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
@@ -579,8 +620,8 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
 #else
     const float *x = rounded;
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
-    int64_t i = 0;
 #if DEQUANT_AVX2
+    int64_t i = 0;
     __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS];
     for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (; i + 16 <= n_in; i += 16) {
@@ -597,19 +638,12 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
     for (int r = 0; r < rows; ++r) {
         sum[r] = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
     }
-#else
-    for (; i + BLOCK <= n_in; i += BLOCK) {
-        prefetch_ahead((const uint8_t *)(w + i), end);
-        for (int r = 0; r < rows; ++r) {
-            const float *xi = x + r * x_stride + i;
-            float t = 0.0f;
-            for (int k = 0; k < BLOCK; ++k) t += bf16_to_float(w[i + k]) * xi[k];
-            sum[r] += t;
-        }
-    }
-#endif
     for (; i < n_in; ++i)
         for (int r = 0; r < rows; ++r) sum[r] += bf16_to_float(w[i]) * x[r * x_stride + i];
+#else
+    (void)end;
+    for (int r = 0; r < rows; ++r) sum[r] = row_bf16(w, x + r * x_stride, n_in);
+#endif
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 #endif
 }
