@@ -7,7 +7,7 @@ windows of the same length, AdamW (betas 0.9/0.95, weight decay 0.1), linear war
 probe, gradient clipping at 1.0, and bf16 autocast when a probe shows it is faster than
 fp32. astrai's side is the quick start's own pre-training stage (``Quickstart.train_config``:
 its preset, learning rate, schedule, window and batch), sized from its throughput probe
-as in a real run. Each side gets ``--minutes`` of training wall-clock; then both are
+and planned again from its own first steps' pace, as in a real run. Each side gets ``--minutes`` of training wall-clock; then both are
 scored on the same held-out documents in bits per byte (the same likelihood code for
 both, so the numbers compare exactly). The target is astrai ≤ 0.85 × the baseline.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -144,17 +145,29 @@ class Baseline:
 
 # --- astrai's side ------------------------------------------------------------------------
 def astrai_pretrain(qs, seconds: float) -> dict:
-    """The quick start's pre-training stage, sized for ``seconds`` from its throughput probe."""
-    from astrai.quickstart.from_scratch import make_stage_deadline_callback
+    """The quick start's pre-training stage, sized for ``seconds`` from its throughput probe and,
+    as in a real run, planned again from its own steps 5-25 when their pace is off the probe's."""
+    from astrai.quickstart.from_scratch import make_pace_check_callback, make_stage_deadline_callback, pace_tolerance
     from astrai.trainer import Trainer
 
     config = qs.train_config(0, "pretrain", seconds)
     start = time.perf_counter()
-    context = Trainer(config, callbacks=[make_stage_deadline_callback(seconds)]).train()
+    pace = make_pace_check_callback(qs.tps, config.batch_per_device * config.window_size,
+                                    pace_tolerance(config.max_steps))
+    context = Trainer(config, callbacks=[make_stage_deadline_callback(seconds), pace]).train()
+    replanned = None
+    if pace.measured is not None:
+        replanned = {"probed_tokens_per_s": qs.tps, "measured_tokens_per_s": pace.measured,
+                     "first_plan_steps": config.max_steps}
+        shutil.rmtree(qs.stage_dir("pretrain"))
+        qs.tps = pace.measured
+        left = seconds - (time.perf_counter() - start)
+        config = qs.train_config(0, "pretrain", left)
+        context = Trainer(config, callbacks=[make_stage_deadline_callback(left)]).train()
     elapsed = time.perf_counter() - start
     return {"steps": context.step, "planned_steps": config.max_steps, "tokens": context.tokens_seen,
             "seconds": elapsed, "tokens_per_s": context.tokens_seen / elapsed, "lr": config.max_lr,
-            "schedule": config.schedule, "warmup_ratio": config.warmup_ratio}
+            "schedule": config.schedule, "warmup_ratio": config.warmup_ratio, "replanned": replanned}
 
 
 def heldout_bits(model, tokenizer, window: int) -> dict:
