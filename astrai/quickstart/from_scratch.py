@@ -83,13 +83,10 @@ PRETRAIN_SCHEDULE = dict(schedule="wsd", warmup_ratio=0.05, decay_ratio=0.95, mi
 # lowered to 7e-4, equal steps end 10% lower in held-out bits per byte (docs/benchmarks.md).
 PRETRAIN_EMBEDDING_LR_SCALE = 12.0
 # Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
-# by more than pace_tolerance(planned steps), the stage starts over, planned with the rate it
-# measured. The probe's few steps misread the rate: by 10-12% on a quiet machine (a stage planned
-# that far short ended a fifth of its minutes early), by half when another program held a core.
-# Starting over costs the timed steps again, so the tolerance is the larger of PACE_TOLERANCE and
-# twice that cost's share of the stage.
+# by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured: a probe
+# taken while another program holds a core can read half the real rate and halve pre-training.
 PACE_CHECK_STEPS = (5, 25)
-PACE_TOLERANCE = 0.05
+PACE_TOLERANCE = 0.2
 # GRPO times this many of its steps, then plans the steps that fit in its share: its rollouts
 # run the inference engine, whose pace under contention the training throughput does not tell.
 GRPO_TIMED_STEPS = 3
@@ -207,17 +204,9 @@ def make_stop_at_step_callback(step: int):
     return StopAtStep()
 
 
-def pace_tolerance(planned_steps: int) -> float:
-    """How far the timed steps' rate may be off the probe's before a stage of ``planned_steps``
-    starts over: PACE_TOLERANCE, or for a short stage twice the share of it that starting over
-    repeats (a re-plan that gains less than it costs is not made)."""
-    return max(PACE_TOLERANCE, 2 * PACE_CHECK_STEPS[1] / max(planned_steps, 1))
-
-
-def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int, tolerance: float = PACE_TOLERANCE,
-                             clock=time.perf_counter):
+def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int, clock=time.perf_counter):
     """A TrainCallback timing steps PACE_CHECK_STEPS; when their rate is off ``expected`` by
-    more than ``tolerance`` it records the rate in ``measured`` and ends the stage there."""
+    more than PACE_TOLERANCE it records the rate in ``measured`` and ends the stage there."""
     first, last = PACE_CHECK_STEPS
 
     class PaceCheck(TrainCallback):
@@ -229,7 +218,7 @@ def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int,
                 self.started = clock()
             elif context.step == last and self.started is not None:
                 rate = (last - first) * tokens_per_step / max(clock() - self.started, 1e-9)
-                if abs(rate / expected_tokens_per_s - 1) > tolerance:
+                if abs(rate / expected_tokens_per_s - 1) > PACE_TOLERANCE:
                     self.measured = rate
                     context.total_steps = context.step
 
@@ -629,8 +618,7 @@ class Quickstart:
         pace = None
         # only a fresh, time-sized pre-training whose checkpoints all come after the timed steps
         if check_pace and name == "pretrain" and callbacks and checkpoint is None and config.ckpt_interval > PACE_CHECK_STEPS[1]:
-            pace = make_pace_check_callback(self.tps, config.batch_per_device * config.window_size,
-                                            pace_tolerance(config.max_steps))
+            pace = make_pace_check_callback(self.tps, config.batch_per_device * config.window_size)
             callbacks.append(pace)
         context = self.trainer(config, callbacks, extra).train(checkpoint=checkpoint)
         if context is None or context.stop_requested:

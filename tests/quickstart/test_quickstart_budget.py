@@ -14,7 +14,6 @@ from astrai.quickstart.from_scratch import (ARITHMETIC_SHARE, GRPO_WARMUP, PACE_
                                             PRETRAIN_EMBEDDING_LR_SCALE, run_quickstart,
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
-                                            pace_tolerance,
                                             make_stage_deadline_callback, write_json)
 
 
@@ -152,21 +151,6 @@ def test_pace_check_ends_the_stage_only_when_the_rate_is_off():
         assert (check.measured == pytest.approx(1000.0 / seconds_per_step)) if stops else check.measured is None
 
 
-def test_a_short_stage_starts_over_only_for_a_miss_worth_the_steps_it_repeats():
-    """Starting over repeats the timed steps: a stage of N steps re-plans past 2 x 25 / N, and
-    never for less than PACE_TOLERANCE."""
-    assert pace_tolerance(10_000) == PACE_TOLERANCE
-    assert pace_tolerance(250) == pytest.approx(2 * PACE_CHECK_STEPS[1] / 250) and pace_tolerance(250) > PACE_TOLERANCE
-    clock = FakeClock()
-    check = make_pace_check_callback(1000.0, 1000, pace_tolerance(250), clock=clock)
-    context = SimpleNamespace(step=0, total_steps=250)
-    while context.step < context.total_steps:  # 15% faster than expected: within a 250-step stage's 20%
-        context.step += 1
-        clock.now += 1 / 1.15
-        check.on_step_end(context)
-    assert context.total_steps == 250 and check.measured is None
-
-
 class StandInTrainer:
     """Runs the callbacks over steps that cost nothing but fake-clock time, at ``rate`` tokens/s."""
 
@@ -195,7 +179,7 @@ class StandInTrainer:
         return context
 
 
-@pytest.mark.parametrize("real_rate,restarts", [(8000.0, True), (4500.0, True), (4100.0, False)])
+@pytest.mark.parametrize("real_rate,restarts", [(8000.0, True), (4400.0, False)])
 def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, monkeypatch, real_rate, restarts):
     qs = planner(tmp_path, tokens_per_s=4000.0)
     qs.s.steps = None
@@ -205,7 +189,7 @@ def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, 
     monkeypatch.setattr(quickstart, "Trainer", StandInTrainer)
     real_check = quickstart.make_pace_check_callback
     monkeypatch.setattr(quickstart, "make_pace_check_callback",
-                        lambda tps, tokens, tolerance: real_check(tps, tokens, tolerance, clock=StandInTrainer.clock))
+                        lambda tps, tokens: real_check(tps, tokens, clock=StandInTrainer.clock))
     record = qs.train_stage(0, "pretrain")
     runs = StandInTrainer.runs
     if not restarts:  # within the tolerance: the plan stands
@@ -215,12 +199,11 @@ def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, 
     assert len(runs) == 2
     assert runs[0]["ran"] == PACE_CHECK_STEPS[1] and "PaceCheck" in runs[0]["callbacks"]
     assert "PaceCheck" not in runs[1]["callbacks"]  # checked once: a second plan is never thrown away
-    assert pace_tolerance(runs[0]["planned"]) < real_rate / 4000.0 - 1  # a long enough stage for a 12.5% miss
-    # planned again at the measured rate: about that many more steps (the faster rate also
-    # shrinks the reserve for evaluations a little)
+    # planned again at the measured rate: about twice the steps (the faster rate also shrinks
+    # the reserve for evaluations a little)
     seconds = json.loads((qs.stage_dir("pretrain") / "budget.json").read_text())["seconds"]
     assert runs[1]["planned"] == int(PRETRAIN_STEP_SHARE * seconds * real_rate / (qs.s.batch_size * qs.s.window_size))
-    assert runs[1]["planned"] == pytest.approx(real_rate / 4000.0 * runs[0]["planned"], rel=0.05)
+    assert runs[1]["planned"] == pytest.approx(2 * runs[0]["planned"], rel=0.05)
     assert record["steps"] == runs[1]["planned"] and qs.tps == pytest.approx(real_rate)
     saved = json.loads((qs.out / "throughput.json").read_text())
     assert saved == {"tokens_per_s": pytest.approx(real_rate), "probed_tokens_per_s": 4000.0}
