@@ -188,8 +188,8 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(libraries, on_level
     """A speculative step verifies drafts as extra rows of the same matmuls: each row of a
     few-row call must be the one-row call's numbers bit for bit (else greedy decoding with
     drafts could leave greedy decoding without them), on every level, the portable one's
-    plain-C loops included (left to the compiler's reassociation they summed a row otherwise
-    for seven or eight rows than for one), with a pair tail and an odd last block of int4."""
+    plain-C loops included (which the compiler may reorder per row count unless each row has
+    its own function), with a pair tail and an odd last block of int4."""
     for name in libraries:
         on_level(name)
         torch.manual_seed(5)

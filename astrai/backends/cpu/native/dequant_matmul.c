@@ -354,8 +354,8 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
                                                          const uint8_t *end)
 {
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
-    int64_t b = 0;
 #if DEQUANT_AVX2
+    int64_t b = 0;
     __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS];
     float factor[ASTRAI_MAX_DEQUANT_ROWS][8] __attribute__((aligned(32)));
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
@@ -385,7 +385,7 @@ static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const
     }
     for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
 #else
-    (void)end, (void)b;
+    (void)end;
     for (int r = 0; r < rows; ++r)
         sum[r] = row_q8((const int8_t *)w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks);
 #endif
@@ -531,8 +531,8 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
                                                          float *out, const uint8_t *end)
 {
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
-    int64_t b = 0;
 #if DEQUANT_AVX2
+    int64_t b = 0;
     /* two blocks at a time, against activations laid out by pair_blocks: one 32-byte load
      * gives both blocks' nibbles, the low ones (elements 0-15 of each) in one register and the
      * high ones in another; their sums of fours hold block b in lanes 0-3 and block b + 1 in
@@ -593,7 +593,7 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
     }
     for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), low[r]));
 #else
-    (void)xo, (void)end, (void)b;
+    (void)xo, (void)end;
     for (int r = 0; r < rows; ++r)
         sum[r] = row_q4(w, scales, mins, xq + r * blocks * BLOCK, xd + r * blocks, xs + r * blocks, blocks);
 #endif
