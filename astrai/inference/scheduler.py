@@ -291,8 +291,15 @@ class InferenceScheduler:
                     self._wake.wait()
                 if not self._running:
                     return
-                self._admit()
-                kind, batch, n_new, drafts = self._plan_step()
+                try:
+                    self._admit()
+                    kind, batch, n_new, drafts = self._plan_step()
+                except Exception as exc:  # planning's bug or out-of-memory: end the requests, keep serving
+                    logger.exception("planning an inference step failed")
+                    for task in [*self._task_mgr.running, *self._task_mgr.waiting]:
+                        if not task.done:
+                            self._abort(task, error=f"{type(exc).__name__}: {exc}")
+                    continue
             if batch:
                 self._run_step(kind, batch, n_new, drafts)
 
@@ -431,7 +438,13 @@ class InferenceScheduler:
             wanted.append(self._speculation.wanted(task, room) if self._executor.speculates(task) else 0)
         if not any(wanted):
             return False, None
-        drafts = self._drafter.propose(decode, wanted)
+        try:
+            drafts = self._drafter.propose(decode, wanted)
+        except Exception as exc:  # drafting only saves time: a drafter that fails is dropped, decoding goes on
+            logger.exception("drafting failed; decoding continues without speculation")
+            self._drafter = None
+            self._speculation.stopped = f"{type(exc).__name__}: {exc}"
+            return False, None
         for i, (task, draft) in enumerate(zip(decode, drafts)):
             del draft[wanted[i]:]
             if draft and not self._page_cache.task_extend(task.task_id, task.num_computed + 1 + len(draft)):
@@ -508,6 +521,7 @@ class InferenceScheduler:
         self._task_mgr.drop(task)
         if self._drafter is not None:
             self._drafter.forget(task.task_id)
+        if self._speculation is not None:
             self._speculation.forget(task.task_id)
 
     def _abort(self, task: Task, error: Optional[str] = None) -> None:

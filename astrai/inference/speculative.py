@@ -199,6 +199,7 @@ class SpeculationControl:
         self._times: dict[int, StepTimes] = {}
         self.verify_steps = self.drafted = self.accepted = self.rows_verified = self.tokens = 0
         self.paused_steps = 0
+        self.stopped: Optional[str] = None  # the error that ended drafting for the engine's life, if one did
 
     def batch_wanted(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows drafts at all (see the class docstring)."""
@@ -263,7 +264,7 @@ class SpeculationControl:
                 "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "tokens_per_row_step": self.tokens / self.rows_verified if self.rows_verified else 0.0,
-                "paused_steps": self.paused_steps}
+                "paused_steps": self.paused_steps, "stopped": self.stopped}
 
 
 def _average(old: Optional[float], new: float, decay: float) -> float:
