@@ -301,7 +301,14 @@ class InferenceScheduler:
                             self._abort(task, error=f"{type(exc).__name__}: {exc}")
                     continue
             if batch:
-                self._run_step(kind, batch, n_new, drafts)
+                try:
+                    self._run_step(kind, batch, n_new, drafts)
+                except Exception as exc:  # handing out the step's tokens failed: end its requests, keep serving
+                    logger.exception("finishing an inference step failed")
+                    with self._lock:
+                        for task in batch:
+                            if not task.done:
+                                self._abort(task, error=f"{type(exc).__name__}: {exc}")
 
     def _run_step(self, kind: str, batch: list[Task], n_new: list[int], drafts: Optional[list[list[int]]] = None) -> None:
         started = time.perf_counter()

@@ -368,25 +368,3 @@ def test_a_drafter_that_fails_is_dropped_and_decoding_goes_on(batch):
     assert drafter.calls == 2  # never asked again after it raised
     assert stats["speculative"]["stopped"] == "RuntimeError: drafter out of memory"
     assert stats["pages_used"] == 0
-
-
-@pytest.mark.timeout(60)
-def test_an_error_while_planning_a_step_ends_the_requests_and_the_engine_serves_on(monkeypatch):
-    model = make_model("tiny", seed=5)
-    with InferenceEngine(model, None, max_batch_size=2, page_size=4, num_pages=64) as engine:
-        scheduler = engine.scheduler
-        plan = scheduler._plan_step
-        failures = iter([RuntimeError("planning bug")])
-
-        def plan_once_failing():
-            error = next(failures, None)
-            if error is not None:
-                raise error
-            return plan()
-
-        monkeypatch.setattr(scheduler, "_plan_step", plan_once_failing)
-        first = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
-        assert first.finish_reason == "abort" and "planning bug" in (first.error or "")
-        second = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
-        assert second.token_ids == greedy_reference(model, [1, 2, 3], 8)
-        assert engine.get_stats()["pages_used"] == 0
