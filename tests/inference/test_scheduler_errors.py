@@ -7,9 +7,20 @@ from __future__ import annotations
 import pytest
 
 from astrai.inference import InferenceEngine, SamplingParams
+from astrai.inference.task import Task
 from inference_helpers import greedy_reference, make_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPT = [1, 2, 3]
+
+
+def assert_first_request_ends_with(engine, model, message: str) -> None:
+    """The first request ends with ``message`` as its error, the next decodes as usual, no page is left."""
+    first = engine.submit(PROMPT, SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
+    assert first.finish_reason == "abort" and message in (first.error or "")
+    second = engine.submit(PROMPT, SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
+    assert second.token_ids == greedy_reference(model, PROMPT, 8)
+    assert engine.get_stats()["pages_used"] == 0
 
 
 @pytest.mark.timeout(60)
@@ -27,17 +38,11 @@ def test_an_error_while_planning_a_step_ends_the_requests_and_the_engine_serves_
             return plan()
 
         monkeypatch.setattr(scheduler, "_plan_step", plan_once_failing)
-        first = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
-        assert first.finish_reason == "abort" and "planning bug" in (first.error or "")
-        second = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
-        assert second.token_ids == greedy_reference(model, [1, 2, 3], 8)
-        assert engine.get_stats()["pages_used"] == 0
+        assert_first_request_ends_with(engine, model, "planning bug")
 
 
 @pytest.mark.timeout(60)
 def test_an_error_while_handing_out_a_steps_tokens_ends_its_requests_and_the_engine_serves_on(monkeypatch):
-    from astrai.inference.task import Task
-
     model = make_model("tiny", seed=5)
     real_accept = Task.accept
     calls = []
@@ -50,8 +55,4 @@ def test_an_error_while_handing_out_a_steps_tokens_ends_its_requests_and_the_eng
 
     with InferenceEngine(model, None, max_batch_size=2, page_size=4, num_pages=64) as engine:
         monkeypatch.setattr(Task, "accept", accept_failing_third)
-        first = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
-        assert first.finish_reason == "abort" and "stop-string bug" in (first.error or "")
-        second = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, **GREEDY)).result(timeout=20)
-        assert second.token_ids == greedy_reference(model, [1, 2, 3], 8)
-        assert engine.get_stats()["pages_used"] == 0
+        assert_first_request_ends_with(engine, model, "stop-string bug")
