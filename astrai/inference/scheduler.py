@@ -107,6 +107,7 @@ class InferenceScheduler:
             raise RequestError(f"greedy_run_seconds must be a number of seconds >= 0 (inf: no limit), "
                                f"got {greedy_run_seconds!r}")
         self._drafter, self._speculation = _speculation(speculative, draft_tokens, drafter)
+        self._draft_seconds = 0.0  # the last planned step's drafting time, which its verify step is timed with
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_batch_size = max_batch_size
@@ -336,9 +337,11 @@ class InferenceScheduler:
             produced = 0
             if self._speculation is not None and kind != "prefill":
                 # a verify step without drafts (a draft head fetching its first hidden state) is
-                # a plain step for the measure of what drafting gains
+                # a plain step for the measure of what drafting gains; one with drafts costs its
+                # drafting too (a draft model's or head's steps, run while planning the step)
                 timed_as = "decode" if kind == "verify" and not any(drafts) else kind
-                self._speculation.timed(timed_as, len(batch), time.perf_counter() - started,
+                drafting = self._draft_seconds if timed_as == "verify" else 0.0
+                self._speculation.timed(timed_as, len(batch), time.perf_counter() - started + drafting,
                                         sum(map(len, results)) / len(batch))
             if kind == "verify":
                 self._speculation.verify_steps += 1
@@ -423,7 +426,9 @@ class InferenceScheduler:
             return "prefill", *self._plan_prefill(prefill), None
         self._last_was_prefill = False
         decode = self._reserve_decode_pages()
+        drafted_at = time.perf_counter()
         drafting, drafts = self._draft(decode) if self._drafter is not None and decode else (False, None)
+        self._draft_seconds = time.perf_counter() - drafted_at
         if drafts is not None:
             return "verify", decode, [1 + len(d) for d in drafts], drafts
         # a row that may draft takes one step at a time: a run of greedy steps would pass by the

@@ -187,8 +187,9 @@ class SpeculationControl:
       weighs a quarter of a missed four-token one at k = 4): short drafts after a miss cost
       little, and counted as whole steps two of them would pause a row;
     - per batch size: the measured tokens per second of verify steps (tokens each row got,
-      over the step's time) against plain decode steps of the same batch size; when drafting
-      loses, the batch decodes plainly for a while (longer each time), then measures again.
+      over the step's time with its drafting) against plain decode steps of the same batch
+      size; when drafting loses, the batch decodes plainly for a while (longer each time),
+      then measures again.
     """
 
     def __init__(self, method: str, k: int, min_kept: float = 0.3, decay: float = 0.7, pause_steps: int = 8,

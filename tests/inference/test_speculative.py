@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -235,6 +236,55 @@ def test_drafting_stops_for_a_row_when_it_does_not_pay():
     assert got == [expected]
     assert stats["speculative"]["accepted_tokens"] == 0
     assert drafter.calls < 20  # most of the 60 steps decoded plainly after the row paused
+
+
+class SlowOracle:
+    """Drafts the model's own greedy continuation (every draft is kept), taking ``seconds`` a call;
+    every other call finds nothing at once, so that plain steps are timed too."""
+
+    def __init__(self, continuation: list[int], prompt_len: int, seconds: float):
+        self.continuation, self.prompt_len, self.seconds = continuation, prompt_len, seconds
+        self.calls = 0
+
+    def propose(self, tasks, k):
+        self.calls += 1
+        if self.calls % 2:
+            return [[] for _ in k]
+        time.sleep(self.seconds)
+        drafts = []
+        for task, n in zip(tasks, k):
+            done = task.num_computed + 1 - self.prompt_len  # outputs already in the context
+            drafts.append(self.continuation[done:done + n])
+        return drafts
+
+    def forget(self, task_id):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_a_verify_step_is_timed_with_its_drafting():
+    """What the batch switch weighs against plain steps is a verify step's whole cost: a drafter's
+    time (spent while the step is planned) counts with the step, even when every draft is right."""
+    model = make_model("tiny", seed=4)
+    prompt = [3, 1, 4, 1, 5]
+    expected = greedy_reference(model, prompt, 40)
+    timings = []
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=256, speculative="draft",
+                         drafter=SlowOracle(expected, len(prompt), 0.2)) as engine:
+        control = engine.scheduler._speculation
+        timed = control.timed
+
+        def recorded(kind, rows, seconds, tokens):
+            timings.append((kind, seconds))
+            timed(kind, rows, seconds, tokens)
+
+        control.timed = recorded
+        got = engine.submit(prompt, SamplingParams(max_tokens=40, **GREEDY)).result(timeout=60).token_ids
+    assert got == expected
+    verify = [seconds for kind, seconds in timings if kind == "verify"]
+    plain = [seconds for kind, seconds in timings if kind != "verify"]
+    assert verify and plain
+    assert min(verify) >= 0.2 > max(plain)
 
 
 @pytest.mark.timeout(60)
