@@ -7,16 +7,16 @@ weights and SmolLM2's tokenizer; greedy, the chat template applied):
 - ``chat``: the bundled SFT conversations' held-out user turns (data/sft/valid.jsonl), where the
   answer repeats little.
 
-For each prompt, in one run and alternating: astrai without speculation, astrai with prompt
-lookup (``--speculative ngram``), optionally a draft model or head (``--draft DIR``), and
-llama.cpp's ``llama-lookup`` on the same weights (GGUF of the same type) with the same draft
+For each prompt, in one run and alternating (``--rounds`` passes, odd ones in reverse order):
+astrai without speculation, astrai with prompt lookup (``--speculative ngram``), optionally a
+draft model or head (``--draft DIR``), and llama.cpp's ``llama-lookup`` on the same weights (GGUF of the same type) with the same draft
 length. Replies end at the end-of-turn token, as a user sees them (``--ignore-eos`` decodes
 ``--new-tokens`` past it). Decode tokens/s is (tokens - 1) / (time after the first token) for
 astrai, each prompt's and over all prompts' tokens together, and llama-lookup's own
 "decoded ... t/s" line. Prints the ratios, writes dated JSON to bench/results/.
 
 Usage: .venv/bin/python bench/speculative.py [--model smollm2] [--precision int8] [--workloads rewrite,chat]
-       [--prompts 4] [--new-tokens 192] [--draft-tokens 4] [--draft DIR] [--no-llamacpp] [--ignore-eos]
+       [--prompts 4] [--rounds 1] [--new-tokens 192] [--draft-tokens 4] [--draft DIR] [--no-llamacpp] [--ignore-eos]
 """
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default="int8", choices=sorted(GGUF_TYPES))
     parser.add_argument("--workloads", default="rewrite,chat")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over the prompts (odd ones take the systems in reverse order); the speculating "
+                             "engines' switches carry what they measured from one pass to the next")
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--draft", default=None, metavar="DIR", help="also run --speculative draft with this draft model")
@@ -123,26 +126,26 @@ def main() -> None:
     llamacpp = None if args.no_llamacpp else build_llamacpp()
     gguf = None if llamacpp is None else ensure_gguf(args.model, GGUF_TYPES[args.precision], llamacpp)
     results = {"model": args.model, "precision": args.precision, "draft_tokens": args.draft_tokens, "new_tokens": args.new_tokens,
-               "threads": args.threads, "workloads": {}}
+               "rounds": args.rounds, "threads": args.threads, "workloads": {}}
     for workload in args.workloads.split(","):
         # fresh engines per workload: what the engine learned of drafting on one (how long a
         # row drafts, whether drafting pays) is not carried into the other
         systems = open_systems(model_dir, args)
         tokenizer = systems["plain"].tokenizer
         rows = []
-        for messages in WORKLOADS[workload](args.prompts):
+        # each round runs every prompt on every system; odd rounds take the systems in reverse
+        # order, so that neither side always follows the other
+        for round_index, messages in ((r, m) for r in range(args.rounds) for m in WORKLOADS[workload](args.prompts)):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
-            row = {"prompt_tokens": len(ids)}
-            for name, engine in systems.items():
+            row, tokens = {"prompt_tokens": len(ids), "round": round_index}, {}
+            order = list(systems.items())
+            for name, engine in order if round_index % 2 == 0 else order[::-1]:
                 run = astrai_decode(engine, ids, args.new_tokens, args.ignore_eos)
                 row[name] = {k: v for k, v in run.items() if k != "tokens"}
                 row[name]["new_tokens"] = len(run["tokens"])
-                row.setdefault("same_tokens", True)
-                if name == "plain":
-                    plain_tokens = run["tokens"]
-                else:
-                    row["same_tokens"] &= run["tokens"] == plain_tokens
+                tokens[name] = run["tokens"]
+            row["same_tokens"] = all(t == tokens["plain"] for t in tokens.values())
             if gguf is not None:
                 row["llama-lookup"] = llama_lookup(llamacpp.tool("llama-lookup"), gguf, text, args.new_tokens,
                                                    args.draft_tokens, args.threads, args.ignore_eos)
