@@ -295,43 +295,37 @@ class InferenceScheduler:
                 try:
                     self._admit()
                     kind, batch, n_new, drafts = self._plan_step()
-                except Exception as exc:  # planning's bug or out-of-memory: end the requests, keep serving
+                except Exception as exc:  # a bug or out-of-memory must end the requests, not hang them
                     logger.exception("planning an inference step failed")
-                    for task in [*self._task_mgr.running, *self._task_mgr.waiting]:
-                        if not task.done:
-                            self._abort(task, error=f"{type(exc).__name__}: {exc}")
+                    self._end_with_error([*self._task_mgr.running, *self._task_mgr.waiting], exc)
                     continue
             if batch:
                 try:
                     self._run_step(kind, batch, n_new, drafts)
-                except Exception as exc:  # handing out the step's tokens failed: end its requests, keep serving
-                    logger.exception("finishing an inference step failed")
+                except Exception as exc:  # the step, or handing out its tokens, failed: end its requests
+                    logger.exception("inference step failed")
                     with self._lock:
-                        for task in batch:
-                            if not task.done:
-                                self._abort(task, error=f"{type(exc).__name__}: {exc}")
+                        self._end_with_error(batch, exc)
+
+    def _end_with_error(self, tasks: list[Task], exc: Exception) -> None:
+        """Abort each unfinished task of ``tasks`` with ``exc`` as its error (the lock held)."""
+        for task in tasks:
+            if not task.done:
+                self._abort(task, error=f"{type(exc).__name__}: {exc}")
 
     def _run_step(self, kind: str, batch: list[Task], n_new: list[int], drafts: Optional[list[list[int]]] = None) -> None:
         started = time.perf_counter()
-        try:
-            with self.model_lock:
-                if kind == "prefill":
-                    results = [[] if r is None else [r] for r in self._executor.execute_prefill(batch, n_new)]
-                elif kind == "verify":
-                    results, last_hidden = self._executor.execute_verify(batch, drafts)
-                elif kind == "greedy":
-                    stops = self.stop_ids if not batch[0].params.ignore_eos else frozenset()
-                    stops = stops.union(batch[0].params.stop_token_ids)
-                    results = [self._executor.execute_greedy_steps(batch[0], n_new[0], stops, self.greedy_run_seconds)]
-                else:
-                    results = [[r] for r in self._executor.execute_decode(batch)]
-        except Exception as exc:  # a bug or out-of-memory must end the requests, not hang them
-            logger.exception("inference step failed")
-            with self._lock:
-                for task in batch:
-                    if not task.done:
-                        self._abort(task, error=f"{type(exc).__name__}: {exc}")
-            return
+        with self.model_lock:
+            if kind == "prefill":
+                results = [[] if r is None else [r] for r in self._executor.execute_prefill(batch, n_new)]
+            elif kind == "verify":
+                results, last_hidden = self._executor.execute_verify(batch, drafts)
+            elif kind == "greedy":
+                stops = self.stop_ids if not batch[0].params.ignore_eos else frozenset()
+                stops = stops.union(batch[0].params.stop_token_ids)
+                results = [self._executor.execute_greedy_steps(batch[0], n_new[0], stops, self.greedy_run_seconds)]
+            else:
+                results = [[r] for r in self._executor.execute_decode(batch)]
         now = time.monotonic()
         with self._lock:
             produced = 0
