@@ -1,9 +1,12 @@
 """Small C kernels for the CPU decode step and prefill, compiled on first use with the system's C compiler.
 
-Six kernels live in ``native/``, built into one library: the four below,
+Eight kernels live in ``native/``, built into one library: the four below,
 ``native/dense_rows.c``, which widens rows of a bf16 or int8 weight to fp32 for the
-prefill's matmuls, and ``native/integer_matmul.c``, which multiplies many rows by an int4
-(with VNNI, also an int8) weight in integers (both bound in dense_matmul.py).
+prefill's matmuls, ``native/integer_matmul.c``, which multiplies many rows by an int4
+(with VNNI, also an int8) weight in integers (both bound in dense_matmul.py),
+``native/bf16_matmul.c``, a prompt's rows by a bf16 weight with AVX512-BF16, and
+``native/cross_entropy.c``, the fused training loss's softmax and logit gradient of a chunk
+(cross_entropy.py).
 
 Decode attention. PyTorch has no CPU kernel for attention of one query over rows of
 different lengths: batched matmuls over every row padded to the longest context read the
@@ -310,6 +313,9 @@ def _load(compiler: str, level: KernelLevel) -> ctypes.CDLL:
     library.astrai_integer_matmul.restype = i64
     library.astrai_bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr] + [i64] * 3 + [ctypes.c_int]
     library.astrai_bf16_matmul.restype = i64
+    library.astrai_softmax_gradient.argtypes = ([ptr, ctypes.c_int] + [i64] * 3 + [ptr, ptr, ctypes.c_float, ptr, ptr,
+                                                 ctypes.c_int, i64, ctypes.c_int])
+    library.astrai_softmax_gradient.restype = None
     library.astrai_kernel_features.argtypes = []
     library.astrai_kernel_features.restype = ctypes.c_int
     for function in (library.astrai_decode_attention_f32, library.astrai_row_matmul_f32,

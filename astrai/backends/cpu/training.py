@@ -19,7 +19,8 @@ loss's matmuls (``HeadMatmuls``, astrai/model/components/linear_cross_entropy.py
 vocabulary projection's fp32 matmuls on oneDNN likewise, and, under bf16 autocast, the
 projection in bf16 only where this CPU's bf16 matmul is clearly faster
 (``cpu_bf16_matmul_pays``): some CPUs with bf16 instructions multiply bf16 matrices slower
-than fp32 ones. Autocast (bf16 on a CPU already goes
+than fp32 ones; and each chunk's softmax and logit gradient go to one C kernel
+(cross_entropy.py) where the kernels are built. Autocast (bf16 on a CPU already goes
 to oneDNN), other devices and dtypes and tensor subclasses keep the plain matmul. Inside
 ``torch.compile`` the matmul is a custom op the compiler leaves as it is
 (``astrai::onednn_matmul``), and the two answers are constants, so a compiled fp32 step
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from astrai.backends.cpu.cross_entropy import softmax_gradient, softmax_gradient_available
 from astrai.model.components.layers import Linear
 from astrai.model.components.linear_cross_entropy import HeadMatmuls, head_matmuls
 
@@ -133,7 +135,8 @@ def fast_training_matmuls(model: nn.Module, choice: Optional[dict] = None) -> It
                 swapped.append((module, type(module)))
                 module.__class__ = OneDnnLinear
     outer, _run_choice = _run_choice, choice if choice is not None else _run_choice
-    matmuls = HeadMatmuls(matmul=head_matmul if forward else None, low_precision_pays=low_precision_pays)
+    matmuls = HeadMatmuls(matmul=head_matmul if forward else None, low_precision_pays=low_precision_pays,
+                          softmax_gradient=softmax_gradient if softmax_gradient_available() else None)
     try:
         with head_matmuls(matmuls):
             yield len(swapped)

@@ -39,7 +39,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``ignore_index`` skipped)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, compute_dtype, matmul):
+    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, compute_dtype, matmul, softmax):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, vocab = hidden.shape[0], weight.shape[0]
         valid = targets != ignore_index
@@ -51,8 +51,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         matmuls = ChunkMatmuls(w, matmul)
         chunk = min(CHUNK_ROWS, max(n, 1))
         group = matmuls.gradient_group_rows(chunk) if need_weight else chunk
-        # the chunks' fp32 logits, reused; a given matmul function returns its own
-        workspace = None if matmuls.matmul is not None else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
+        # the chunks' fp32 logits, reused; a given matmul function returns its own, and the
+        # softmax kernel reads bf16 logits as they are
+        fresh = matmuls.matmul is not None or (softmax is not None and compute_dtype != torch.float32)
+        workspace = None if fresh else torch.empty(vocab * chunk, dtype=torch.float32, device=hidden.device)
         need_gradients = need_hidden or need_weight
         # a group's logit gradients; ungrouped (fp32 on MKL) each chunk's go in place of its logits
         gradients = (torch.empty(vocab, min(group, n), dtype=compute_dtype, device=hidden.device)
@@ -64,31 +66,20 @@ class LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             rows = min(chunk, n - start)
             target = safe_targets[None, start:start + rows]
+            scale = row_weight[None, start:start + rows]
+            column = start % group
             # logits transposed, [vocab, rows]: the matmul runs faster with the vocabulary as
             # its long side (see the module's docstring); softmax is taken down the columns
             out = None if workspace is None else workspace[:vocab * rows].view(vocab, rows)
-            logits = matmuls.logits(h_all[start:start + rows], out)
-            target_logit = logits.gather(0, target)
-            mean_logit = logits.mean(dim=0, keepdim=True) if label_smoothing else None
-            row_max = logits.amax(dim=0, keepdim=True)
-            exp = logits.sub_(row_max).exp_()  # in place: the logits are not needed any more
-            exp_sum = exp.sum(dim=0, keepdim=True)
-            lse = row_max + exp_sum.log()
-            loss = lse - target_logit
-            if label_smoothing:
-                loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean_logit)
-            scale = row_weight[None, start:start + rows]
-            total += (loss * scale).sum()
+            if softmax is not None:  # one kernel reads the logits as the matmul gave them
+                logits = matmuls.logits(h_all[start:start + rows], out, widen=False)
+                grad = None if not need_gradients else logits if gradients is None else gradients[:, column:column + rows]
+                total += softmax(logits, target[0], scale[0], label_smoothing, grad) @ scale[0]
+            else:
+                grad = chunk_softmax_gradient(matmuls.logits(h_all[start:start + rows], out), target, scale,
+                                              label_smoothing, gradients, column, need_gradients, total)
             if not need_gradients:
                 continue
-            column = start % group
-            grad = exp if gradients is None else gradients[:, column:column + rows]
-            # (softmax − target distribution) × this row's weight = (exp − exp_sum·target) × scale/exp_sum,
-            # the target subtracted before the one pass that scales (and casts) into the gradient rows
-            exp.scatter_add_(0, target, -(1 - label_smoothing) * exp_sum)
-            if label_smoothing:
-                exp.sub_(label_smoothing / vocab * exp_sum)
-            torch.mul(exp, scale / exp_sum, out=grad)
             if need_hidden:
                 matmuls.hidden_gradient(grad, grad_hidden[start:start + rows])
             if need_weight and (column + rows == group or start + rows == n):
@@ -107,7 +98,37 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def chunk_softmax_gradient(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, label_smoothing: float,
+                           gradients: Optional[torch.Tensor], column: int, need_gradients: bool,
+                           total: torch.Tensor) -> Optional[torch.Tensor]:
+    """One chunk's loss added into ``total`` and, when ``need_gradients``, its logit gradient
+    (softmax − target distribution) × each row's weight: in ``gradients[:, column:]`` when
+    gradients are grouped, else in place of the fp32 ``logits`` (returned). PyTorch's ops; a
+    device backend may install one kernel for the same (``HeadMatmuls.softmax_gradient``)."""
+    target_logit = logits.gather(0, target)
+    mean_logit = logits.mean(dim=0, keepdim=True) if label_smoothing else None
+    row_max = logits.amax(dim=0, keepdim=True)
+    exp = logits.sub_(row_max).exp_()  # in place: the logits are not needed any more
+    exp_sum = exp.sum(dim=0, keepdim=True)
+    lse = row_max + exp_sum.log()
+    loss = lse - target_logit
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean_logit)
+    total += (loss * scale).sum()
+    if not need_gradients:
+        return None
+    rows = logits.shape[1]
+    grad = exp if gradients is None else gradients[:, column:column + rows]
+    # (softmax − target distribution) × this row's weight = (exp − exp_sum·target) × scale/exp_sum,
+    # the target subtracted before the one pass that scales (and casts) into the gradient rows
+    exp.scatter_add_(0, target, -(1 - label_smoothing) * exp_sum)
+    if label_smoothing:
+        exp.sub_(label_smoothing / logits.shape[0] * exp_sum)
+    torch.mul(exp, scale / exp_sum, out=grad)
+    return grad
 
 
 class ChunkMatmuls:
@@ -137,13 +158,14 @@ class ChunkMatmuls:
         per_row = self.weight.shape[0] * self.weight.element_size()
         return max(1, GRADIENT_ROWS_BYTES // (per_row * chunk)) * chunk
 
-    def logits(self, h: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-        """fp32 ``W @ hᵀ`` [vocab, rows]: in ``out``, or a fresh tensor from ``matmul`` (``out`` None)."""
+    def logits(self, h: torch.Tensor, out: Optional[torch.Tensor], widen: bool = True) -> torch.Tensor:
+        """``W @ hᵀ`` [vocab, rows] in fp32: in ``out``, or a fresh tensor from ``matmul`` (``out``
+        None); without ``widen``, bf16 logits stay as the bf16 matmul gives them."""
         if self.matmul is not None:
             return self.matmul(self.weight, h)
         if self.weight.dtype == torch.float32:
             return torch.mm(self.weight, h.t(), out=out)
-        return out.copy_(self.weight @ h.t())
+        return out.copy_(self.weight @ h.t()) if widen else self.weight @ h.t()
 
     def hidden_gradient(self, grad: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` = ``gradᵀ @ W`` [rows, dim]: the BLAS's matmul in either precision, written in
@@ -168,10 +190,16 @@ class HeadMatmuls:
     the block it installs them in (``head_matmuls``; the CPU backend's training matmuls do):
     ``matmul(a, b)`` = ``a @ bᵀ`` replaces ``torch.mm`` for the fp32 matmuls, and
     ``low_precision_pays(device_type, dtype)`` says whether the projection should take
-    autocast's ``dtype`` (else it stays in the weights' dtype)."""
+    autocast's ``dtype`` (else it stays in the weights' dtype), and
+    ``softmax_gradient(logits, targets, scale, label_smoothing, grad)`` replaces
+    ``chunk_softmax_gradient``'s ops for a chunk of fp32 or bf16 logits on ``device_type``:
+    it returns the columns' unweighted losses and writes the weighted logit gradient into
+    ``grad`` (None: the loss alone; it may be the fp32 logits themselves)."""
 
     matmul: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
     low_precision_pays: Optional[Callable[[str, torch.dtype], bool]] = None
+    softmax_gradient: Optional[Callable[..., torch.Tensor]] = None
+    device_type: str = "cpu"
 
 
 _installed = HeadMatmuls()  # the defaults: torch.mm, and autocast's dtype wherever autocast is on
@@ -200,9 +228,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     compute_dtype = projection_dtype(hidden.device.type, weight.dtype)
     matmul = matmul if matmul is not None else _installed.matmul
+    softmax = _installed.softmax_gradient if hidden.device.type == _installed.device_type else None
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        softmax = None
     with torch.autocast(hidden.device.type, enabled=False):
         return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                                        ignore_index, float(label_smoothing), compute_dtype, matmul)
+                                        ignore_index, float(label_smoothing), compute_dtype, matmul, softmax)
 
 
 def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
