@@ -166,6 +166,7 @@ class StepTimes:
     verify_s: Optional[float] = None
     verify_tokens: float = 0.0
     verifies: int = 0  # verify steps averaged since the last pause
+    since_plain: int = 0  # verify steps since the last plain one
     pause: int = 0  # decode steps left without drafting
     pauses: int = 0
 
@@ -189,17 +190,22 @@ class SpeculationControl:
     - per batch size: the measured tokens per second of verify steps (tokens each row got,
       over the step's time with its drafting) against plain decode steps of the same batch
       size; when drafting loses, the batch decodes plainly for a while (longer each time),
-      then measures again.
+      then measures again. A drafter with a guess every step (a draft model, a draft head)
+      leaves no plain steps to weigh against, so after ``remeasure`` verify steps in a row
+      the batch takes one plain step (for a lone greedy row, a run of greedy steps, what it
+      would otherwise decode with): drafting that stops paying is then noticed, at the cost
+      of one step in ``remeasure`` where it does pay.
     """
 
     def __init__(self, method: str, k: int, min_kept: float = 0.3, decay: float = 0.7, pause_steps: int = 8,
-                 warmup: int = 3):
+                 warmup: int = 3, remeasure: int = 32):
         self.method, self.k = method, k
         self.min_kept, self.decay, self.pause_steps, self.warmup = min_kept, decay, pause_steps, warmup
+        self.remeasure = remeasure
         self._rows: dict[str, RowRecord] = {}
         self._times: dict[int, StepTimes] = {}
         self.verify_steps = self.drafted = self.accepted = self.rows_verified = self.tokens = 0
-        self.paused_steps = 0
+        self.paused_steps = self.plain_steps = 0
         self.stopped: Optional[str] = None  # the error that ended drafting for the engine's life, if one did
 
     def batch_wanted(self, rows: int) -> bool:
@@ -208,6 +214,10 @@ class SpeculationControl:
         if times.pause > 0:
             times.pause -= 1
             self.paused_steps += 1
+            return False
+        if times.since_plain >= self.remeasure:
+            times.since_plain = 0  # a plain step, timed for the comparison below
+            self.plain_steps += 1
             return False
         if times.decode_s is None or times.verify_s is None or times.verifies < self.warmup:
             return True
@@ -227,8 +237,10 @@ class SpeculationControl:
             times.verify_s = _average(times.verify_s, seconds, self.decay)
             times.verify_tokens = _average(times.verify_tokens if times.verifies else None, tokens_per_row, self.decay)
             times.verifies += 1
+            times.since_plain += 1
         elif tokens_per_row > 0:
             times.decode_s = _average(times.decode_s, seconds / tokens_per_row, self.decay)
+            times.since_plain = 0
 
     def wanted(self, task, room: int) -> int:
         """Tokens to draft for ``task`` this step (0: decode it as usual); ``room`` is how many
@@ -265,7 +277,7 @@ class SpeculationControl:
                 "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "tokens_per_row_step": self.tokens / self.rows_verified if self.rows_verified else 0.0,
-                "paused_steps": self.paused_steps, "stopped": self.stopped}
+                "paused_steps": self.paused_steps, "plain_steps": self.plain_steps, "stopped": self.stopped}
 
 
 def _average(old: Optional[float], new: float, decay: float) -> float:

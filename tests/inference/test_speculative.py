@@ -121,6 +121,9 @@ def test_sampled_output_keeps_the_models_distribution():
     counts = torch.zeros(V * V)
     with InferenceEngine(target, None, max_batch_size=16, page_size=4, num_pages=512, max_queue=n,
                          speculative="draft", drafter=draft, draft_tokens=3) as engine:
+        # the batch switch's timed plain steps would pause drafting (a draft as large as its
+        # target does not pay): this test wants many verify steps, not speed
+        engine.scheduler._speculation.remeasure = n
         handles = [engine.submit(prompt, SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k,
                                                         ignore_eos=True, seed=i)) for i in range(n)]
         for h in handles:
@@ -209,6 +212,26 @@ def test_a_batch_size_whose_verify_steps_lose_to_plain_steps_stops_drafting():
     assert control.batch_wanted(2)  # another batch size has its own figures
     control.timed("greedy", 1, 0.080, 8)  # a run of 8 greedy steps: 10 ms a token
     assert control.stats()["paused_steps"] == 8
+
+
+
+def test_a_batch_whose_rows_draft_every_step_still_measures_plain_steps():
+    """A drafter with a guess every step leaves no plain step to weigh verify steps against:
+    after ``remeasure`` verify steps in a row the batch takes one plain step, and drafting that
+    loses to it stops."""
+    control = SpeculationControl("draft", 4, warmup=3, remeasure=5)
+    for _ in range(5):
+        assert control.batch_wanted(1)
+        control.timed("verify", 1, 0.030, 2.0)  # 67 tokens/s, and nothing yet to compare with
+    assert not control.batch_wanted(1)  # the plain step
+    control.timed("greedy", 1, 0.080, 8)  # 100 tokens/s plainly
+    assert [control.batch_wanted(1) for _ in range(8)] == [False] * 8  # drafting loses: paused
+    stats = control.stats()
+    assert stats["plain_steps"] == 1 and stats["paused_steps"] == 8
+    for _ in range(5):  # where drafting wins, one step in `remeasure` is plain
+        assert control.batch_wanted(1)
+        control.timed("verify", 1, 0.030, 4.0)
+    assert not control.batch_wanted(1) and control.batch_wanted(1)
 
 
 class WrongDrafter:
