@@ -189,11 +189,12 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(libraries, on_level
     few-row call must be the one-row call's numbers bit for bit (else greedy decoding with
     drafts could leave greedy decoding without them), on every level, the portable one's
     plain-C loops included (which the compiler may reorder per row count unless each row has
-    its own function), with a pair tail and an odd last block of int4."""
+    its own function), with a pair tail and an odd last block of int4. An fp32 weight's one row
+    goes to another kernel (row_matmul.c's GEMV), which must add in the same order."""
     for name in libraries:
         on_level(name)
         torch.manual_seed(5)
-        for kind in (Q8, Q4, Q41, BF16):
+        for kind in (Q8, Q4, Q41, BF16, F32):
             for n_in in (64, 200, 576):
                 weight = typed(torch.randn(9, n_in), kind)[0]
                 x = torch.randn(8, n_in)

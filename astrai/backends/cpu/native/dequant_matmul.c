@@ -12,7 +12,8 @@
  *                w[o][i] = nibble * d[o][i / 32] + m[o][i / 32], the row's d's then its m's
  *                in its scales;
  *   ASTRAI_F32   fp32, `ld` elements between rows (one row goes to row_matmul.c's kernel;
- *                several, a speculative step's drafted tokens, are summed here);
+ *                several, a speculative step's drafted tokens, are summed here, each in the
+ *                order that kernel adds: f32_dot.h);
  *
  * (astrai/model/quantized.py's layout; the scales are `scale_ld` fp16 values apart per row).
  * The weight is the decode step's whole cost, so it is read once for all rows. bf16 multiplies
@@ -58,6 +59,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+
+#include "f32_dot.h"
 
 #if (defined(__AVX2__) && defined(__FMA__)) && !defined(ASTRAI_PORTABLE)
 #define DEQUANT_AVX2 1
@@ -266,27 +269,6 @@ static inline __m256 scales8(const uint16_t *h)
 
 #endif
 
-#if DEQUANT_AVX512
-/* Several rows against one fp32 weight row, sixteen lanes at a time (two sums per row). */
-static inline __attribute__((always_inline)) int64_t rows_f32_avx512(const float *w, const float *x, int64_t x_stride, int rows, int64_t n_in,
-                                      float *sum, const uint8_t *end)
-{
-    __m512 low[ASTRAI_MAX_DEQUANT_ROWS], high[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) low[r] = high[r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n_in; i += 32) {
-        prefetch_ahead((const uint8_t *)(w + i), end);
-        const __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
-        for (int r = 0; r < rows; ++r) {
-            const float *xi = x + r * x_stride + i;
-            low[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), low[r]);
-            high[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), high[r]);
-        }
-    }
-    for (int r = 0; r < rows; ++r) sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(low[r], high[r]));
-    return i;
-}
-#endif
 
 #if !DEQUANT_AVX2
 /* The plain-C loops, one row of x at a time. Each is its own function, never inlined, with
@@ -649,32 +631,14 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
 }
 
 /* The fp32 weight row's products with several rows of x (one row takes row_matmul.c's kernel):
- * a speculative step's verification of drafted tokens, each weight element loaded once for all. */
+ * a speculative step's verification of drafted tokens. The row is read from memory once, for
+ * the first row of x, and from L1 for the others; each sum is f32_dot.h's, in the order the
+ * one-row kernel adds, so a verified token's logits are those its plain decode step gives. */
 static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *x, int64_t x_stride, int rows,
                                                           int64_t n_in, float *out, const uint8_t *end)
 {
-    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
-    int64_t i = 0;
-#if DEQUANT_AVX512
-    i = rows_f32_avx512(w, x, x_stride, rows, n_in, sum, end);
-#endif
-#if DEQUANT_AVX2
-    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (; i + 16 <= n_in; i += 16) {
-        prefetch_ahead((const uint8_t *)(w + i), end);
-        const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
-        for (int r = 0; r < rows; ++r) {
-            const float *xi = x + r * x_stride + i;
-            acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc1[r]);
-        }
-    }
-    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
-#endif
-    for (; i < n_in; ++i)
-        for (int r = 0; r < rows; ++r) sum[r] += w[i] * x[r * x_stride + i];
-    for (int r = 0; r < rows; ++r) out[r] = sum[r];
+    for (int64_t i = 0; i < n_in; i += 32) prefetch_ahead((const uint8_t *)(w + i), end);
+    f32_dots(w, 0, 1, x, x_stride, rows, n_in, out, 0);
 }
 
 static inline int beats(float value, float top) { return value > top || (value != value && top == top); }

@@ -6,10 +6,16 @@
  * each a dot product of one weight row with x: every thread reads one stream of memory
  * front to back, with x in its L1 cache and nothing stored until a row is done. That
  * reads about as fast as a plain sum over the same bytes; more rows at a time (more
- * streams per thread) read less.
+ * streams per thread) read less. There is no software prefetch: each thread's rows follow
+ * each other in memory (in 2 MiB pages where the runner could get them), one sequential
+ * stream the hardware prefetcher follows on its own, and measured on x86 CPUs a prefetch
+ * instruction every 32 floats read the weights more slowly than none. Each dot product is
+ * f32_dot.h's, in the order the several-row matmul (dequant_matmul.c) sums too.
  */
 #include <stdint.h>
 #include <omp.h>
+
+#include "f32_dot.h"
 
 #if (defined(__AVX2__) && defined(__FMA__)) && !defined(ASTRAI_PORTABLE)
 #define ROWS_AVX2 1
@@ -19,29 +25,10 @@
 #endif
 
 enum {
-    LANES = 32,   /* independent partial sums per row: one chain of adds would wait on each add's latency */
     ROWS_AHEAD = 256, /* floats of W the few-rows matmul prefetches ahead: with several rows of x per
                          weight row the loop reads W more slowly, and there a prefetch measured faster */
     MAX_TEAM = 256, /* threads at most (the argmax keeps one answer per thread on the stack) */
 };
-
-/* x · row over n_in floats. There is no software prefetch: each thread's rows follow each
- * other in memory (in 2 MiB pages where the runner could get them), one sequential stream
- * the hardware prefetcher follows on its own, and measured on x86 CPUs a prefetch
- * instruction every 32 floats read the weights more slowly than none. */
-static inline float row_dot(const float *row, const float *x, int64_t n_in)
-{
-    float partial[LANES] = {0.0f};
-    int64_t i = 0;
-    for (; i + LANES <= n_in; i += LANES) {
-        #pragma omp simd
-        for (int k = 0; k < LANES; ++k) partial[k] += row[i + k] * x[i + k];
-    }
-    float s = 0.0f;
-    for (int k = 0; k < LANES; ++k) s += partial[k];
-    for (; i < n_in; ++i) s += row[i] * x[i];
-    return s;
-}
 
 /* Whether `value` at a later index takes the place of `top` as torch.argmax's answer: a NaN
  * beats any number (the first NaN wins), otherwise only a strictly larger value (the first
@@ -61,9 +48,10 @@ void astrai_team_row_matmul(const float *x, const float *w, const float *bias, f
     const int64_t first = t * per, last = first + per < n_out ? first + per : n_out;
     int64_t mine = -1;
     float highest = 0.0f;
+    if (first < last)
+        f32_dots(w + first * ld, ld, last - first, x, 0, 1, n_in, y + first, 1);
     for (int64_t j = first; j < last; ++j) {
-        const float s = row_dot(w + j * ld, x, n_in);
-        y[j] = bias ? s + bias[j] : s;
+        if (bias) y[j] += bias[j];
         if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
     }
     if (best) { best[t] = mine; top[t] = highest; }
@@ -146,7 +134,7 @@ static inline __attribute__((always_inline)) void tile_dot(const float *w, const
     }
     for (int r = 0; r < n_r; ++r) sums[r] = hsum8(_mm256_add_ps(even[r], odd[r]));
 #else
-    for (int r = 0; r < n_r; ++r) sums[r] = row_dot(w, x + r * n_in, n_in);
+    f32_dots(w, 0, 1, x, n_in, n_r, n_in, sums, 0);
     i = n_in;
 #endif
     for (; i < n_in; ++i)
