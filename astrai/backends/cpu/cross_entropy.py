@@ -19,11 +19,6 @@ from astrai.backends.cpu import kernels
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def softmax_gradient_available() -> bool:
-    """Whether the kernel library is built (building it on the first call)."""
-    return kernels.kernels_available()
-
-
 def _rows_of(t: torch.Tensor) -> int:
     """Elements between two vocabulary rows of a [vocab, rows] tensor whose rows are contiguous."""
     if t.dim() != 2 or t.stride(1) != 1 or t.dtype not in _KINDS or t.device.type != "cpu":

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from astrai.backends.cpu.cross_entropy import softmax_gradient, softmax_gradient_available
+from astrai.backends.cpu.cross_entropy import softmax_gradient
+from astrai.backends.cpu.kernels import kernels_available
 from astrai.model.components.layers import Linear
 from astrai.model.components.linear_cross_entropy import HeadMatmuls, head_matmuls
 
@@ -136,7 +137,7 @@ def fast_training_matmuls(model: nn.Module, choice: Optional[dict] = None) -> It
                 module.__class__ = OneDnnLinear
     outer, _run_choice = _run_choice, choice if choice is not None else _run_choice
     matmuls = HeadMatmuls(matmul=head_matmul if forward else None, low_precision_pays=low_precision_pays,
-                          softmax_gradient=softmax_gradient if softmax_gradient_available() else None)
+                          softmax_gradient=softmax_gradient if kernels_available() else None)
     try:
         with head_matmuls(matmuls):
             yield len(swapped)
