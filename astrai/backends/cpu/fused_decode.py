@@ -44,12 +44,13 @@ from torch import nn
 from astrai.backends.cpu.decode_buffers import RowTarget
 from astrai.backends.cpu.kernels import (COLUMNS, MAX_VERIFY_TOKENS, DecodePlan, TypedWeight, decode_plan, decode_step,
                                          decode_steps, kernels_available, kv_kind, verify_step)
-from astrai.backends.cpu.serving import (ServingGQA, ServingLinear, ServingMLP, ServingQuantizedLinear, typed_weight)
+from astrai.backends.cpu.serving import (InterleavedQuantizedLinear, ServingGQA, ServingLinear, ServingMLP,
+                                         ServingQuantizedLinear, typed_weight)
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
 from astrai.model.quantized import QuantizedLinear
 
 # a stacked group's members stay Linear; the rest are served
-PLAIN_LINEARS = (Linear, ServingLinear, QuantizedLinear, ServingQuantizedLinear)
+PLAIN_LINEARS = (Linear, ServingLinear, QuantizedLinear, ServingQuantizedLinear, InterleavedQuantizedLinear)
 
 
 class FusedDecode:

@@ -36,6 +36,13 @@ as the sums, not the reads, are the bound), an int8 one past ``DEQUANT_MAX_ROWS`
 CPU with VNNI. Their groups stack too: stacking along the outputs concatenates rows, so the
 joint weight of quantized members is their values and scales, each concatenated.
 
+Q4_0 weights (int4 without minimums) are then re-laid eight rows interleaved
+(interleaved.py, an ``InterleavedQuantizedLinear``): each load of nibbles then holds four
+inputs of eight rows, so the one-row kernel sums eight outputs per instruction without
+horizontal sums and reads at about the rate of a bare read (docs/benchmarks.md), and a few
+rows cost little more than one; such a weight takes the dequantizing
+matmul up to ``MAX_DEQUANT_ROWS`` rows, ``integer_matmul`` beyond.
+
 Every matmul notes which kernel ran it in a per-thread tally (``kernel_counts``), which the
 runner turns into its count of decode steps per path.
 """
@@ -54,7 +61,10 @@ from torch import nn
 from astrai.backends.cpu.dense_matmul import (bf16_matmul, bf16_matmul_available, dense_matmul, dense_matmul_available,
                                               integer_int8_available, integer_matmul)
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
-from astrai.backends.cpu.kernels import (BF16, F32, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q8, Q41, TypedWeight,
+from astrai.backends.cpu.interleaved import (can_interleave, interleaved_scales, interleaved_values, model_scales,
+                                             model_values)
+from astrai.backends.cpu.kernels import (BF16, F32, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q4X8, Q8, Q41,
+                                         QUANTIZED_KINDS, TypedWeight,
                                          cpu_flags, dequant_matmul, kernels_available, rounded_activations,
                                          row_major, row_matmul, rows_matmul)
 from astrai.backends.cpu.training import OneDnnLinear
@@ -71,7 +81,8 @@ SERVED_DTYPES = (torch.float32, torch.bfloat16)
 DEQUANT_MAX_ROWS = 2 * MAX_DEQUANT_ROWS  # float weights the serving layout takes
 # rows from which an int4 linear unpacks the weight for integer_matmul: below, the dequantizing
 # matmul's one read of the weight is faster (at three rows it depends on the shape); from
-# four rows on its sums are the bound
+# four rows on its sums are the bound. An interleaved one (Q4X8), whose eight rows' sums come
+# out of each instruction, takes the dequantizing matmul up to MAX_DEQUANT_ROWS rows.
 INTEGER_MIN_ROWS = 4
 _tally = threading.local()
 
@@ -150,7 +161,7 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     ``DEQUANT_MAX_ROWS`` rows of a matmul without autograd through ``dequant_matmul``,
     ``MAX_DEQUANT_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
     through ``dense_matmul`` (slabs of the weight widened in C), an int4 weight from
-    ``INTEGER_MIN_ROWS`` rows on, and past ``DEQUANT_MAX_ROWS`` an int8 one where
+    ``INTEGER_MIN_ROWS`` rows on (an interleaved one past ``MAX_DEQUANT_ROWS``), and past ``DEQUANT_MAX_ROWS`` an int8 one where
     ``integer_int8_available()``, through ``integer_matmul``, anything else through torch
     over ``dense()``, made once for the call. An int8 or int4 weight multiplies ``x``
     rounded as ``quantize_activations`` does on every path, as QuantizedLinear's forward
@@ -163,6 +174,7 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     native = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
               and x.shape[-1] == weight.in_features)
     integer = weight is not None and (weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS
+                                      or weight.kind == Q4X8 and rows > MAX_DEQUANT_ROWS
                                       or weight.kind == Q8 and rows > DEQUANT_MAX_ROWS and integer_int8_available())
     if native and integer and dense_matmul_available():
         _note("kernel")
@@ -173,7 +185,7 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
         _note("kernel")
         return bf16_matmul(x.contiguous(), weight, None if bias is None else bias.float().contiguous())
     kernel = native and 1 <= rows <= DEQUANT_MAX_ROWS and kernels_available()
-    if weight is not None and weight.kind in (Q8, Q4, Q41) and not (kernel and x.dtype == torch.float32):
+    if weight is not None and weight.kind in QUANTIZED_KINDS and not (kernel and x.dtype == torch.float32):
         x = rounded_activations(x)
     if kernel:
         _note("kernel")
@@ -226,6 +238,8 @@ def _split_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def typed_weight(module: nn.Module) -> Optional[TypedWeight]:
     """How the C kernels read ``module``'s weight: a QuantizedLinear's blocks, a plain linear's
     fp32 or bf16 weight; None for anything else."""
+    if isinstance(module, InterleavedQuantizedLinear):
+        return TypedWeight(module.qweight, module.scales, Q4X8, module.in_features)
     if isinstance(module, QuantizedLinear):
         kind = Q8 if module.bits == 8 else Q41 if module.asymmetric else Q4
         return TypedWeight(module.qweight, module.scales, kind, module.in_features)
@@ -286,6 +300,42 @@ class ServingQuantizedLinear(QuantizedLinear):
         return dequant_serving_linear(x, self.checked.get(self), self.bias, self.dequantize)
 
 
+class InterleavedQuantizedLinear(ServingQuantizedLinear):
+    """A Q4_0 ServingQuantizedLinear whose values and scales lie eight rows interleaved (the
+    kernels' Q4X8, interleaved.py), as the int4 kernels read them fastest. Its ``dequantize``
+    and state dict give quantized.py's layout; a state dict loaded into it is interleaved again."""
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_weight(model_values(self.qweight), model_scales(self.scales), 4, self.in_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "qweight"] = model_values(self.qweight)
+        destination[prefix + "scales"] = model_scales(self.scales)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        with torch.no_grad():
+            if prefix + "qweight" in state_dict:
+                self.qweight.copy_(interleaved_values(self.qweight.clone()))
+            if prefix + "scales" in state_dict:
+                self.scales.copy_(interleaved_scales(self.scales.clone()))
+
+
+def interleave(module: ServingQuantizedLinear) -> bool:
+    """Re-lay a Q4_0 ServingQuantizedLinear's values and scales in place, eight rows interleaved,
+    making it an InterleavedQuantizedLinear; False (nothing changed) when its layout cannot be."""
+    if type(module) is not ServingQuantizedLinear or module.bits != 4 or module.asymmetric:
+        return False
+    if not can_interleave(module.qweight, module.scales):
+        return False
+    with torch.no_grad():
+        module.qweight.copy_(interleaved_values(module.qweight.clone()))
+        module.scales.copy_(interleaved_scales(module.scales.clone()))
+    module.__class__ = InterleavedQuantizedLinear
+    return True
+
+
 def stored_weight(module: nn.Module) -> torch.Tensor:
     """The tensor that holds a linear's weight: a QuantizedLinear's values, else ``weight``."""
     return module.qweight if isinstance(module, QuantizedLinear) else module.weight
@@ -324,7 +374,9 @@ class JointMatmul:
 
     def _dense(self) -> torch.Tensor:
         typed = self.typed
-        if typed.kind in (Q8, Q4, Q41):
+        if typed.kind == Q4X8:
+            return dequantize_weight(model_values(typed.data), model_scales(typed.scales), 4, typed.in_features)
+        if typed.kind in QUANTIZED_KINDS:
             return dequantize_weight(typed.data, typed.scales, 8 if typed.kind == Q8 else 4, typed.in_features)
         return typed.data
 
@@ -404,10 +456,34 @@ def prepare_for_serving(model: nn.Module) -> None:
             module.__class__ = ServingLinear
             relaid.append(module)
         release_weight_file(model)  # before packing: a pack keeps the tensor it was made from
+        _interleave_int4(model)
         for module in relaid:
             if onednn_available() and module.weight.dtype == torch.float32:
                 module.packed = PackedWeight(module.weight, [module.weight])
                 _pack_now(module.packed)
+
+
+def _interleave_int4(model: nn.Module) -> None:
+    """Lay the model's Q4_0 weights out eight rows interleaved (``interleave``): a stacked group's
+    when every member's can be (the joint weight is then interleaved member by member, which is
+    its own interleaved layout), and every other one's. A tensor two modules share stays as it is."""
+    stored = Counter(m.qweight.data_ptr() for m in model.modules() if isinstance(m, QuantizedLinear))
+    alone = lambda m: type(m) is ServingQuantizedLinear and stored[m.qweight.data_ptr()] == 1
+    grouped: set[int] = set()
+    for module in model.modules():
+        joint = getattr(module, "joint", None)
+        if not isinstance(joint, JointMatmul):
+            continue
+        grouped.update(id(m) for m in joint.modules)
+        typed = joint.typed
+        if typed.kind == Q4 and all(alone(m) and not m.asymmetric and can_interleave(m.qweight, m.scales)
+                                    for m in joint.modules):
+            for member in joint.modules:
+                interleave(member)
+            joint.typed = TypedWeight(typed.data, typed.scales, Q4X8, typed.in_features)
+    for module in model.modules():
+        if id(module) not in grouped and alone(module):
+            interleave(module)
 
 
 def _pack_now(packed: Optional[PackedWeight]) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.kernels import kernels_available
-from astrai.backends.cpu.serving import (ServingQuantizedLinear, prepare_for_serving,
+from astrai.backends.cpu.serving import (InterleavedQuantizedLinear, prepare_for_serving,
                                          kernel_counts)
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.quantized import quantize_activations, quantize_model
@@ -129,7 +129,7 @@ def test_a_prefill_multiplies_the_dequantized_weight_once_per_matmul(weights, ke
     with InferenceEngine(model, None, page_size=4, num_pages=32) as engine:
         served_model = engine.model
         if weights == "int4":
-            assert any(type(m) is ServingQuantizedLinear for m in served_model.modules())
+            assert any(type(m) is InterleavedQuantizedLinear for m in served_model.modules())
         ids = torch.tensor([list(range(3, 40))])
         before = kernel_counts()[kernel]
         with torch.no_grad():

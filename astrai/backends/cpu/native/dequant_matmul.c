@@ -11,6 +11,11 @@
  *   ASTRAI_Q41   the same nibbles with a step d and a minimum m per block (GGUF's Q4_1):
  *                w[o][i] = nibble * d[o][i / 32] + m[o][i / 32], the row's d's then its m's
  *                in its scales;
+ *   ASTRAI_Q4X8  Q4_0 with eight rows interleaved (llama.cpp's Q4_0x8 repack; interleaved.py
+ *                lays it out): for each group of eight rows, in `8 ld` bytes (ld = 16 x blocks),
+ *                block b's 128 bytes hold in their k-th 32 (k < 4) bytes 4k..4k+3 of each
+ *                row's block in turn, and the group's scales, `8 scale_ld` values from the
+ *                group's first, lie block by block, eight rows each;
  *   ASTRAI_F32   fp32, `ld` elements between rows (one row goes to row_matmul.c's kernel;
  *                several, a speculative step's drafted tokens, are summed here, each in the
  *                order that kernel adds: f32_dot.h);
@@ -84,7 +89,7 @@
 #define BF16_PRODUCTS 0
 #endif
 
-enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4 };
+enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4, ASTRAI_Q4X8 = 5 };
 enum { ASTRAI_MAX_DEQUANT_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
 
 static inline float half_to_float(uint16_t h)
@@ -582,6 +587,130 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
     for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
+#if !DEQUANT_AVX2
+/* One row of x against the eight rows of an ASTRAI_Q4X8 group, out[i] for row i. */
+static IN_SOURCE_ORDER void row_q4x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *xd,
+                                     int64_t blocks, float *out)
+{
+    SOURCE_ORDER_PRAGMA
+    float sum[8] = {0.0f};
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = w + b * 128;
+        const int8_t *xb = xq + b * BLOCK;
+        for (int i = 0; i < 8; ++i) {
+            int32_t t = 0;
+            for (int k = 0; k < 4; ++k)
+                for (int j = 0; j < 4; ++j) {
+                    const uint8_t v = block[32 * k + 4 * i + j];
+                    t += ((v & 0x0f) - 8) * xb[4 * k + j] + ((v >> 4) - 8) * xb[16 + 4 * k + j];
+                }
+            sum[i] += half_to_float(scales[8 * b + i]) * xd[b] * (float)t;
+        }
+    }
+    for (int i = 0; i < 8; ++i) out[i] = sum[i];
+}
+#endif
+
+/* out[r * 8 + i] = row i of an ASTRAI_Q4X8 group (`w`, `scales` its first bytes and scales)
+ * against quantized row r of x, for r < rows; `xe` [rows][blocks] is 8 times each block's sum
+ * of values. Each 32-byte load holds four inputs of all eight rows, so a vpdpbusd (or maddubs
+ * and a madd) against those four inputs of x, broadcast, adds eight rows' products at once,
+ * one per lane: a block ends in one conversion and one multiply-add for eight outputs, with no
+ * horizontal sums, and the scales come as one 16-byte load. A row of x has its own sums, so
+ * its numbers do not depend on the rows beside it. */
+static inline __attribute__((always_inline)) void dot_q4x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq,
+                                                           const float *xd, const int32_t *xe, int rows, int64_t blocks,
+                                                           float *out, const uint8_t *end)
+{
+#if DEQUANT_AVX2
+    __m256 acc[ASTRAI_MAX_DEQUANT_ROWS];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = w + b * 128;
+        prefetch_ahead(block, end);
+        prefetch_ahead(block + 64, end);
+        if ((b & 3) == 0) __builtin_prefetch(scales + 8 * b + 256, 0, 0);
+        const __m256 d = scales8(scales + 8 * b);
+        __m256i lo[4], hi[4];
+        for (int k = 0; k < 4; ++k) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * k));
+            lo[k] = _mm256_and_si256(raw, low4);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const int64_t at = r * blocks + b;
+            const int8_t *xb = xq + at * BLOCK;
+            int32_t four[8];
+            memcpy(four, xb, sizeof four);
+#if DEQUANT_VNNI
+            __m256i s = _mm256_set1_epi32(-xe[at]);
+            for (int k = 0; k < 4; ++k) {
+                s = _mm256_dpbusd_epi32(s, lo[k], _mm256_set1_epi32(four[k]));
+                s = _mm256_dpbusd_epi32(s, hi[k], _mm256_set1_epi32(four[k + 4]));
+            }
+#else
+            /* eight pair sums of at most 2 x 15 x 127 each stay inside 16 bits */
+            __m256i pairs = _mm256_setzero_si256();
+            for (int k = 0; k < 4; ++k) {
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(four[k])));
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(four[k + 4])));
+            }
+            const __m256i s = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), _mm256_set1_epi32(xe[at]));
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[at])), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+#else
+    (void)xe, (void)end;
+    for (int r = 0; r < rows; ++r) row_q4x8(w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks, out + 8 * r);
+#endif
+}
+
+static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
+
+/* This thread's groups of an ASTRAI_Q4X8 weight (astrai_team_dequant_matmul's part for it):
+ * the threads split the outputs in whole groups of eight. */
+static void team_q4x8(const float *x, int64_t rows, int64_t x_stride, const uint8_t *w, const uint16_t *scales,
+                      const float *bias, float *y, int64_t y_stride, int64_t n_in, int64_t n_out, int64_t ld,
+                      int64_t scale_ld, int64_t *best, float *top)
+{
+    const int t = omp_get_thread_num();
+    const int64_t size = omp_get_num_threads(), groups = n_out / 8, per = (groups + size - 1) / size;
+    const int64_t first = t * per, last = first + per < groups ? first + per : groups;
+    const int64_t blocks = first < last ? (n_in + BLOCK - 1) / BLOCK : 0;
+    const uint8_t *end = w + last * 8 * ld;
+    int8_t xq[rows * blocks * BLOCK + 1] __attribute__((aligned(32)));
+    float xd[rows * blocks + 1], xs[rows * blocks + 1], out[ASTRAI_MAX_DEQUANT_ROWS * 8];
+    int32_t xo[rows * blocks * 8 + 1], xe[rows * blocks + 1];
+    if (blocks) quantize_activations(x, x_stride, rows, n_in, xq, xd, xo, xs);
+    for (int64_t i = 0; i < rows * blocks; ++i) {
+        int32_t e = 0;
+        for (int lane = 0; lane < 8; ++lane) e += xo[8 * i + lane];
+        xe[i] = e;
+    }
+    int64_t mine = -1;
+    float highest = 0.0f;
+    for (int64_t g = first; g < last; ++g) {
+        const uint8_t *wg = w + g * 8 * ld;
+        const uint16_t *sg = scales + g * 8 * scale_ld;
+        switch (rows) {
+#define ROWS_CASE(n) case n: dot_q4x8(wg, sg, xq, xd, xe, n, blocks, out, end); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+        default: dot_q4x8(wg, sg, xq, xd, xe, ASTRAI_MAX_DEQUANT_ROWS, blocks, out, end);
+#undef ROWS_CASE
+        }
+        for (int i = 0; i < 8; ++i) {
+            const int64_t j = 8 * g + i;
+            const float b = bias ? bias[j] : 0.0f;
+            for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[8 * r + i] + b;
+            if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
+        }
+    }
+    if (best) { best[t] = mine; top[t] = highest; }
+}
+
 /* The bf16 weight row's products with the rows of x, rounded to bf16 (bf16_rounded_rows:
  * `rounded` holds bf16 bits with vdpbf16ps, else floats, rows x_stride elements apart). */
 static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const bf16_row_t *rounded,
@@ -641,7 +770,6 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
     f32_dots(w, 0, 1, x, x_stride, rows, n_in, out, 0);
 }
 
-static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
 
 /* row_matmul.c: the fp32 weights' one-row GEMV and the team's argmax */
 void astrai_team_row_matmul(const float *x, const float *w, const float *bias, float *y, int64_t n_in,
@@ -688,6 +816,11 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
 {
     if (type == ASTRAI_F32 && rows == 1) {
         astrai_team_row_matmul(x, (const float *)weight, bias, y, n_in, n_out, ld, best, top);
+        return;
+    }
+    if (type == ASTRAI_Q4X8) {
+        team_q4x8(x, rows, x_stride, (const uint8_t *)weight, scales, bias, y, y_stride, n_in, n_out, ld, scale_ld,
+                  best, top);
         return;
     }
     const int t = omp_get_thread_num();

@@ -1,6 +1,7 @@
 /* Integer matmul (W4A8, W8A8) of many rows (a prompt) by an int4 or int8 weight: y = x W^T
  * (+ bias) for W in GGUF's Q4_0, Q4_1 or (with VNNI) Q8_0 blocks (dequant_matmul.c's
- * ASTRAI_Q4 / ASTRAI_Q41 / ASTRAI_Q8 layout) and x fp32 [rows][n_in].
+ * ASTRAI_Q4 / ASTRAI_Q41 / ASTRAI_Q8 layout, or Q4_0 with eight rows interleaved: ASTRAI_Q4X8)
+ * and x fp32 [rows][n_in].
  *
  * Widening the nibbles to floats for an fp32 GEMM (as dense_rows.c does for bf16 and
  * int8) leaves the prompt's matmuls at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
@@ -46,7 +47,8 @@
 #define ROWS_VNNI 0
 #endif
 
-enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, PAIR_MIN_ROWS = 24, TYPE_Q8 = 2, TYPE_Q4 = 3, TYPE_Q41 = 4 };
+enum { Q_BLOCK = 32, GROUP = 8, ROW_TILE = 4, PAIR_MIN_ROWS = 24, TYPE_Q8 = 2, TYPE_Q4 = 3, TYPE_Q41 = 4,
+       TYPE_Q4X8 = 5 };
 
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
@@ -72,6 +74,24 @@ static inline float half_value(uint16_t h)
 static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, int64_t scale_ld, int type,
                          int64_t first, int64_t n_out, int64_t blocks, uint8_t *bytes, float *steps, float *extras)
 {
+    if (type == TYPE_Q4X8) {  /* already four inputs of the eight rows per 32 bytes: only the nibbles to split */
+        const uint8_t *group = w + first * ld;
+        const uint16_t *group_scales = scales + first * scale_ld;
+        for (int64_t i = 0; i < blocks * GROUP; ++i) {
+            steps[i] = half_value(group_scales[i]);
+            extras[i] = -8.0f * steps[i];
+        }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t *in = group + b * GROUP * Q_BLOCK / 2;
+            uint8_t *out = bytes + b * GROUP * Q_BLOCK;
+            for (int k = 0; k < 4; ++k)
+                for (int i = 0; i < 32; ++i) {
+                    out[32 * k + i] = in[32 * k + i] & 0x0f;
+                    out[32 * (k + 4) + i] = in[32 * k + i] >> 4;
+                }
+        }
+        return;
+    }
     const int live = n_out - first < GROUP ? (int)(n_out - first) : GROUP;
     for (int c = 0; c < GROUP; ++c) {
         const uint16_t *row = scales + (first + c) * scale_ld;
@@ -235,7 +255,8 @@ static void group_rows(const uint8_t *bytes, const float *steps, const float *ex
 }
 
 /* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias) for an int4 or int8 weight W [n_out][n_in]
- * (type 3: Q4_0, 4: Q4_1, 2: Q8_0; `ld` bytes and `scale_ld` fp16 values between two rows),
+ * (type 3: Q4_0, 4: Q4_1, 2: Q8_0, 5: Q4_0 interleaved, whose n_out is a multiple of 8; `ld` bytes
+ * and `scale_ld` fp16 values between two rows),
  * shared among `threads`. Q8_0 only with VNNI: its unsigned w + 128 against int8 x would
  * overflow maddubs' 16-bit pair sums. Returns 0, -1 for another type (or Q8_0 without VNNI),
  * -2 when memory ran out. */
@@ -243,7 +264,8 @@ int64_t astrai_integer_matmul(const float *x, int64_t rows, int64_t x_stride, co
                               const uint16_t *scales, int64_t scale_ld, int type, const float *bias, float *y,
                               int64_t y_stride, int64_t n_in, int64_t n_out, int threads)
 {
-    if (type != TYPE_Q4 && type != TYPE_Q41 && !(type == TYPE_Q8 && ROWS_VNNI)) return -1;
+    if (type != TYPE_Q4 && type != TYPE_Q41 && type != TYPE_Q4X8 && !(type == TYPE_Q8 && ROWS_VNNI)) return -1;
+    if (type == TYPE_Q4X8 && n_out % GROUP) return -1;
     if (rows <= 0 || n_out <= 0) return 0;
     const int64_t blocks = (n_in + Q_BLOCK - 1) / Q_BLOCK;
     int8_t *xq = aligned((size_t)(rows * blocks * Q_BLOCK));
