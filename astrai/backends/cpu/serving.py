@@ -442,17 +442,16 @@ def prepare_for_serving(model: nn.Module) -> None:
         for module in model.modules():
             if type(module) is QuantizedLinear and module.qweight.device.type == "cpu":
                 module.__class__ = ServingQuantizedLinear
+                if id(module.qweight) not in in_groups:  # a stacked group's blocks lie in its joint buffers
+                    for tensor in (module.qweight, module.scales):
+                        _in_huge_pages(tensor, laid)
                 continue
             if type(module) not in (Linear, nn.Linear) or not _movable(module.weight):
                 continue
             weight = module.weight
             if id(weight) in in_groups:
                 continue
-            if id(weight) not in laid and weight.nbytes >= HUGE_PAGE_BYTES and huge_pages_available():
-                moved = huge_page_empty(tuple(weight.shape), weight.dtype)
-                moved.copy_(weight.data)
-                weight.data = moved
-            laid.add(id(weight))
+            _in_huge_pages(weight, laid)
             module.__class__ = ServingLinear
             relaid.append(module)
         release_weight_file(model)  # before packing: a pack keeps the tensor it was made from
@@ -461,6 +460,15 @@ def prepare_for_serving(model: nn.Module) -> None:
             if onednn_available() and module.weight.dtype == torch.float32:
                 module.packed = PackedWeight(module.weight, [module.weight])
                 _pack_now(module.packed)
+
+
+def _in_huge_pages(tensor: torch.Tensor, laid: set[int]) -> None:
+    """Move a weight's values into huge-page memory (huge_pages.py) once, whichever modules share it."""
+    if id(tensor) not in laid and tensor.nbytes >= HUGE_PAGE_BYTES and huge_pages_available():
+        moved = huge_page_empty(tuple(tensor.shape), tensor.dtype)
+        moved.copy_(tensor.data)
+        tensor.data = moved
+    laid.add(id(tensor))
 
 
 def _interleave_int4(model: nn.Module) -> None:

@@ -97,3 +97,19 @@ def test_the_engine_lays_large_weights_into_huge_pages_and_decodes_the_same():
         assert gate_up.numel() * 8 >= HUGE_PAGE_BYTES and "hg" in _vm_flags(gate_up.data_ptr())
         out = engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)).result()
     assert out.token_ids == expected
+
+
+def test_a_quantized_models_lone_weights_are_laid_into_huge_pages_too():
+    """The head and the linears outside a stacked group (o_proj, down) stream as much as the
+    groups do: their blocks move into huge pages too, and decoding gives the same tokens."""
+    from astrai.model.quantized import quantize_model
+
+    model = quantize_model(make_model("tiny", vocab_size=4096, dim=512, dim_ffn=4096, n_layers=1), "int8")
+    prompt = [5, 17, 3, 99, 42]
+    expected = greedy_reference(model, prompt, 6)
+    with InferenceEngine(model, None, max_batch_size=2, num_pages=16, page_size=4) as engine:
+        served = engine.model
+        for module in (served.lm_head, served.layers[0].mlp.down):  # 4096 x 512 and 512 x 4096 int8: 2 MiB
+            assert module.qweight.nbytes >= HUGE_PAGE_BYTES and "hg" in _vm_flags(module.qweight.data_ptr())
+        out = engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)).result()
+    assert out.token_ids == expected
