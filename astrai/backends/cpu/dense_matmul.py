@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.cpu.kernels import (BF16, FEATURE_BF16, FEATURE_VNNI, INT4_KINDS, Q8, TypedWeight, _library,
-                                         fits_bias, kernel_features)
+from astrai.backends.cpu.kernels import (BF16, FEATURE_BF16, FEATURE_VNNI, INT4_KINDS, INT8_KINDS, Q8, TypedWeight,
+                                         _library, fits_bias, kernel_features)
 
 # fp32 weight rows widened per matmul: a whole projection of a small model, or a few slabs of a
 # large one's, bounding the buffer each thread keeps
@@ -106,11 +106,12 @@ def integer_int8_available() -> bool:
 
 def integer_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(quantize_activations(x), w, bias)`` for ``x`` [..., in] fp32 and the int4 weight
-    ``w`` (Q4_0 or Q4_1 blocks, or Q4_0 interleaved), or where ``integer_int8_available()`` the int8 one (Q8_0), that
+    ``w`` (Q4_0 or Q4_1 blocks, or Q4_0 interleaved), or where ``integer_int8_available()`` the int8 one (Q8_0,
+    or interleaved), that
     ``weight`` describes, dequantized: native/integer_matmul.c rounds ``x`` to Q8_0 blocks and
     sums each block's products in integers. Call only when ``dense_matmul_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
-    kinds = (*INT4_KINDS, Q8) if integer_int8_available() else INT4_KINDS
+    kinds = (*INT4_KINDS, *INT8_KINDS) if integer_int8_available() else INT4_KINDS
     rows = _prompt_rows(x, weight, bias, kinds, "integer_matmul")
     out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
     data, data_ld, scales, scale_ld, kind = weight.pointers()

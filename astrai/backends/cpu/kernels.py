@@ -24,7 +24,7 @@ weights faster than oneDNN's matmul over its packed copy.
 Weight-only dequantizing matmuls. ``native/dequant_matmul.c`` is the same matmul for one to
 ``MAX_DEQUANT_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
 Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout, or Q4_0 with eight rows
-interleaved as serving lays it out: interleaved.py), reading the weight once for all
+interleaved as serving lays it out, and so int8 where the CPU has VNNI: interleaved.py), reading the weight once for all
 rows and dequantizing each block in registers. bf16 sums in fp32 over float activations;
 int8 and int4 (W8A8 and W4A8, as llama.cpp's ``vec_dot`` with Q8_0 activations) round the
 activations to Q8_0 blocks as ``quantize_activations`` does and sum each block's int8 x int8
@@ -486,10 +486,12 @@ def row_major(weight: torch.Tensor) -> bool:
 
 
 # weight types of native/dequant_matmul.c
-F32, BF16, Q8, Q4, Q41, Q4X8 = 0, 1, 2, 3, 4, 5  # Q41: int4 with a minimum per block (GGUF's Q4_1)
-# Q4X8: Q4_0 with eight rows interleaved (interleaved.py)
+F32, BF16, Q8, Q4, Q41, Q4X8, Q8X8 = 0, 1, 2, 3, 4, 5, 6  # Q41: int4 with a minimum per block (GGUF's Q4_1)
+# Q4X8, Q8X8: Q4_0 and Q8_0 with eight rows interleaved (interleaved.py)
 INT4_KINDS = (Q4, Q41, Q4X8)
-QUANTIZED_KINDS = (Q8, *INT4_KINDS)
+INT8_KINDS = (Q8, Q8X8)
+INTERLEAVED_KINDS = (Q4X8, Q8X8)
+QUANTIZED_KINDS = (*INT8_KINDS, *INT4_KINDS)
 BLOCK = 32  # inputs per quantized block (one fp16 scale each)
 
 
@@ -499,7 +501,7 @@ class TypedWeight:
     [out, >= in], or the quantized values (int8 [out, padded in], or uint8 [out, padded in / 2]
     for int4) with their fp16 ``scales`` [out, padded in / 32]; rows may lie further apart
     than their length (a block of a stacked weight), each tensor's last dimension contiguous.
-    A ``Q4X8`` weight's groups of eight rows each lie whole: both tensors have rows exactly as
+    An interleaved weight's (``Q4X8``, ``Q8X8``) groups of eight rows each lie whole: both tensors have rows exactly as
     long as their blocks need and a multiple of eight of them."""
 
     data: torch.Tensor
@@ -517,10 +519,10 @@ class TypedWeight:
         blocks = -(-n_in // BLOCK)
         expected = {F32: (torch.float32, n_in), BF16: (torch.bfloat16, n_in), Q8: (torch.int8, blocks * BLOCK),
                     Q4: (torch.uint8, blocks * BLOCK // 2), Q41: (torch.uint8, blocks * BLOCK // 2),
-                    Q4X8: (torch.uint8, blocks * BLOCK // 2)}.get(self.kind)
+                    Q4X8: (torch.uint8, blocks * BLOCK // 2), Q8X8: (torch.int8, blocks * BLOCK)}.get(self.kind)
         ok = expected is not None and data.dim() == 2 and data.dtype == expected[0] and data.shape[1] >= expected[1]
         ok = ok and (data.stride(1) == 1 or data.shape[1] == 1) and data.stride(0) >= data.shape[1]
-        if self.kind == Q4X8:
+        if self.kind in INTERLEAVED_KINDS:
             ok = (ok and data.shape[0] % 8 == 0 and data.stride(0) == data.shape[1] == expected[1]
                   and scales is not None and scales.dim() == 2 and scales.shape[1] == blocks
                   and scales.stride(0) == blocks)

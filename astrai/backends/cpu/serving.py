@@ -36,12 +36,12 @@ as the sums, not the reads, are the bound), an int8 one past ``DEQUANT_MAX_ROWS`
 CPU with VNNI. Their groups stack too: stacking along the outputs concatenates rows, so the
 joint weight of quantized members is their values and scales, each concatenated.
 
-Q4_0 weights (int4 without minimums) are then re-laid eight rows interleaved
-(interleaved.py, an ``InterleavedQuantizedLinear``): each load of nibbles then holds four
-inputs of eight rows, so the one-row kernel sums eight outputs per instruction without
-horizontal sums and reads at about the rate of a bare read (docs/benchmarks.md), and a few
-rows cost little more than one; such a weight takes the dequantizing
-matmul up to ``MAX_DEQUANT_ROWS`` rows, ``integer_matmul`` beyond.
+Q4_0 weights (int4 without minimums), and Q8_0 ones where ``integer_int8_available()``, are
+then re-laid eight rows interleaved (interleaved.py, an ``InterleavedQuantizedLinear``): each
+load then holds four inputs of eight rows, so the few-row kernel sums eight outputs per
+instruction without horizontal sums or per-row work after it, reads at about the rate of a
+bare read (docs/benchmarks.md), and a few rows cost little more than one; such a weight takes
+the dequantizing matmul up to ``MAX_DEQUANT_ROWS`` rows, ``integer_matmul`` beyond.
 
 Every matmul notes which kernel ran it in a per-thread tally (``kernel_counts``), which the
 runner turns into its count of decode steps per path.
@@ -63,7 +63,8 @@ from astrai.backends.cpu.dense_matmul import (bf16_matmul, bf16_matmul_available
 from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_pages_available
 from astrai.backends.cpu.interleaved import (can_interleave, interleaved_scales, interleaved_values, model_scales,
                                              model_values)
-from astrai.backends.cpu.kernels import (BF16, F32, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q4X8, Q8, Q41,
+from astrai.backends.cpu.kernels import (BF16, F32, INTERLEAVED_KINDS, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q4X8, Q8,
+                                         Q8X8, Q41,
                                          QUANTIZED_KINDS, TypedWeight,
                                          cpu_flags, dequant_matmul, kernels_available, rounded_activations,
                                          row_major, row_matmul, rows_matmul)
@@ -81,8 +82,8 @@ SERVED_DTYPES = (torch.float32, torch.bfloat16)
 DEQUANT_MAX_ROWS = 2 * MAX_DEQUANT_ROWS  # float weights the serving layout takes
 # rows from which an int4 linear unpacks the weight for integer_matmul: below, the dequantizing
 # matmul's one read of the weight is faster (at three rows it depends on the shape); from
-# four rows on its sums are the bound. An interleaved one (Q4X8), whose eight rows' sums come
-# out of each instruction, takes the dequantizing matmul up to MAX_DEQUANT_ROWS rows.
+# four rows on its sums are the bound. An interleaved one (Q4X8, and Q8X8 for int8), whose eight
+# rows' sums come out of each instruction, takes the dequantizing matmul up to MAX_DEQUANT_ROWS rows.
 INTEGER_MIN_ROWS = 4
 _tally = threading.local()
 
@@ -161,8 +162,9 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     ``DEQUANT_MAX_ROWS`` rows of a matmul without autograd through ``dequant_matmul``,
     ``MAX_DEQUANT_ROWS`` rows a pass (in fp32, the result cast back to x's dtype), more rows
     through ``dense_matmul`` (slabs of the weight widened in C), an int4 weight from
-    ``INTEGER_MIN_ROWS`` rows on (an interleaved one past ``MAX_DEQUANT_ROWS``), and past ``DEQUANT_MAX_ROWS`` an int8 one where
-    ``integer_int8_available()``, through ``integer_matmul``, anything else through torch
+    ``INTEGER_MIN_ROWS`` rows on, an interleaved int4 or int8 one past ``MAX_DEQUANT_ROWS``,
+    and past ``DEQUANT_MAX_ROWS`` an int8 one where ``integer_int8_available()``, through
+    ``integer_matmul``, anything else through torch
     over ``dense()``, made once for the call. An int8 or int4 weight multiplies ``x``
     rounded as ``quantize_activations`` does on every path, as QuantizedLinear's forward
     does: the kernels round fp32 rows themselves, exactly so, and torch's path takes
@@ -174,7 +176,7 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     native = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
               and x.shape[-1] == weight.in_features)
     integer = weight is not None and (weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS
-                                      or weight.kind == Q4X8 and rows > MAX_DEQUANT_ROWS
+                                      or weight.kind in INTERLEAVED_KINDS and rows > MAX_DEQUANT_ROWS
                                       or weight.kind == Q8 and rows > DEQUANT_MAX_ROWS and integer_int8_available())
     if native and integer and dense_matmul_available():
         _note("kernel")
@@ -239,7 +241,7 @@ def typed_weight(module: nn.Module) -> Optional[TypedWeight]:
     """How the C kernels read ``module``'s weight: a QuantizedLinear's blocks, a plain linear's
     fp32 or bf16 weight; None for anything else."""
     if isinstance(module, InterleavedQuantizedLinear):
-        return TypedWeight(module.qweight, module.scales, Q4X8, module.in_features)
+        return TypedWeight(module.qweight, module.scales, Q8X8 if module.bits == 8 else Q4X8, module.in_features)
     if isinstance(module, QuantizedLinear):
         kind = Q8 if module.bits == 8 else Q41 if module.asymmetric else Q4
         return TypedWeight(module.qweight, module.scales, kind, module.in_features)
@@ -301,12 +303,13 @@ class ServingQuantizedLinear(QuantizedLinear):
 
 
 class InterleavedQuantizedLinear(ServingQuantizedLinear):
-    """A Q4_0 ServingQuantizedLinear whose values and scales lie eight rows interleaved (the
-    kernels' Q4X8, interleaved.py), as the int4 kernels read them fastest. Its ``dequantize``
-    and state dict give quantized.py's layout; a state dict loaded into it is interleaved again."""
+    """A Q4_0 or Q8_0 ServingQuantizedLinear whose values and scales lie eight rows interleaved
+    (the kernels' Q4X8 and Q8X8, interleaved.py), as the few-row kernels read them fastest. Its
+    ``dequantize`` and state dict give quantized.py's layout; a state dict loaded into it is
+    interleaved again."""
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_weight(model_values(self.qweight), model_scales(self.scales), 4, self.in_features)
+        return dequantize_weight(model_values(self.qweight), model_scales(self.scales), self.bits, self.in_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -322,12 +325,19 @@ class InterleavedQuantizedLinear(ServingQuantizedLinear):
                 self.scales.copy_(interleaved_scales(self.scales.clone()))
 
 
-def interleave(module: ServingQuantizedLinear) -> bool:
-    """Re-lay a Q4_0 ServingQuantizedLinear's values and scales in place, eight rows interleaved,
-    making it an InterleavedQuantizedLinear; False (nothing changed) when its layout cannot be."""
-    if type(module) is not ServingQuantizedLinear or module.bits != 4 or module.asymmetric:
+def interleavable(module: nn.Module) -> bool:
+    """Whether ``module`` is a ServingQuantizedLinear the kernels read faster interleaved: Q4_0
+    everywhere, Q8_0 where the CPU multiplies int8 in integers for every row count (VNNI:
+    without it a prompt's int8 weight is widened for a float GEMM, which reads the model's layout)."""
+    if type(module) is not ServingQuantizedLinear or module.asymmetric:
         return False
-    if not can_interleave(module.qweight, module.scales):
+    return (module.bits == 4 or integer_int8_available()) and can_interleave(module.qweight, module.scales)
+
+
+def interleave(module: ServingQuantizedLinear) -> bool:
+    """Re-lay a ServingQuantizedLinear's values and scales in place, eight rows interleaved,
+    making it an InterleavedQuantizedLinear; False (nothing changed) unless ``interleavable``."""
+    if not interleavable(module):
         return False
     with torch.no_grad():
         module.qweight.copy_(interleaved_values(module.qweight.clone()))
@@ -374,10 +384,11 @@ class JointMatmul:
 
     def _dense(self) -> torch.Tensor:
         typed = self.typed
-        if typed.kind == Q4X8:
-            return dequantize_weight(model_values(typed.data), model_scales(typed.scales), 4, typed.in_features)
+        bits = 8 if typed.kind in (Q8, Q8X8) else 4
+        if typed.kind in INTERLEAVED_KINDS:
+            return dequantize_weight(model_values(typed.data), model_scales(typed.scales), bits, typed.in_features)
         if typed.kind in QUANTIZED_KINDS:
-            return dequantize_weight(typed.data, typed.scales, 8 if typed.kind == Q8 else 4, typed.in_features)
+            return dequantize_weight(typed.data, typed.scales, bits, typed.in_features)
         return typed.data
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -455,7 +466,7 @@ def prepare_for_serving(model: nn.Module) -> None:
             module.__class__ = ServingLinear
             relaid.append(module)
         release_weight_file(model)  # before packing: a pack keeps the tensor it was made from
-        _interleave_int4(model)
+        _interleave(model)
         for module in relaid:
             if onednn_available() and module.weight.dtype == torch.float32:
                 module.packed = PackedWeight(module.weight, [module.weight])
@@ -471,8 +482,8 @@ def _in_huge_pages(tensor: torch.Tensor, laid: set[int]) -> None:
     laid.add(id(tensor))
 
 
-def _interleave_int4(model: nn.Module) -> None:
-    """Lay the model's Q4_0 weights out eight rows interleaved (``interleave``): a stacked group's
+def _interleave(model: nn.Module) -> None:
+    """Lay the model's Q4_0 and Q8_0 weights out eight rows interleaved (``interleave``): a stacked group's
     when every member's can be (the joint weight is then interleaved member by member, which is
     its own interleaved layout), and every other one's. A tensor two modules share stays as it is."""
     stored = Counter(m.qweight.data_ptr() for m in model.modules() if isinstance(m, QuantizedLinear))
@@ -484,11 +495,10 @@ def _interleave_int4(model: nn.Module) -> None:
             continue
         grouped.update(id(m) for m in joint.modules)
         typed = joint.typed
-        if typed.kind == Q4 and all(alone(m) and not m.asymmetric and can_interleave(m.qweight, m.scales)
-                                    for m in joint.modules):
+        if typed.kind in (Q4, Q8) and all(alone(m) and interleavable(m) for m in joint.modules):
             for member in joint.modules:
                 interleave(member)
-            joint.typed = TypedWeight(typed.data, typed.scales, Q4X8, typed.in_features)
+            joint.typed = TypedWeight(typed.data, typed.scales, Q4X8 if typed.kind == Q4 else Q8X8, typed.in_features)
     for module in model.modules():
         if id(module) not in grouped and alone(module):
             interleave(module)

@@ -11,22 +11,22 @@ import torch
 
 from astrai.backends.cpu import kernels
 from astrai.backends.cpu.interleaved import interleaved_scales, interleaved_values
-from astrai.backends.cpu.kernels import (BF16, F32, Q4, Q4X8, Q8, Q41, TypedWeight, kernels_available,
+from astrai.backends.cpu.kernels import (BF16, F32, Q4, Q4X8, Q8, Q8X8, Q41, TypedWeight, kernels_available,
                                         rounded_activations, dequant_matmul)
 from astrai.model.quantized import dequantize_weight, quantize_activations, quantize_weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
 
-BITS = {Q8: 8, Q4: 4, Q41: 4, Q4X8: 4}
+BITS = {Q8: 8, Q4: 4, Q41: 4, Q4X8: 4, Q8X8: 8}
 
 
 def typed(weight: torch.Tensor, kind: int) -> tuple[TypedWeight, torch.Tensor]:
-    """The weight in ``kind`` and the float64 weight it stands for (Q4X8: a multiple of 8 rows)."""
+    """The weight in ``kind`` and the float64 weight it stands for (Q4X8, Q8X8: a multiple of 8 rows)."""
     n_in = weight.shape[1]
     if kind in BITS:
         values, scales = quantize_weight(weight, BITS[kind], asymmetric=kind == Q41)
         reference = dequantize_weight(values, scales, BITS[kind], n_in).double()
-        if kind == Q4X8:
+        if kind in (Q4X8, Q8X8):
             values, scales = interleaved_values(values), interleaved_scales(scales)
         return TypedWeight(values, scales, kind, n_in), reference
     stored = weight.to(torch.bfloat16 if kind == BF16 else torch.float32)

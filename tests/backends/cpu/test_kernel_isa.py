@@ -15,7 +15,7 @@ import torch
 from astrai.backends.cpu import dense_matmul as dense
 from astrai.backends.cpu import kernels, serving
 from astrai.backends.cpu.kernels import (BF16, F32, FEATURE_AVX2, FEATURE_AVX512, FEATURE_BF16, FEATURE_VNNI, Q4,
-                                        Q4X8, Q8, Q41, kernels_available)
+                                        Q4X8, Q8, Q8X8, Q41, kernels_available)
 from astrai.errors import ConfigError
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model.quantized import quantize_model
@@ -128,11 +128,11 @@ def _integer_outputs(on_level, name):
     on_level(name)
     torch.manual_seed(3)
     out = []
-    for kind in (Q8, Q4, Q41, Q4X8):
-        n_out = 40 if kind == Q4X8 else 37
+    for kind in (Q8, Q4, Q41, Q4X8, Q8X8):
+        n_out = 40 if kind in (Q4X8, Q8X8) else 37
         weight = typed(torch.randn(n_out, 200), kind)[0]
         out += [kernels.dequant_matmul(torch.randn(rows, 200), weight, torch.randn(n_out)) for rows in range(1, 9)]
-        if kind != Q8:
+        if kind not in (Q8, Q8X8):  # int8 prompts take integer_matmul with VNNI only
             out += [dense.integer_matmul(torch.randn(rows, 200), weight) for rows in (1, 5, 9, 30)]
     x = torch.randn(5, 200)
     x[1, 3] = float("nan")
@@ -195,9 +195,9 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(libraries, on_level
     for name in libraries:
         on_level(name)
         torch.manual_seed(5)
-        for kind in (Q8, Q4, Q41, Q4X8, BF16, F32):
+        for kind in (Q8, Q4, Q41, Q4X8, Q8X8, BF16, F32):
             for n_in in (64, 200, 576):
-                weight = typed(torch.randn(16 if kind == Q4X8 else 9, n_in), kind)[0]
+                weight = typed(torch.randn(16 if kind in (Q4X8, Q8X8) else 9, n_in), kind)[0]
                 x = torch.randn(8, n_in)
                 alone = torch.cat([kernels.dequant_matmul(x[r:r + 1].contiguous(), weight) for r in range(8)])
                 for rows in range(2, 9):

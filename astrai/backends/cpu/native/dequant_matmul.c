@@ -16,6 +16,9 @@
  *                block b's 128 bytes hold in their k-th 32 (k < 4) bytes 4k..4k+3 of each
  *                row's block in turn, and the group's scales, `8 scale_ld` values from the
  *                group's first, lie block by block, eight rows each;
+ *   ASTRAI_Q8X8  Q8_0 interleaved the same way, each byte stored as w + 128 (w ^ 0x80) so that it
+ *                is vpdpbusd's unsigned operand: block b's 256 bytes of a group hold in their
+ *                k-th 32 (k < 8) bytes 4k..4k+3 of each row's block in turn (ld = 32 x blocks);
  *   ASTRAI_F32   fp32, `ld` elements between rows (one row goes to row_matmul.c's kernel;
  *                several, a speculative step's drafted tokens, are summed here, each in the
  *                order that kernel adds: f32_dot.h);
@@ -89,7 +92,8 @@
 #define BF16_PRODUCTS 0
 #endif
 
-enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4, ASTRAI_Q4X8 = 5 };
+enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4, ASTRAI_Q4X8 = 5,
+       ASTRAI_Q8X8 = 6 };
 enum { ASTRAI_MAX_DEQUANT_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
 
 static inline float half_to_float(uint16_t h)
@@ -611,6 +615,82 @@ static IN_SOURCE_ORDER void row_q4x8(const uint8_t *w, const uint16_t *scales, c
 }
 #endif
 
+#if !DEQUANT_AVX2
+/* One row of x against the eight rows of an ASTRAI_Q8X8 group, out[i] for row i. */
+static IN_SOURCE_ORDER void row_q8x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *xd,
+                                     int64_t blocks, float *out)
+{
+    SOURCE_ORDER_PRAGMA
+    float sum[8] = {0.0f};
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = w + b * 256;
+        const int8_t *xb = xq + b * BLOCK;
+        for (int i = 0; i < 8; ++i) {
+            int32_t t = 0;
+            for (int k = 0; k < 8; ++k)
+                for (int j = 0; j < 4; ++j) t += (int8_t)(block[32 * k + 4 * i + j] ^ 0x80) * xb[4 * k + j];
+            sum[i] += half_to_float(scales[8 * b + i]) * xd[b] * (float)t;
+        }
+    }
+    for (int i = 0; i < 8; ++i) out[i] = sum[i];
+}
+#endif
+
+/* dot_q4x8 (below) for an ASTRAI_Q8X8 group: each 32-byte load holds four inputs of the eight
+ * rows as w + 128, whose products with x's four inputs vpdpbusd adds into the rows' lanes;
+ * `xe` [rows][blocks] is 128 times each block's sum of x's values, which that takes off again.
+ * Without VNNI, w + 128 against x would overflow maddubs' 16-bit pair sums: |w| multiplies x
+ * carrying w's sign instead (the same integers). */
+static inline __attribute__((always_inline)) void dot_q8x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq,
+                                                           const float *xd, const int32_t *xe, int rows, int64_t blocks,
+                                                           float *out, const uint8_t *end)
+{
+#if DEQUANT_AVX2
+    __m256 acc[ASTRAI_MAX_DEQUANT_ROWS];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = w + b * 256;
+        for (int line = 0; line < 4; ++line) prefetch_ahead(block + 64 * line, end);
+        if ((b & 3) == 0) __builtin_prefetch(scales + 8 * b + 256, 0, 0);
+        const __m256 d = scales8(scales + 8 * b);
+        __m256i u[8];
+        for (int k = 0; k < 8; ++k) u[k] = _mm256_loadu_si256((const __m256i *)(block + 32 * k));
+#if !DEQUANT_VNNI
+        __m256i magnitude[8];
+        for (int k = 0; k < 8; ++k) {
+            u[k] = _mm256_xor_si256(u[k], _mm256_set1_epi8((char)0x80));  /* w itself */
+            magnitude[k] = _mm256_abs_epi8(u[k]);
+        }
+#endif
+        for (int r = 0; r < rows; ++r) {
+            const int64_t at = r * blocks + b;
+            int32_t four[8];
+            memcpy(four, xq + at * BLOCK, sizeof four);
+#if DEQUANT_VNNI
+            /* two chains of four: a chain of eight would wait on vpdpbusd's latency */
+            __m256i s = _mm256_set1_epi32(-xe[at]), t = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k += 2) {
+                s = _mm256_dpbusd_epi32(s, u[k], _mm256_set1_epi32(four[k]));
+                t = _mm256_dpbusd_epi32(t, u[k + 1], _mm256_set1_epi32(four[k + 1]));
+            }
+            s = _mm256_add_epi32(s, t);
+#else
+            __m256i s = _mm256_setzero_si256();
+            for (int k = 0; k < 8; ++k) {
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four[k]), u[k]);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], x), _mm256_set1_epi16(1)));
+            }
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[at])), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+#else
+    (void)xe, (void)end;
+    for (int r = 0; r < rows; ++r) row_q8x8(w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks, out + 8 * r);
+#endif
+}
+
 /* out[r * 8 + i] = row i of an ASTRAI_Q4X8 group (`w`, `scales` its first bytes and scales)
  * against quantized row r of x, for r < rows; `xe` [rows][blocks] is 8 times each block's sum
  * of values. Each 32-byte load holds four inputs of all eight rows, so a vpdpbusd (or maddubs
@@ -644,11 +724,12 @@ static inline __attribute__((always_inline)) void dot_q4x8(const uint8_t *w, con
             int32_t four[8];
             memcpy(four, xb, sizeof four);
 #if DEQUANT_VNNI
-            __m256i s = _mm256_set1_epi32(-xe[at]);
+            __m256i s = _mm256_set1_epi32(-xe[at]), t = _mm256_setzero_si256();  /* two chains, as dot_q8x8 */
             for (int k = 0; k < 4; ++k) {
                 s = _mm256_dpbusd_epi32(s, lo[k], _mm256_set1_epi32(four[k]));
-                s = _mm256_dpbusd_epi32(s, hi[k], _mm256_set1_epi32(four[k + 4]));
+                t = _mm256_dpbusd_epi32(t, hi[k], _mm256_set1_epi32(four[k + 4]));
             }
+            s = _mm256_add_epi32(s, t);
 #else
             /* eight pair sums of at most 2 x 15 x 127 each stay inside 16 bits */
             __m256i pairs = _mm256_setzero_si256();
@@ -670,11 +751,11 @@ static inline __attribute__((always_inline)) void dot_q4x8(const uint8_t *w, con
 
 static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
 
-/* This thread's groups of an ASTRAI_Q4X8 weight (astrai_team_dequant_matmul's part for it):
- * the threads split the outputs in whole groups of eight. */
-static void team_q4x8(const float *x, int64_t rows, int64_t x_stride, const uint8_t *w, const uint16_t *scales,
-                      const float *bias, float *y, int64_t y_stride, int64_t n_in, int64_t n_out, int64_t ld,
-                      int64_t scale_ld, int64_t *best, float *top)
+/* This thread's groups of an ASTRAI_Q4X8 or ASTRAI_Q8X8 weight (astrai_team_dequant_matmul's
+ * part for it): the threads split the outputs in whole groups of eight. */
+static void team_x8(int type, const float *x, int64_t rows, int64_t x_stride, const uint8_t *w,
+                    const uint16_t *scales, const float *bias, float *y, int64_t y_stride, int64_t n_in,
+                    int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top)
 {
     const int t = omp_get_thread_num();
     const int64_t size = omp_get_num_threads(), groups = n_out / 8, per = (groups + size - 1) / size;
@@ -688,18 +769,27 @@ static void team_q4x8(const float *x, int64_t rows, int64_t x_stride, const uint
     for (int64_t i = 0; i < rows * blocks; ++i) {
         int32_t e = 0;
         for (int lane = 0; lane < 8; ++lane) e += xo[8 * i + lane];
-        xe[i] = e;
+        xe[i] = type == ASTRAI_Q8X8 ? 16 * e : e;  /* the lanes hold 8 times x's sums */
     }
     int64_t mine = -1;
     float highest = 0.0f;
     for (int64_t g = first; g < last; ++g) {
         const uint8_t *wg = w + g * 8 * ld;
         const uint16_t *sg = scales + g * 8 * scale_ld;
-        switch (rows) {
-#define ROWS_CASE(n) case n: dot_q4x8(wg, sg, xq, xd, xe, n, blocks, out, end); break;
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-        default: dot_q4x8(wg, sg, xq, xd, xe, ASTRAI_MAX_DEQUANT_ROWS, blocks, out, end);
+        if (type == ASTRAI_Q8X8) {
+            switch (rows) {
+#define ROWS_CASE(n) case n: dot_q8x8(wg, sg, xq, xd, xe, n, blocks, out, end); break;
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+            default: dot_q8x8(wg, sg, xq, xd, xe, ASTRAI_MAX_DEQUANT_ROWS, blocks, out, end);
 #undef ROWS_CASE
+            }
+        } else {
+            switch (rows) {
+#define ROWS_CASE(n) case n: dot_q4x8(wg, sg, xq, xd, xe, n, blocks, out, end); break;
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+            default: dot_q4x8(wg, sg, xq, xd, xe, ASTRAI_MAX_DEQUANT_ROWS, blocks, out, end);
+#undef ROWS_CASE
+            }
         }
         for (int i = 0; i < 8; ++i) {
             const int64_t j = 8 * g + i;
@@ -818,9 +908,9 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
         astrai_team_row_matmul(x, (const float *)weight, bias, y, n_in, n_out, ld, best, top);
         return;
     }
-    if (type == ASTRAI_Q4X8) {
-        team_q4x8(x, rows, x_stride, (const uint8_t *)weight, scales, bias, y, y_stride, n_in, n_out, ld, scale_ld,
-                  best, top);
+    if (type == ASTRAI_Q4X8 || type == ASTRAI_Q8X8) {
+        team_x8(type, x, rows, x_stride, (const uint8_t *)weight, scales, bias, y, y_stride, n_in, n_out, ld,
+                scale_ld, best, top);
         return;
     }
     const int t = omp_get_thread_num();
