@@ -592,21 +592,28 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
 }
 
 #if !DEQUANT_AVX2
-/* One row of x against the eight rows of an ASTRAI_Q4X8 group, out[i] for row i. */
-static IN_SOURCE_ORDER void row_q4x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *xd,
-                                     int64_t blocks, float *out)
+/* One row of x against the eight rows of an ASTRAI_Q4X8 or ASTRAI_Q8X8 group, out[i] for row i. */
+static IN_SOURCE_ORDER void row_x8(int type, const uint8_t *w, const uint16_t *scales, const int8_t *xq,
+                                   const float *xd, int64_t blocks, float *out)
 {
     SOURCE_ORDER_PRAGMA
+    const int64_t block_bytes = type == ASTRAI_Q8X8 ? 256 : 128;
     float sum[8] = {0.0f};
     for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = w + b * 128;
+        const uint8_t *block = w + b * block_bytes;
         const int8_t *xb = xq + b * BLOCK;
         for (int i = 0; i < 8; ++i) {
             int32_t t = 0;
-            for (int k = 0; k < 4; ++k)
+            for (int k = 0; k < 8; ++k)  /* inputs 4k..4k+3 (Q4_0: load k % 4's low, then high nibbles) */
                 for (int j = 0; j < 4; ++j) {
-                    const uint8_t v = block[32 * k + 4 * i + j];
-                    t += ((v & 0x0f) - 8) * xb[4 * k + j] + ((v >> 4) - 8) * xb[16 + 4 * k + j];
+                    int v;
+                    if (type == ASTRAI_Q8X8) {
+                        v = (int8_t)(block[32 * k + 4 * i + j] ^ 0x80);
+                    } else {
+                        const uint8_t byte = block[32 * (k & 3) + 4 * i + j];
+                        v = (k < 4 ? byte & 0x0f : byte >> 4) - 8;
+                    }
+                    t += v * xb[4 * k + j];
                 }
             sum[i] += half_to_float(scales[8 * b + i]) * xd[b] * (float)t;
         }
@@ -615,52 +622,48 @@ static IN_SOURCE_ORDER void row_q4x8(const uint8_t *w, const uint16_t *scales, c
 }
 #endif
 
-#if !DEQUANT_AVX2
-/* One row of x against the eight rows of an ASTRAI_Q8X8 group, out[i] for row i. */
-static IN_SOURCE_ORDER void row_q8x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *xd,
-                                     int64_t blocks, float *out)
-{
-    SOURCE_ORDER_PRAGMA
-    float sum[8] = {0.0f};
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = w + b * 256;
-        const int8_t *xb = xq + b * BLOCK;
-        for (int i = 0; i < 8; ++i) {
-            int32_t t = 0;
-            for (int k = 0; k < 8; ++k)
-                for (int j = 0; j < 4; ++j) t += (int8_t)(block[32 * k + 4 * i + j] ^ 0x80) * xb[4 * k + j];
-            sum[i] += half_to_float(scales[8 * b + i]) * xd[b] * (float)t;
-        }
-    }
-    for (int i = 0; i < 8; ++i) out[i] = sum[i];
-}
-#endif
-
-/* dot_q4x8 (below) for an ASTRAI_Q8X8 group: each 32-byte load holds four inputs of the eight
- * rows as w + 128, whose products with x's four inputs vpdpbusd adds into the rows' lanes;
- * `xe` [rows][blocks] is 128 times each block's sum of x's values, which that takes off again.
- * Without VNNI, w + 128 against x would overflow maddubs' 16-bit pair sums: |w| multiplies x
- * carrying w's sign instead (the same integers). */
-static inline __attribute__((always_inline)) void dot_q8x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq,
-                                                           const float *xd, const int32_t *xe, int rows, int64_t blocks,
-                                                           float *out, const uint8_t *end)
+/* out[r * 8 + i] = row i of an ASTRAI_Q4X8 or ASTRAI_Q8X8 group (`w`, `scales` its first bytes
+ * and scales) against quantized row r of x, for r < rows. Each 32-byte load holds four inputs
+ * of all eight rows, so a vpdpbusd against those four inputs of x, broadcast, adds eight rows'
+ * products at once, one per lane: a block ends in one conversion and one multiply-add for
+ * eight outputs, with no horizontal sums, and the scales come as one 16-byte load. The
+ * unsigned operand is Q4_0's nibbles (w + 8) or Q8_0's stored bytes (w + 128); `xe`
+ * [rows][blocks] holds 8 or 128 times each block's sum of x's values, which that takes off
+ * again. Without VNNI, maddubs and a madd give the same integers: Q4_0's eight pair sums of at
+ * most 2 x 15 x 127 each stay inside 16 bits; Q8_0's w + 128 would overflow them, so |w|
+ * multiplies x carrying w's sign instead. A row of x has its own sums, so its numbers do not
+ * depend on the rows beside it. */
+static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t *w, const uint16_t *scales,
+                                                         const int8_t *xq, const float *xd, const int32_t *xe, int rows,
+                                                         int64_t blocks, float *out, const uint8_t *end)
 {
 #if DEQUANT_AVX2
+    const int64_t block_bytes = type == ASTRAI_Q8X8 ? 256 : 128;
     __m256 acc[ASTRAI_MAX_DEQUANT_ROWS];
     for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = w + b * 256;
-        for (int line = 0; line < 4; ++line) prefetch_ahead(block + 64 * line, end);
+        const uint8_t *block = w + b * block_bytes;
+        for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(block + line, end);
         if ((b & 3) == 0) __builtin_prefetch(scales + 8 * b + 256, 0, 0);
         const __m256 d = scales8(scales + 8 * b);
-        __m256i u[8];
-        for (int k = 0; k < 8; ++k) u[k] = _mm256_loadu_si256((const __m256i *)(block + 32 * k));
+        __m256i u[8];  /* u[k]: inputs 4k..4k+3 of the eight rows, unsigned */
+        if (type == ASTRAI_Q8X8) {
+            for (int k = 0; k < 8; ++k) u[k] = _mm256_loadu_si256((const __m256i *)(block + 32 * k));
+        } else {
+            const __m256i low4 = _mm256_set1_epi8(0x0f);
+            for (int k = 0; k < 4; ++k) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * k));
+                u[k] = _mm256_and_si256(raw, low4);
+                u[k + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
+        }
 #if !DEQUANT_VNNI
         __m256i magnitude[8];
-        for (int k = 0; k < 8; ++k) {
-            u[k] = _mm256_xor_si256(u[k], _mm256_set1_epi8((char)0x80));  /* w itself */
-            magnitude[k] = _mm256_abs_epi8(u[k]);
-        }
+        if (type == ASTRAI_Q8X8)
+            for (int k = 0; k < 8; ++k) {
+                u[k] = _mm256_xor_si256(u[k], _mm256_set1_epi8((char)0x80));  /* w itself */
+                magnitude[k] = _mm256_abs_epi8(u[k]);
+            }
 #endif
         for (int r = 0; r < rows; ++r) {
             const int64_t at = r * blocks + b;
@@ -675,10 +678,19 @@ static inline __attribute__((always_inline)) void dot_q8x8(const uint8_t *w, con
             }
             s = _mm256_add_epi32(s, t);
 #else
-            __m256i s = _mm256_setzero_si256();
-            for (int k = 0; k < 8; ++k) {
-                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four[k]), u[k]);
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], x), _mm256_set1_epi16(1)));
+            __m256i s;
+            if (type == ASTRAI_Q8X8) {
+                s = _mm256_setzero_si256();
+                for (int k = 0; k < 8; ++k) {
+                    const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four[k]), u[k]);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], x),
+                                                              _mm256_set1_epi16(1)));
+                }
+            } else {
+                __m256i pairs = _mm256_setzero_si256();
+                for (int k = 0; k < 8; ++k)
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[k], _mm256_set1_epi32(four[k])));
+                s = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), _mm256_set1_epi32(xe[at]));
             }
 #endif
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[at])), acc[r]);
@@ -687,65 +699,7 @@ static inline __attribute__((always_inline)) void dot_q8x8(const uint8_t *w, con
     for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 #else
     (void)xe, (void)end;
-    for (int r = 0; r < rows; ++r) row_q8x8(w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks, out + 8 * r);
-#endif
-}
-
-/* out[r * 8 + i] = row i of an ASTRAI_Q4X8 group (`w`, `scales` its first bytes and scales)
- * against quantized row r of x, for r < rows; `xe` [rows][blocks] is 8 times each block's sum
- * of values. Each 32-byte load holds four inputs of all eight rows, so a vpdpbusd (or maddubs
- * and a madd) against those four inputs of x, broadcast, adds eight rows' products at once,
- * one per lane: a block ends in one conversion and one multiply-add for eight outputs, with no
- * horizontal sums, and the scales come as one 16-byte load. A row of x has its own sums, so
- * its numbers do not depend on the rows beside it. */
-static inline __attribute__((always_inline)) void dot_q4x8(const uint8_t *w, const uint16_t *scales, const int8_t *xq,
-                                                           const float *xd, const int32_t *xe, int rows, int64_t blocks,
-                                                           float *out, const uint8_t *end)
-{
-#if DEQUANT_AVX2
-    __m256 acc[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = w + b * 128;
-        prefetch_ahead(block, end);
-        prefetch_ahead(block + 64, end);
-        if ((b & 3) == 0) __builtin_prefetch(scales + 8 * b + 256, 0, 0);
-        const __m256 d = scales8(scales + 8 * b);
-        __m256i lo[4], hi[4];
-        for (int k = 0; k < 4; ++k) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * k));
-            lo[k] = _mm256_and_si256(raw, low4);
-            hi[k] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        }
-        for (int r = 0; r < rows; ++r) {
-            const int64_t at = r * blocks + b;
-            const int8_t *xb = xq + at * BLOCK;
-            int32_t four[8];
-            memcpy(four, xb, sizeof four);
-#if DEQUANT_VNNI
-            __m256i s = _mm256_set1_epi32(-xe[at]), t = _mm256_setzero_si256();  /* two chains, as dot_q8x8 */
-            for (int k = 0; k < 4; ++k) {
-                s = _mm256_dpbusd_epi32(s, lo[k], _mm256_set1_epi32(four[k]));
-                t = _mm256_dpbusd_epi32(t, hi[k], _mm256_set1_epi32(four[k + 4]));
-            }
-            s = _mm256_add_epi32(s, t);
-#else
-            /* eight pair sums of at most 2 x 15 x 127 each stay inside 16 bits */
-            __m256i pairs = _mm256_setzero_si256();
-            for (int k = 0; k < 4; ++k) {
-                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(four[k])));
-                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(four[k + 4])));
-            }
-            const __m256i s = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), _mm256_set1_epi32(xe[at]));
-#endif
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[at])), acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
-#else
-    (void)xe, (void)end;
-    for (int r = 0; r < rows; ++r) row_q4x8(w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks, out + 8 * r);
+    for (int r = 0; r < rows; ++r) row_x8(type, w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks, out + 8 * r);
 #endif
 }
 
@@ -776,20 +730,13 @@ static void team_x8(int type, const float *x, int64_t rows, int64_t x_stride, co
     for (int64_t g = first; g < last; ++g) {
         const uint8_t *wg = w + g * 8 * ld;
         const uint16_t *sg = scales + g * 8 * scale_ld;
-        if (type == ASTRAI_Q8X8) {
-            switch (rows) {
-#define ROWS_CASE(n) case n: dot_q8x8(wg, sg, xq, xd, xe, n, blocks, out, end); break;
-            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-            default: dot_q8x8(wg, sg, xq, xd, xe, ASTRAI_MAX_DEQUANT_ROWS, blocks, out, end);
+        /* a literal type and row count per case: each copy keeps its rows' sums in registers */
+        switch (rows + ASTRAI_MAX_DEQUANT_ROWS * (type == ASTRAI_Q8X8)) {
+#define ROWS_CASE(n) \
+        case n: dot_x8(ASTRAI_Q4X8, wg, sg, xq, xd, xe, n, blocks, out, end); break; \
+        case n + ASTRAI_MAX_DEQUANT_ROWS: dot_x8(ASTRAI_Q8X8, wg, sg, xq, xd, xe, n, blocks, out, end); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
-            }
-        } else {
-            switch (rows) {
-#define ROWS_CASE(n) case n: dot_q4x8(wg, sg, xq, xd, xe, n, blocks, out, end); break;
-            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-            default: dot_q4x8(wg, sg, xq, xd, xe, ASTRAI_MAX_DEQUANT_ROWS, blocks, out, end);
-#undef ROWS_CASE
-            }
         }
         for (int i = 0; i < 8; ++i) {
             const int64_t j = 8 * g + i;
