@@ -85,6 +85,9 @@ DEQUANT_MAX_ROWS = 2 * MAX_DEQUANT_ROWS  # float weights the serving layout take
 # four rows on its sums are the bound. An interleaved one (Q4X8, and Q8X8 for int8), whose eight
 # rows' sums come out of each instruction, takes the dequantizing matmul up to MAX_DEQUANT_ROWS rows.
 INTEGER_MIN_ROWS = 4
+# rows past which an int8 weight takes integer_matmul (with VNNI): interleaved, past one pass
+# of the dequantizing matmul; in rows, past the passes a decode batch takes
+INT8_INTEGER_ROWS = {Q8X8: MAX_DEQUANT_ROWS, Q8: DEQUANT_MAX_ROWS}
 _tally = threading.local()
 
 
@@ -176,8 +179,9 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     native = (weight is not None and x.device.type == "cpu" and x.dtype in SERVED_DTYPES and not torch.is_grad_enabled()
               and x.shape[-1] == weight.in_features)
     integer = weight is not None and (weight.kind in (Q4, Q41) and rows >= INTEGER_MIN_ROWS
-                                      or weight.kind in INTERLEAVED_KINDS and rows > MAX_DEQUANT_ROWS
-                                      or weight.kind == Q8 and rows > DEQUANT_MAX_ROWS and integer_int8_available())
+                                      or weight.kind == Q4X8 and rows > MAX_DEQUANT_ROWS
+                                      or weight.kind in INT8_INTEGER_ROWS and rows > INT8_INTEGER_ROWS[weight.kind]
+                                      and integer_int8_available())
     if native and integer and dense_matmul_available():
         _note("kernel")
         out = integer_matmul(x.float().contiguous(), weight, None if bias is None else bias.float().contiguous())

@@ -140,3 +140,23 @@ def test_asymmetric_int4_keeps_its_layout():
     served = quantize_model(make_model("tiny", seed=4), "int4-asym")
     prepare_for_serving(served)
     assert not any(type(m) is InterleavedQuantizedLinear and m.bits == 4 for m in served.modules())
+
+
+@pytest.mark.skipif(not integer_int8_available(), reason="int8 is interleaved only where the kernels have VNNI")
+def test_an_interleaved_int8_weight_without_the_integer_matmul_takes_the_other_paths(monkeypatch):
+    """A library without VNNI loaded after preparation (a test forcing a level): many rows of an
+    interleaved int8 weight go through the dequantizing matmul's passes or torch, not an
+    integer matmul that cannot read them."""
+    from astrai.backends.cpu import dense_matmul, serving
+
+    model = quantize_model(make_model("tiny", seed=4), "int8")
+    served = deepcopy(model)
+    prepare_for_serving(served)
+    module, original = served.layers[0].mlp.down, model.layers[0].mlp.down
+    assert type(module) is InterleavedQuantizedLinear
+    for module_with_check in (serving, dense_matmul):
+        monkeypatch.setattr(module_with_check, "integer_int8_available", lambda: False)
+    with torch.no_grad():
+        for rows in (12, 20):
+            x = torch.randn(rows, module.in_features)
+            assert torch.allclose(module(x), original(x), atol=1e-4, rtol=1e-4), rows
