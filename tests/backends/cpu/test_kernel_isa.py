@@ -154,6 +154,8 @@ def _float_outputs(on_level, name):
             with torch.no_grad():
                 out += [serving.dequant_serving_linear(torch.randn(rows, 200), weight, torch.randn(37), None)
                         for rows in (9, 40)]
+    bf16_odd = typed(torch.randn(21, 88), BF16)[0]  # five sixteens and a tail: the AVX2 loop's lone last sixteen
+    out += [kernels.dequant_matmul(torch.randn(rows, 88), bf16_odd) for rows in (1, 3)]
     w = torch.randn(45, 131)
     out += [kernels.row_matmul(torch.randn(131), w, torch.randn(45)), kernels.row_matmul_argmax(torch.randn(131), w)[0]]
     out += [kernels.rows_matmul(torch.randn(rows, 131), w) for rows in (2, 5, 9, 16)]
@@ -196,7 +198,7 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(libraries, on_level
         on_level(name)
         torch.manual_seed(5)
         for kind in (Q8, Q4, Q41, Q4X8, Q8X8, BF16, F32):
-            for n_in in (64, 200, 576):
+            for n_in in (64, 80, 200, 576):  # 80: an odd number of sixteens (the AVX2 bf16 loop takes two a step)
                 weight = typed(torch.randn(16 if kind in (Q4X8, Q8X8) else 9, n_in), kind)[0]
                 x = torch.randn(8, n_in)
                 alone = torch.cat([kernels.dequant_matmul(x[r:r + 1].contiguous(), weight) for r in range(8)])

@@ -155,7 +155,11 @@ static inline float bf16_rounded(float v)
 
 /* Rows of x rounded to bf16 into the calling thread's own buffer (grown as needed, kept for
  * the thread's next call), n_in elements apart: with vdpbf16ps (BF16_PRODUCTS) as bf16 bits
- * for dot_bf16 to multiply as they are, else as floats; NULL when memory ran out. */
+ * for dot_bf16 to multiply as they are, else as floats; NULL when memory ran out. The AVX2
+ * loop of dot_bf16 widens sixteen bf16 weights by two unpacks, which give inputs 0-3 and
+ * 8-11 in one register and 4-7 and 12-15 in the other: there each whole sixteen of a row's
+ * floats is stored in that order (BF16_QUARTERS), once per call rather than per weight row. */
+#define BF16_QUARTERS (DEQUANT_AVX2 && !BF16_PRODUCTS)
 #if BF16_PRODUCTS
 typedef uint16_t bf16_row_t;
 void astrai_bf16_round_row(const float *in, int64_t n, uint16_t *out);  /* bf16_matmul.c */
@@ -180,6 +184,13 @@ static const bf16_row_t *bf16_rounded_rows(const float *x, int64_t rows, int64_t
         bf16_row_t *out = buffer + r * n_in;
         #pragma omp simd
         for (int64_t i = 0; i < n_in; ++i) out[i] = bf16_rounded(in[i]);
+#if BF16_QUARTERS
+        for (int64_t i = 0; i + 16 <= n_in; i += 16) {  /* 0-3, 8-11, 4-7, 12-15 */
+            const __m128 second = _mm_loadu_ps(out + i + 4);
+            _mm_storeu_ps(out + i + 4, _mm_loadu_ps(out + i + 8));
+            _mm_storeu_ps(out + i + 8, second);
+        }
+#endif
 #endif
     }
     return buffer;
@@ -770,22 +781,40 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
     float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
 #if DEQUANT_AVX2
     int64_t i = 0;
-    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    /* four chains of multiply-adds, two sixteens of inputs a step: with two chains a row waits
+     * on the multiply-add's latency and reads below the memory's pace */
+    __m256 acc[4][ASTRAI_MAX_DEQUANT_ROWS];
+    for (int c = 0; c < 4; ++c)
+        for (int r = 0; r < rows; ++r) acc[c][r] = _mm256_setzero_ps();
     for (; i + 16 <= n_in; i += 16) {
-        if ((i & 31) == 0) prefetch_ahead((const uint8_t *)(w + i), end);
+        const int second = i + 32 <= n_in;  /* a whole second sixteen follows */
+        prefetch_ahead((const uint8_t *)(w + i), end);
+        /* inputs 0-3 and 8-11, then 4-7 and 12-15, as x's sixteens are stored (BF16_QUARTERS) */
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i));
-        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
-        const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw));
+        if (second) {
+            const __m256i next = _mm256_loadu_si256((const __m256i *)(w + i + 16));
+            const __m256 w2 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), next));
+            const __m256 w3 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), next));
+            for (int r = 0; r < rows; ++r) {
+                const float *xi = x + r * x_stride + i;
+                acc[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc[0][r]);
+                acc[1][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc[1][r]);
+                acc[2][r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xi + 16), acc[2][r]);
+                acc[3][r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), acc[3][r]);
+            }
+            i += 16;
+            continue;
+        }
         for (int r = 0; r < rows; ++r) {
             const float *xi = x + r * x_stride + i;
-            acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc1[r]);
+            acc[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc[0][r]);
+            acc[1][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc[1][r]);
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        sum[r] = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
-    }
+    for (int r = 0; r < rows; ++r)
+        sum[r] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0][r], acc[1][r]), _mm256_add_ps(acc[2][r], acc[3][r])));
     for (; i < n_in; ++i)
         for (int r = 0; r < rows; ++r) sum[r] += bf16_to_float(w[i]) * x[r * x_stride + i];
 #else
