@@ -106,9 +106,8 @@ def integer_int8_available() -> bool:
 
 def integer_matmul(x: torch.Tensor, weight: TypedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(quantize_activations(x), w, bias)`` for ``x`` [..., in] fp32 and the int4 weight
-    ``w`` (Q4_0 or Q4_1 blocks, or Q4_0 interleaved), or where ``integer_int8_available()`` the int8 one (Q8_0,
-    or interleaved), that
-    ``weight`` describes, dequantized: native/integer_matmul.c rounds ``x`` to Q8_0 blocks and
+    ``w`` (Q4_0 or Q4_1 blocks, or Q4_0 interleaved), or where ``integer_int8_available()`` the
+    int8 one (Q8_0, or interleaved), that ``weight`` describes, dequantized: native/integer_matmul.c rounds ``x`` to Q8_0 blocks and
     sums each block's products in integers. Call only when ``dense_matmul_available()``."""
     n_in, n_out = weight.in_features, weight.out_features
     kinds = (*INT4_KINDS, *INT8_KINDS) if integer_int8_available() else INT4_KINDS

@@ -24,8 +24,8 @@ weights faster than oneDNN's matmul over its packed copy.
 Weight-only dequantizing matmuls. ``native/dequant_matmul.c`` is the same matmul for one to
 ``MAX_DEQUANT_ROWS`` rows over a bf16 weight or one quantized in blocks of 32 (int8 as GGUF's
 Q8_0, int4 as its Q4_0: astrai/model/quantized.py's layout, or Q4_0 with eight rows
-interleaved as serving lays it out, and so int8 where the CPU has VNNI: interleaved.py), reading the weight once for all
-rows and dequantizing each block in registers. bf16 sums in fp32 over float activations;
+interleaved as serving lays it out, and so int8 where the CPU has VNNI: interleaved.py),
+reading the weight once for all rows and dequantizing each block in registers. bf16 sums in fp32 over float activations;
 int8 and int4 (W8A8 and W4A8, as llama.cpp's ``vec_dot`` with Q8_0 activations) round the
 activations to Q8_0 blocks as ``quantize_activations`` does and sum each block's int8 x int8
 or int4 x int8 products in integers (the plain-C build the same integer sums).
@@ -501,8 +501,8 @@ class TypedWeight:
     [out, >= in], or the quantized values (int8 [out, padded in], or uint8 [out, padded in / 2]
     for int4) with their fp16 ``scales`` [out, padded in / 32]; rows may lie further apart
     than their length (a block of a stacked weight), each tensor's last dimension contiguous.
-    An interleaved weight's (``Q4X8``, ``Q8X8``) groups of eight rows each lie whole: both tensors have rows exactly as
-    long as their blocks need and a multiple of eight of them."""
+    An interleaved weight's (``Q4X8``, ``Q8X8``) groups of eight rows each lie whole: both
+    tensors have rows exactly as long as their blocks need, and a multiple of eight of them."""
 
     data: torch.Tensor
     scales: Optional[torch.Tensor]

@@ -64,9 +64,7 @@ from astrai.backends.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, hug
 from astrai.backends.cpu.interleaved import (can_interleave, interleaved_scales, interleaved_values, model_scales,
                                              model_values)
 from astrai.backends.cpu.kernels import (BF16, F32, INTERLEAVED_KINDS, MAX_DEQUANT_ROWS, MAX_F32_ROWS, Q4, Q4X8, Q8,
-                                         Q8X8, Q41,
-                                         QUANTIZED_KINDS, TypedWeight,
-                                         cpu_flags, dequant_matmul, kernels_available, rounded_activations,
+                                         Q8X8, Q41, QUANTIZED_KINDS, TypedWeight, cpu_flags, dequant_matmul, kernels_available, rounded_activations,
                                          row_major, row_matmul, rows_matmul)
 from astrai.backends.cpu.training import OneDnnLinear
 from astrai.model.components.attention import GQA, MLA
@@ -167,8 +165,7 @@ def dequant_serving_linear(x: torch.Tensor, weight: Optional[TypedWeight], bias:
     through ``dense_matmul`` (slabs of the weight widened in C), an int4 weight from
     ``INTEGER_MIN_ROWS`` rows on, an interleaved int4 or int8 one past ``MAX_DEQUANT_ROWS``,
     and past ``DEQUANT_MAX_ROWS`` an int8 one where ``integer_int8_available()``, through
-    ``integer_matmul``, anything else through torch
-    over ``dense()``, made once for the call. An int8 or int4 weight multiplies ``x``
+    ``integer_matmul``, anything else through torch over ``dense()``, made once for the call. An int8 or int4 weight multiplies ``x``
     rounded as ``quantize_activations`` does on every path, as QuantizedLinear's forward
     does: the kernels round fp32 rows themselves, exactly so, and torch's path takes
     ``rounded_activations`` (one native pass). A bf16 weight multiplies ``x`` rounded to bf16
@@ -322,11 +319,16 @@ class InterleavedQuantizedLinear(ServingQuantizedLinear):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        with torch.no_grad():
-            if prefix + "qweight" in state_dict:
-                self.qweight.copy_(interleaved_values(self.qweight.clone()))
-            if prefix + "scales" in state_dict:
-                self.scales.copy_(interleaved_scales(self.scales.clone()))
+        _interleave_in_place(self, prefix + "qweight" in state_dict, prefix + "scales" in state_dict)
+
+
+def _interleave_in_place(module: QuantizedLinear, values: bool = True, scales: bool = True) -> None:
+    """Re-lay a module's values and/or scales (model layout) interleaved, in their own memory."""
+    with torch.no_grad():
+        if values:
+            module.qweight.copy_(interleaved_values(module.qweight.clone()))
+        if scales:
+            module.scales.copy_(interleaved_scales(module.scales.clone()))
 
 
 def interleavable(module: nn.Module) -> bool:
@@ -343,9 +345,7 @@ def interleave(module: ServingQuantizedLinear) -> bool:
     making it an InterleavedQuantizedLinear; False (nothing changed) unless ``interleavable``."""
     if not interleavable(module):
         return False
-    with torch.no_grad():
-        module.qweight.copy_(interleaved_values(module.qweight.clone()))
-        module.scales.copy_(interleaved_scales(module.scales.clone()))
+    _interleave_in_place(module)
     module.__class__ = InterleavedQuantizedLinear
     return True
 

@@ -1,8 +1,7 @@
 /* Integer matmul (W4A8, W8A8) of many rows (a prompt) by an int4 or int8 weight: y = x W^T
  * (+ bias) for W in GGUF's Q4_0, Q4_1 or (with VNNI) Q8_0 blocks (dequant_matmul.c's
  * ASTRAI_Q4 / ASTRAI_Q41 / ASTRAI_Q8 layout, or Q4_0 or Q8_0 with eight rows interleaved:
- * ASTRAI_Q4X8, ASTRAI_Q8X8)
- * and x fp32 [rows][n_in].
+ * ASTRAI_Q4X8, ASTRAI_Q8X8) and x fp32 [rows][n_in].
  *
  * Widening the nibbles to floats for an fp32 GEMM (as dense_rows.c does for bf16 and
  * int8) leaves the prompt's matmuls at the speed of fp32 multiply-adds: 8 per instruction. Multiplying the nibbles by
@@ -75,23 +74,18 @@ static inline float half_value(uint16_t h)
 static void unpack_group(const uint8_t *w, int64_t ld, const uint16_t *scales, int64_t scale_ld, int type,
                          int64_t first, int64_t n_out, int64_t blocks, uint8_t *bytes, float *steps, float *extras)
 {
-    if (type == TYPE_Q8X8) {  /* already unpacked as w + 128, four inputs of the eight rows per 32 bytes */
-        const uint16_t *group_scales = scales + first * scale_ld;
-        for (int64_t i = 0; i < blocks * GROUP; ++i) {
-            steps[i] = half_value(group_scales[i]);
-            extras[i] = -128.0f * steps[i];
-        }
-        memcpy(bytes, w + first * ld, (size_t)(blocks * GROUP * Q_BLOCK));
-        return;
-    }
-    if (type == TYPE_Q4X8) {  /* already four inputs of the eight rows per 32 bytes: only the nibbles to split */
+    if (type == TYPE_Q8X8 || type == TYPE_Q4X8) {  /* already four inputs of the eight rows per 32 bytes */
         const uint8_t *group = w + first * ld;
-        const uint16_t *group_scales = scales + first * scale_ld;
+        const uint16_t *group_scales = scales + first * scale_ld;  /* block by block, the eight rows' */
         for (int64_t i = 0; i < blocks * GROUP; ++i) {
             steps[i] = half_value(group_scales[i]);
-            extras[i] = -8.0f * steps[i];
+            extras[i] = (type == TYPE_Q8X8 ? -128.0f : -8.0f) * steps[i];
         }
-        for (int64_t b = 0; b < blocks; ++b) {
+        if (type == TYPE_Q8X8) {  /* stored as w + 128: copied into the aligned buffer as they are */
+            memcpy(bytes, group, (size_t)(blocks * GROUP * Q_BLOCK));
+            return;
+        }
+        for (int64_t b = 0; b < blocks; ++b) {  /* Q4_0: only the nibbles to split */
             const uint8_t *in = group + b * GROUP * Q_BLOCK / 2;
             uint8_t *out = bytes + b * GROUP * Q_BLOCK;
             for (int k = 0; k < 4; ++k)
@@ -265,9 +259,9 @@ static void group_rows(const uint8_t *bytes, const float *steps, const float *ex
 }
 
 /* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias) for an int4 or int8 weight W [n_out][n_in]
- * (type 3: Q4_0, 4: Q4_1, 2: Q8_0, 5 and 6: Q4_0 and Q8_0 interleaved, whose n_out is a multiple of 8; `ld` bytes
- * and `scale_ld` fp16 values between two rows),
- * shared among `threads`. Q8_0 (either layout) only with VNNI: its unsigned w + 128 against int8 x would
+ * (type 3: Q4_0, 4: Q4_1, 2: Q8_0, 5 and 6: Q4_0 and Q8_0 interleaved, whose n_out is a multiple
+ * of 8; `ld` bytes and `scale_ld` fp16 values between two rows), shared among `threads`.
+ * Q8_0 (either layout) only with VNNI: its unsigned w + 128 against int8 x would
  * overflow maddubs' 16-bit pair sums. Returns 0, -1 for another type (or Q8_0 without VNNI),
  * -2 when memory ran out. */
 int64_t astrai_integer_matmul(const float *x, int64_t rows, int64_t x_stride, const uint8_t *weight, int64_t ld,
