@@ -16,10 +16,15 @@ stacked in one buffer (as serving.py prepares them), a tied or untied head of an
 types, no LoRA layers and no hooks, and the C kernels built. ``FusedDecode.for_model`` says None for anything else, and a step with several rows
 takes the usual forward; ``ASTRAI_FUSED_DECODE=0`` turns it off. The first step after a
 prefill is fused too: the runner's ``decode_target`` copies the prompt's K/V from the pages
-into the decode buffers first. Before each step the weights' addresses are compared with
-those the table was built from (``ready``), so a model changed in place (weights reloaded,
-cast, re-laid, LoRA layers swapped in) is checked again instead of read through stale
-pointers.
+into the decode buffers first. When a request's steps begin, the weights' addresses are
+compared with those the table was built from (``ready``), so a model changed in place
+(weights reloaded, cast, re-laid, LoRA layers or hooks added) is checked again instead of
+read through stale pointers; later steps of the same request reuse the answer, since the
+check reads a thousand Python objects that the streamed weights have pushed out of the
+caches (half a millisecond, a tenth of a small model's step). A change made while a request
+runs is followed from the next request, or at once after ``recheck`` (the runner's
+``load_weights``); the table holds the tensors it points into, so memory such a change
+frees is never read.
 
 The runner goes straight from the cache to the kernel (no ``KvcacheView``), and the C
 step's plan (kernels.DecodePlan: the table of pointers, rotary rows, scratch memory) is
@@ -66,10 +71,12 @@ class FusedDecode:
         self._addresses: Optional[list[int]] = None  # the weights' addresses when the table was last built
         self._static: Optional[torch.Tensor] = None
         self._head: Optional[TypedWeight] = None
+        self._held: tuple = ()  # aliases of the tensors _static points into: their memory outlives a swap
         self._builds = 0  # of _static: a plan made from an earlier one is stale
         self._plan: Optional[DecodePlan] = None  # _static with the current buffers' columns, rotary rows, scratch
         self._plan_key: Optional[tuple] = None
         self._vocab = 0  # the embedding's rows: the tokens the step may look up
+        self._trusted: Optional[str] = None  # the request whose steps reuse the last check's yes
         self._slot_strides = (0, 0)  # elements between page slots in the K and V stores
 
     @classmethod
@@ -155,10 +162,24 @@ class FusedDecode:
                            sin.reshape(capacity, -1).contiguous(), capacity, self.eps, self.scale, model.norm.weight,
                            self._head, threads, storage.k_cache.dtype)
 
-    def ready(self) -> bool:
+    def ready(self, task_id: Optional[str] = None) -> bool:
         """Whether the table of weight pointers is current: rebuilt (and checked) when a module
         or parameter was replaced, or a weight moved, cast or re-laid, since it was made. A
-        model found not to fit is checked again only after such a change, not every step."""
+        model found not to fit is checked again only after such a change, not every step. A
+        yes for request ``task_id`` holds for its later steps, until ``recheck``."""
+        if task_id is not None and task_id == self._trusted:
+            return True
+        self._trusted = None
+        if self._check():
+            self._trusted = task_id
+            return True
+        return False
+
+    def recheck(self) -> None:
+        """Check the model again at the next step (its weights were just loaded)."""
+        self._trusted = None
+
+    def _check(self) -> bool:
         seen = self._seen
         if seen.replaced():
             seen = self._seen = _Snapshot(self.model)
@@ -168,7 +189,7 @@ class FusedDecode:
         if seen.addresses() == self._addresses:
             return self._static is not None
         tables = _weight_table(self.model) if _plain_structure(self.model) else None
-        self._static, self._head = tables if tables is not None else (None, None)
+        self._static, self._head, self._held = tables if tables is not None else (None, None, ())
         self._builds += 1
         self._addresses = seen.addresses()
         if self._static is not None:
@@ -239,11 +260,12 @@ def _watched(model: nn.Module) -> list[tuple[dict, str, object]]:
             for table in (module._modules, module._parameters, module._buffers) for name, item in table.items()]
 
 
-def _weight_table(model: nn.Module) -> Optional[tuple[torch.Tensor, TypedWeight]]:
+def _weight_table(model: nn.Module) -> Optional[tuple[torch.Tensor, TypedWeight, tuple]]:
     """[n_layers, COLUMNS] int64: each layer's norms, biases and weights (columns 5-8, the K/V
-    stores and buffers, are filled by ``_with_cache_columns``), and the head, or None when a
-    weight is not CPU memory of a type and layout the kernel reads, or anything but the linear
-    weights is not fp32."""
+    stores and buffers, are filled by ``_with_cache_columns``), the head, and aliases of every
+    tensor the table points into (held, so that a tensor swapped out of the model is not freed
+    while the table may still be read); or None when a weight is not CPU memory of a type and
+    layout the kernel reads, or anything but the linear weights is not fp32."""
     for name, p in model.named_parameters():
         if p.device.type != "cpu" or (p.dtype != torch.float32 and not (p.dtype == torch.bfloat16 and p.dim() == 2
                                                                         and ".embed_tokens." not in f".{name}")):
@@ -252,7 +274,8 @@ def _weight_table(model: nn.Module) -> Optional[tuple[torch.Tensor, TypedWeight]
     embedding = model.embed_tokens.weight
     if head is None or not _contiguous(model.norm.weight) or embedding.dim() != 2 or embedding.dtype != torch.float32:
         return None
-    rows = []
+    rows, held = [], [embedding.detach(), model.norm.weight.detach(), head.data.detach()]
+    held += [] if head.scales is None else [head.scales.detach()]
     for layer in model.layers:
         attention, mlp = layer.attention, layer.mlp
         weights = [_checked(attention.joint.typed_weight()), _checked(typed_weight(attention.o_proj)),
@@ -267,7 +290,9 @@ def _weight_table(model: nn.Module) -> Optional[tuple[torch.Tensor, TypedWeight]
         rows.append([v.data_ptr() for v in vectors] + [0 if v is None else v.data_ptr() for v in optional]
                     + [0] * 4  # the K/V stores and buffers: _with_cache_columns
                     + [value for weight in weights for value in weight.pointers()])
-    return torch.tensor(rows, dtype=torch.int64), head
+        held += [t.detach() for t in vectors + optional if t is not None]
+        held += [t.detach() for weight in weights for t in (weight.data, weight.scales) if t is not None]
+    return torch.tensor(rows, dtype=torch.int64), head, tuple(held)
 
 
 def _checked(weight: Optional[TypedWeight]) -> Optional[TypedWeight]:

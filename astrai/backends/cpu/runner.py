@@ -48,13 +48,19 @@ class CpuModelRunner(ModelRunner):
         # and riding along a prefill step (which the scheduler then mixes in)
         self.mixes_decode = self.paged_decode = self.packs_prefill and PagedDecodeView.usable(cache.storage)
 
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_weights(state)
+        if self.fused_decode is not None:
+            self.fused_decode.recheck()  # running requests step on with the new weights at once
+
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
         prepare_for_serving(model)
         return model
 
     def forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, Optional[list[int]]]:
-        if len(rows) == 1 and len(rows[0].tokens) == 1 and self.fused_decode is not None and self.fused_decode.ready():
+        if (len(rows) == 1 and len(rows[0].tokens) == 1 and self.fused_decode is not None
+                and self.fused_decode.ready(rows[0].task_id)):
             row = rows[0]
             target = self.decode_target(row.task_id, row.start)
             fused = None if target is None else self.fused_decode(row.tokens[0], target)
@@ -114,7 +120,7 @@ class CpuModelRunner(ModelRunner):
         """A lone row through the fused C step's verification (``FusedDecode.verify``: each weight
         read once for all its tokens, the context read from the decode buffers), else the
         model's forward over the bound view."""
-        if len(rows) == 1 and self.fused_decode is not None and self.fused_decode.ready():
+        if len(rows) == 1 and self.fused_decode is not None and self.fused_decode.ready(rows[0].task_id):
             row = rows[0]
             target = self.decode_target(row.task_id, row.start, len(row.tokens))
             verified = None if target is None else self.fused_decode.verify(row.tokens, target)
@@ -141,7 +147,7 @@ class CpuModelRunner(ModelRunner):
         return self.decode_buffers.preferred_order([r.task_id for r in rows], [r.start for r in rows])
 
     def greedy_run(self, run: GreedyRun) -> Optional[list[int]]:
-        if self.fused_decode is None or not self.fused_decode.ready():
+        if self.fused_decode is None or not self.fused_decode.ready(run.row.task_id):
             return None
         row = run.row
         target = self.decode_target(row.task_id, row.start, run.steps)

@@ -195,6 +195,32 @@ def test_weights_changed_after_the_engine_started_are_followed(fused_calls, monk
         assert got == greedy_reference(model, prompt, GREEDY.max_tokens)
 
 
+def test_a_requests_later_steps_reuse_the_check_and_a_swap_mid_request_frees_no_memory_read(monkeypatch):
+    """ready() checks the model when a request's steps begin; the same request's later steps
+    reuse the yes. A weight swapped for new memory in between keeps its old memory alive (the
+    table holds it) until the next request rebuilds the table; ``recheck`` (loading weights)
+    makes the next step check at once."""
+    builds = []
+    real_table = fused_module._weight_table
+    monkeypatch.setattr(fused_module, "_weight_table", lambda m: builds.append(1) or real_table(m))
+    model = make_model("tiny")
+    prepare_for_serving(model)
+    fused = FusedDecode.for_model(model)
+    assert fused is not None and len(builds) == 1
+    assert fused.ready("a")
+    down = model.layers[0].mlp.down
+    old = down.weight.data_ptr()
+    down.weight.data = (down.weight.data * -1.0).contiguous()  # new memory; the old tensor's last owner is gone
+    assert fused.ready("a") and len(builds) == 1  # the request's later step: no check, no rebuild
+    assert old in [t.data_ptr() for t in fused._held]  # what the table still points to stays allocated
+    assert fused.ready("b") and len(builds) == 2  # the next request checks and rebuilds
+    assert old not in [t.data_ptr() for t in fused._held]
+    assert down.weight.data_ptr() in [t.data_ptr() for t in fused._held]
+    down.weight.data = (down.weight.data * -1.0).contiguous()
+    fused.recheck()
+    assert fused.ready("b") and len(builds) == 3  # weights loaded: checked at the very next step
+
+
 def test_a_hook_or_a_swapped_in_lora_layer_sends_steps_back_to_the_model(fused_calls):
     prompt = [3, 1, 4, 1, 5]
     with InferenceEngine(make_model("tiny"), None, max_batch_size=1, page_size=4, num_pages=96,
