@@ -425,9 +425,12 @@ class InferenceScheduler:
         self._draft_seconds = time.perf_counter() - drafted_at
         if drafts is not None:
             return "verify", decode, [1 + len(d) for d in drafts], drafts
-        # a row that may draft takes one step at a time: a run of greedy steps would pass by the
-        # points where a draft appears (prompt lookup's next match)
-        steps = 1 if drafting else self._greedy_run_steps(decode)
+        # a row that may draft runs few greedy steps at a time: a run passes by the points where a
+        # draft appears (prompt lookup's next match); more while none does (undrafted_steps)
+        most = None  # no row drafts: as long a run as the request allows
+        if drafting:
+            most = self._speculation.undrafted_steps(decode[0].task_id) if len(decode) == 1 else 1
+        steps = self._greedy_run_steps(decode, most)
         if steps > 1:
             return "greedy", decode, [steps], None
         return "decode", decode, [1] * len(decode), None
@@ -464,14 +467,14 @@ class InferenceScheduler:
             return True, drafts
         return True, None
 
-    def _greedy_run_steps(self, decode: list[Task]) -> int:
-        """How many decode steps a lone greedy request takes this loop step (1: the usual one);
-        see the module's docstring."""
-        if len(decode) != 1 or not self._executor.runs_greedy_steps(decode[0]):
+    def _greedy_run_steps(self, decode: list[Task], most: Optional[int] = None) -> int:
+        """How many decode steps a lone greedy request takes this loop step (1: the usual one),
+        at most ``most`` when given; see the module's docstring."""
+        if len(decode) != 1 or not self._executor.runs_greedy_steps(decode[0]) or most == 1:
             return 1
         task = decode[0]
-        steps = min(self.greedy_run_steps, task.params.max_tokens - len(task.output_ids),
-                    self.max_seq_len - len(task.context))
+        steps = min(self.greedy_run_steps if most is None else min(most, self.greedy_run_steps),
+                    task.params.max_tokens - len(task.output_ids), self.max_seq_len - len(task.context))
         if steps > 1 and self._page_cache.task_extend(task.task_id, task.num_computed + steps):
             return steps
         return 1

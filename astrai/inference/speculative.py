@@ -36,6 +36,7 @@ from astrai.inference.sampling import SamplingPipeline, draw
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 7  # a verify step feeds at most 8 tokens (the CPU kernels' row limit)
+MAX_UNDRAFTED_RUN = 8  # greedy steps in one run for a row the drafter keeps finding nothing for
 
 
 class Drafter(Protocol):
@@ -155,6 +156,7 @@ class RowRecord:
     kept: float = 0.5  # moving average of the fraction of drafted tokens kept (from a neutral start)
     paused: int = 0  # decode steps to skip drafting
     pauses: int = 0  # pauses so far (each twice as long as the last)
+    misses: int = 0  # steps since its last draft at which the drafter had none for it
 
 
 @dataclass
@@ -251,6 +253,17 @@ class SpeculationControl:
             return 0
         return max(0, min(record.length, room))
 
+    def undrafted_steps(self, task_id: str) -> int:
+        """Decode steps a lone greedy row takes in one run when the drafter found no draft for
+        it: 1 after a draft, then 2, 4 and at most ``MAX_UNDRAFTED_RUN`` while none comes. A
+        run passes by the points where a draft could appear (prompt lookup's next match), so
+        it is short while drafts are near; where the output has stopped repeating, runs of
+        steps in one call decode nearly as fast as without speculation."""
+        record = self._rows.setdefault(task_id, RowRecord(self.k))
+        steps = min(1 << min(record.misses, 8), MAX_UNDRAFTED_RUN)
+        record.misses += 1
+        return steps
+
     def record(self, task_id: str, drafted: int, kept_drafts: int, produced: int) -> None:
         """A verify step's outcome for one row: ``kept_drafts`` of its ``drafted`` guesses kept,
         ``produced`` tokens in all (kept drafts plus the model's own)."""
@@ -261,6 +274,7 @@ class SpeculationControl:
         if drafted == 0:
             return
         record = self._rows.setdefault(task_id, RowRecord(self.k))
+        record.misses = 0
         record.length = min(self.k, 2 * drafted) if kept_drafts == drafted else kept_drafts + 1
         weight = self.decay ** (drafted / self.k)
         record.kept = weight * record.kept + (1 - weight) * kept_drafts / drafted

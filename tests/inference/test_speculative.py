@@ -180,6 +180,41 @@ def test_a_rows_draft_length_follows_what_it_kept():
     assert control.wanted(task, 10) == 4  # never past k
 
 
+def test_a_row_the_drafter_finds_nothing_for_takes_growing_runs_of_steps():
+    control = SpeculationControl("ngram", 4)
+    assert [control.undrafted_steps("a") for _ in range(6)] == [1, 2, 4, 8, 8, 8]
+    control.record("a", 2, 1, 2)  # a draft came: the next miss is a single step again
+    assert [control.undrafted_steps("a") for _ in range(3)] == [1, 2, 4]
+    assert control.undrafted_steps("b") == 1  # each row its own count
+
+
+class _NeverDrafts:
+    """A drafter with no guess, ever: prompt lookup over output that never repeats."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, tasks, k):
+        self.asked += 1
+        return [[] for _ in k]
+
+    def forget(self, task_id):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_greedy_row_without_drafts_decodes_in_runs_and_keeps_its_tokens():
+    """Where drafting finds nothing, the row takes runs of greedy steps in one call (1, 2, 4, 8
+    tokens per loop step), not one step per call: 40 tokens ask the drafter 7 times, not 39."""
+    model = make_model("tiny", seed=2)
+    prompt = [5, 9, 2, 6]
+    drafter = _NeverDrafts()
+    got, stats = run(model, [prompt], 40, 1, speculative="draft", drafter=drafter)
+    assert got == [greedy_reference(model, prompt, 40)]
+    assert drafter.asked == 7  # 1 + 2 + 4 + 8 + 8 + 8 + 8 = 39 tokens after the prefill's first
+    assert stats["speculative"]["verify_steps"] == 0
+
+
 def test_a_row_whose_drafts_fail_pauses_drafting():
     control = SpeculationControl("ngram", 4)
     task = type("T", (), {"task_id": "a"})()

@@ -294,6 +294,30 @@ def test_the_plan_follows_torchs_thread_count():
     assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], answers[2])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_verify_steps_rows_equal_one_row_steps_bit_for_bit(threads):
+    """Each row of a verify step has the logits of a one-row step at its position, bit for bit,
+    whichever thread of the team did the row's norms, rotation and SiLU: greedy speculation
+    keeps plain decoding's tokens."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = _runner(make_model("tiny"))
+        fused = runner.fused_decode
+        assert runner.cache.task_alloc("a", list(range(1, 17)))
+        tokens = [5, 9, 7, 3, 8]
+        for token, pos in zip([1, 2, 3, 4], range(4)):  # a context for the rows to attend to
+            assert fused(token, runner.decode_target("a", pos)) is not None
+        assert fused.ready("a")
+        logits, hidden = fused.verify(tokens, runner.decode_target("a", 4, len(tokens)))
+        assert hidden.shape == (len(tokens), runner.model.config.dim)
+        for i, token in enumerate(tokens):
+            one, _ = fused(token, runner.decode_target("a", 4 + i))
+            assert torch.equal(logits[i], one[0]), f"row {i}"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_runs_on_more_threads_than_cores_beside_a_busy_process_give_the_one_thread_tokens():
     """With more threads than cores and another process spinning, team members wait at the C
     step's barriers past their spin and sleep (native/decode_step.c's team_barrier): every

@@ -189,9 +189,11 @@ static int64_t row_floats(const struct astrai_decode_plan *plan)
 }
 
 /* One step of `n` consecutive tokens of one row (positions pos .. pos + n - 1), run by every
- * thread of the team: the matmuls of all n rows read each weight once and are shared out,
- * the few hundred floats of arithmetic between them run on thread 0 while the others wait at
- * the barrier. Token r attends to positions up to pos + r, so the n tokens see each other
+ * thread of the team: the matmuls of all n rows read each weight once and are shared out;
+ * the few hundred floats of arithmetic a row has between them (norms, rotation, K/V writes,
+ * SiLU, residuals) run on thread r % team for row r, the others waiting at the barrier, so
+ * a verify step's rows share that work and a row's numbers do not depend on which thread
+ * computed them. Token r attends to positions up to pos + r, so the n tokens see each other
  * causally, as a prefill chunk would. `work` holds row_floats(plan) floats per token.
  * With one token, each thread's stretch of the head leaves its argmax in best/top. */
 static void team_step(const struct astrai_decode_plan *plan, const int64_t *tokens, int64_t n, int64_t pos,
@@ -202,19 +204,17 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
     const int64_t dim = plan->dim, heads = plan->heads, kv_heads = plan->kv_heads, head_dim = plan->head_dim;
     const int64_t ffn = plan->ffn, capacity = plan->capacity;
     const float eps = plan->eps;
-    const int lead = omp_get_thread_num() == 0;
+    const int me = omp_get_thread_num();
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     /* per token: x, h, out [dim]; qkv [qkv_width]; q, attended [q_width]; gate_up [2 ffn] */
     float *x = work, *h = x + n * dim, *out = h + n * dim, *qkv = out + n * dim, *q = qkv + n * qkv_width;
     float *attended = q + n * q_width, *gate_up = attended + n * q_width;
     int64_t lens[ASTRAI_MAX_VERIFY_ROWS];
     for (int64_t r = 0; r < n; ++r) lens[r] = pos + r + 1;
-    if (lead) {
-        for (int64_t r = 0; r < n; ++r) {
-            const float *embedding = plan->embedding + tokens[r] * plan->embedding_row_stride;
-            for (int64_t i = 0; i < dim; ++i) x[r * dim + i] = embedding[i * plan->embedding_col_stride];
-            rms_norm(x + r * dim, f32(plan->layers[0]), h + r * dim, dim, eps);
-        }
+    for (int64_t r = me; r < n; r += team) {
+        const float *embedding = plan->embedding + tokens[r] * plan->embedding_row_stride;
+        for (int64_t i = 0; i < dim; ++i) x[r * dim + i] = embedding[i * plan->embedding_col_stride];
+        rms_norm(x + r * dim, f32(plan->layers[0]), h + r * dim, dim, eps);
     }
     team_barrier(barrier, team);
     for (int64_t l = 0; l < plan->n_layers; ++l) {
@@ -224,26 +224,24 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
         char *k_buffer = (char *)(intptr_t)p[7], *v_buffer = (char *)(intptr_t)p[8];
         const int kv_kind = (int)plan->kv_kind;
         const int64_t kv_size = kv_kind ? 2 : 4;  /* bytes per K/V element */
-        if (lead) {
-            for (int64_t r = 0; r < n; ++r) {
-                float *qr = q + r * q_width, *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
-                const float *cos = plan->cos + (pos + r) * head_dim, *sin = plan->sin + (pos + r) * head_dim;
-                memcpy(qr, qkv + r * qkv_width, sizeof(float) * (size_t)q_width);
-                if (p[3]) {  /* QK-norm: each head's q and k normalised before the rotation */
-                    for (int64_t g = 0; g < heads; ++g)
-                        rms_norm(qr + g * head_dim, f32(p[3]), qr + g * head_dim, head_dim, eps);
-                    for (int64_t g = 0; g < kv_heads; ++g)
-                        rms_norm(k + g * head_dim, f32(p[4]), k + g * head_dim, head_dim, eps);
-                }
-                rotate(qr, heads, head_dim, cos, sin);
-                rotate(k, kv_heads, head_dim, cos, sin);
-                astrai_store_kv((char *)(intptr_t)p[5] + k_offsets[r] * kv_size, k, kv_width, kv_kind);
-                astrai_store_kv((char *)(intptr_t)p[6] + v_offsets[r] * kv_size, v, kv_width, kv_kind);
-                for (int64_t g = 0; g < kv_heads; ++g) {
-                    const int64_t at = (g * capacity + pos + r) * head_dim * kv_size;
-                    astrai_store_kv(k_buffer + at, k + g * head_dim, head_dim, kv_kind);
-                    astrai_store_kv(v_buffer + at, v + g * head_dim, head_dim, kv_kind);
-                }
+        for (int64_t r = me; r < n; r += team) {
+            float *qr = q + r * q_width, *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
+            const float *cos = plan->cos + (pos + r) * head_dim, *sin = plan->sin + (pos + r) * head_dim;
+            memcpy(qr, qkv + r * qkv_width, sizeof(float) * (size_t)q_width);
+            if (p[3]) {  /* QK-norm: each head's q and k normalised before the rotation */
+                for (int64_t g = 0; g < heads; ++g)
+                    rms_norm(qr + g * head_dim, f32(p[3]), qr + g * head_dim, head_dim, eps);
+                for (int64_t g = 0; g < kv_heads; ++g)
+                    rms_norm(k + g * head_dim, f32(p[4]), k + g * head_dim, head_dim, eps);
+            }
+            rotate(qr, heads, head_dim, cos, sin);
+            rotate(k, kv_heads, head_dim, cos, sin);
+            astrai_store_kv((char *)(intptr_t)p[5] + k_offsets[r] * kv_size, k, kv_width, kv_kind);
+            astrai_store_kv((char *)(intptr_t)p[6] + v_offsets[r] * kv_size, v, kv_width, kv_kind);
+            for (int64_t g = 0; g < kv_heads; ++g) {
+                const int64_t at = (g * capacity + pos + r) * head_dim * kv_size;
+                astrai_store_kv(k_buffer + at, k + g * head_dim, head_dim, kv_kind);
+                astrai_store_kv(v_buffer + at, v + g * head_dim, head_dim, kv_kind);
             }
         }
         team_barrier(barrier, team);
@@ -255,34 +253,29 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
         team_barrier(barrier, team);
         matmul(p + O, attended, n, q_width, 0, out, dim, q_width, dim, 0, 0);
         team_barrier(barrier, team);
-        if (lead) {
-            for (int64_t r = 0; r < n; ++r) {
-                for (int64_t i = 0; i < dim; ++i) x[r * dim + i] += out[r * dim + i];
-                rms_norm(x + r * dim, f32(p[1]), h + r * dim, dim, eps);
-            }
+        for (int64_t r = me; r < n; r += team) {
+            for (int64_t i = 0; i < dim; ++i) x[r * dim + i] += out[r * dim + i];
+            rms_norm(x + r * dim, f32(p[1]), h + r * dim, dim, eps);
         }
         team_barrier(barrier, team);
         matmul(p + GATE_UP, h, n, dim, 0, gate_up, 2 * ffn, dim, 2 * ffn, 0, 0);
         team_barrier(barrier, team);
-        if (lead) {
-            for (int64_t r = 0; r < n; ++r) {
-                float *gu = gate_up + r * 2 * ffn;
-                #pragma omp simd
-                for (int64_t j = 0; j < ffn; ++j) {
-                    const float g = gu[j];
-                    gu[j] = g / (1.0f + exp_lanes(-g)) * gu[ffn + j];
-                }
+        for (int64_t r = me; r < n; r += team) {
+            float *gu = gate_up + r * 2 * ffn;
+            #pragma omp simd
+            for (int64_t j = 0; j < ffn; ++j) {
+                const float g = gu[j];
+                gu[j] = g / (1.0f + exp_lanes(-g)) * gu[ffn + j];
             }
         }
         team_barrier(barrier, team);
         matmul(p + DOWN, gate_up, n, 2 * ffn, 0, out, dim, ffn, dim, 0, 0);
         team_barrier(barrier, team);
-        if (lead) {  /* the residual, and the next layer's input norm (or the final one) */
-            for (int64_t r = 0; r < n; ++r) {
-                for (int64_t i = 0; i < dim; ++i) x[r * dim + i] += out[r * dim + i];
-                rms_norm(x + r * dim, l + 1 < plan->n_layers ? f32(p[COLUMNS]) : plan->final_norm, h + r * dim, dim,
-                         eps);
-            }
+        /* the residual, and the next layer's input norm (or the final one) */
+        for (int64_t r = me; r < n; r += team) {
+            for (int64_t i = 0; i < dim; ++i) x[r * dim + i] += out[r * dim + i];
+            rms_norm(x + r * dim, l + 1 < plan->n_layers ? f32(p[COLUMNS]) : plan->final_norm, h + r * dim, dim,
+                     eps);
         }
         team_barrier(barrier, team);
     }

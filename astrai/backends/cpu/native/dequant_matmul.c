@@ -678,14 +678,15 @@ static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t
 #endif
         for (int r = 0; r < rows; ++r) {
             const int64_t at = r * blocks + b;
-            int32_t four[8];
-            memcpy(four, xq + at * BLOCK, sizeof four);
+            /* x's inputs 4k..4k+3, broadcast straight from memory (a load, no move from a
+             * general register) */
+#define FOUR(k) _mm256_broadcastd_epi32(_mm_loadu_si32(xq + at * BLOCK + 4 * (k)))
 #if DEQUANT_VNNI
             /* two chains of four: a chain of eight would wait on vpdpbusd's latency */
             __m256i s = _mm256_set1_epi32(-xe[at]), t = _mm256_setzero_si256();
             for (int k = 0; k < 8; k += 2) {
-                s = _mm256_dpbusd_epi32(s, u[k], _mm256_set1_epi32(four[k]));
-                t = _mm256_dpbusd_epi32(t, u[k + 1], _mm256_set1_epi32(four[k + 1]));
+                s = _mm256_dpbusd_epi32(s, u[k], FOUR(k));
+                t = _mm256_dpbusd_epi32(t, u[k + 1], FOUR(k + 1));
             }
             s = _mm256_add_epi32(s, t);
 #else
@@ -693,17 +694,18 @@ static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t
             if (type == ASTRAI_Q8X8) {
                 s = _mm256_setzero_si256();
                 for (int k = 0; k < 8; ++k) {
-                    const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four[k]), u[k]);
+                    const __m256i x = _mm256_sign_epi8(FOUR(k), u[k]);
                     s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], x),
                                                               _mm256_set1_epi16(1)));
                 }
             } else {
                 __m256i pairs = _mm256_setzero_si256();
                 for (int k = 0; k < 8; ++k)
-                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[k], _mm256_set1_epi32(four[k])));
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[k], FOUR(k)));
                 s = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), _mm256_set1_epi32(xe[at]));
             }
 #endif
+#undef FOUR
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[at])), acc[r]);
         }
     }
