@@ -38,7 +38,7 @@
 #include <string.h>
 
 #include "exp_lanes.h"
-#if defined(__F16C__) && defined(__AVX__)
+#if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -135,6 +135,128 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const struct ru
         for (int64_t b = 0; b < a->bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+#if defined(__AVX512F__) && !defined(ASTRAI_PORTABLE)
+#define SPAN_AVX512 1
+/* Sixteen elements of a K or V vector from element i, as fp32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t i, const int KIND)
+{
+    if (KIND == KV_F32) return _mm512_loadu_ps((const float *)row + i);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    if (KIND == KV_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    return _mm512_cvtph_ps(half);
+}
+
+/* v[l]'s sixteen lanes summed into lane l of the result, for sixteen vectors at once (45
+ * shuffles and adds, against some eight per vector summed alone). Every lane's sum takes the
+ * same tree of additions, so a dot product's value does not depend on the lane it sits in or
+ * on the other fifteen. */
+static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 v[16])
+{
+    __m512 u[8], w[4];
+    for (int k = 0; k < 8; ++k)  /* per 128 bits: a0+a2, b0+b2, a1+a3, b1+b3 */
+        u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k)  /* per 128 bits: a, b, c, d (a quarter of each) */
+        w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* attend_span for 64-wide heads and up to four query heads per K/V head, in AVX-512. One K/V
+ * head at a time: its keys four positions at a time, each scored by the group's queries (at
+ * most sixteen dot products, summed together by sum_lanes16); then its values, each added
+ * into the group's sums, which stay in registers for the whole span. Each score is a function
+ * of its query and key alone, and each output sums its positions in order, so a row's result
+ * is the same whichever rows are computed beside it. */
+static inline __attribute__((always_inline)) void attend_span_w64(
+    const float *restrict qs, const void *restrict keys, const void *restrict values, float *restrict scores,
+    int64_t begin, int64_t n, int64_t kps, int64_t khs, int64_t vps, int64_t vhs,
+    const int64_t *restrict pages, int64_t page_size, float *restrict top, float *restrict total,
+    float *restrict acc, const int64_t HK, const int64_t G, const int KIND)
+{
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t h = 0; h < HK; ++h) {
+        const float *restrict qh = qs + h * G * 64;
+        __m512 highest = _mm512_set1_ps(-INFINITY);  /* lane 4g + i: query g's largest score */
+        for (int64_t j = 0, run; j < n; j += run) {
+            const void *run_keys = kv_position(keys, pages, page_size, begin + j, n - j, kps, &run, KIND);
+            const struct run_ahead ahead = look_ahead(keys, pages, page_size, begin + j + run, n - j - run, kps, KIND);
+            for (int64_t r = 0; r < run; r += 4) {
+                const int64_t count = run - r < 4 ? run - r : 4;
+                __m512 v[16];
+                for (int i = 0; i < 16; ++i) v[i] = zero;
+                for (int64_t i = 0; i < count; ++i) {
+                    if (pages && h == 0) prefetch_ahead(&ahead, run_keys, r + i, run);
+                    const void *key = kv_row(run_keys, (r + i) * kps + h * khs, KIND);
+                    const __m512 k0 = load16(key, 0, KIND), k1 = load16(key, 16, KIND);
+                    const __m512 k2 = load16(key, 32, KIND), k3 = load16(key, 48, KIND);
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float *q = qh + g * 64;
+                        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), k0);
+                        d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1, d);
+                        d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, d);
+                        v[4 * g + i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, d);
+                    }
+                }
+                const __m512 sums = sum_lanes16(v);
+                const __mmask16 valid = (__mmask16)(0x1111u * ((1u << count) - 1u));  /* i < count in each quarter */
+                highest = _mm512_mask_max_ps(highest, valid, highest, sums);
+                float block[16] __attribute__((aligned(64)));  /* lane 4g + i: query g, position r + i */
+                _mm512_store_ps(block, sums);
+                for (int64_t g = 0; g < G; ++g) {
+                    float *restrict s = scores + (h * G + g) * n + j + r;
+                    if (count == 4) _mm_storeu_ps(s, _mm_load_ps(block + 4 * g));
+                    else for (int64_t i = 0; i < count; ++i) s[i] = block[4 * g + i];
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const __mmask16 quarter = (__mmask16)(0xfu << (4 * g));
+            top[h * G + g] = _mm512_mask_reduce_max_ps(quarter, highest);
+        }
+    }
+    for (int64_t g = 0; g < HK * G; ++g) {
+        float *restrict s = scores + g * n;
+        const float t = top[g];
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t p = 0; p < n; ++p) { s[p] = exp_lanes(s[p] - t); sum += s[p]; }
+        total[g] = sum;
+    }
+    for (int64_t h = 0; h < HK; ++h) {
+        __m512 a[4][4];
+        for (int64_t g = 0; g < G; ++g)
+            for (int c = 0; c < 4; ++c) a[g][c] = zero;
+        for (int64_t j = 0, run; j < n; j += run) {
+            const void *run_values = kv_position(values, pages, page_size, begin + j, n - j, vps, &run, KIND);
+            const struct run_ahead ahead = look_ahead(values, pages, page_size, begin + j + run, n - j - run, vps,
+                                                      KIND);
+            for (int64_t r = 0; r < run; ++r) {
+                if (pages && h == 0) prefetch_ahead(&ahead, run_values, r, run);
+                const void *value = kv_row(run_values, r * vps + h * vhs, KIND);
+                const __m512 v0 = load16(value, 0, KIND), v1 = load16(value, 16, KIND);
+                const __m512 v2 = load16(value, 32, KIND), v3 = load16(value, 48, KIND);
+                for (int64_t g = 0; g < G; ++g) {
+                    const __m512 w = _mm512_set1_ps(scores[(h * G + g) * n + j + r]);
+                    a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+                    a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+                    a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+                    a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; ++g)
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (h * G + g) * 64 + 16 * c, a[g][c]);
+    }
+}
+#else
+#define SPAN_AVX512 0
+#endif
+
 /* Positions [begin, end) of one row, all its HK K/V heads at once (a page holds every head of
  * its positions side by side, so the row's pages are read through once): for each of the HK * G
  * query heads, the largest score `top`, the sum of exp(score - top) `total` and the
@@ -155,6 +277,13 @@ static inline __attribute__((always_inline)) void attend_span(
     for (int64_t g = 0; g < HG; ++g) { top[g] = -INFINITY; total[g] = 0.0f; }
     for (int64_t i = 0; i < HG * VW; ++i) acc[i] = 0.0f;
     if (n <= 0) return;
+#if SPAN_AVX512
+    if (W == 64 && VW == 64 && G <= 4) {
+        attend_span_w64(qs, keys, values, scores, begin, n, kps, khs, vps, vhs, pages, page_size, top, total, acc, HK,
+                        G, KIND);
+        return;
+    }
+#endif
     for (int64_t j = 0, run; j < n; j += run) {
         const void *run_keys = kv_position(keys, pages, page_size, begin + j, n - j, kps, &run, KIND);
         const struct run_ahead ahead = look_ahead(keys, pages, page_size, begin + j + run, n - j - run, kps, KIND);
