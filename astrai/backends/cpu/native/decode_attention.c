@@ -135,6 +135,21 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const struct ru
         for (int64_t b = 0; b < a->bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+/* Each of `heads` rows of `n` scores (`scores` [heads][n]) turned into exp(score - top[row]),
+ * and their sums into total[row]. */
+static inline __attribute__((always_inline)) void exponentiate(float *restrict scores, int64_t heads, int64_t n,
+                                                               const float *restrict top, float *restrict total)
+{
+    for (int64_t g = 0; g < heads; ++g) {
+        float *restrict s = scores + g * n;
+        const float t = top[g];
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t p = 0; p < n; ++p) { s[p] = exp_lanes(s[p] - t); sum += s[p]; }
+        total[g] = sum;
+    }
+}
+
 #if defined(__AVX512F__) && !defined(ASTRAI_PORTABLE)
 #define SPAN_AVX512 1
 /* Sixteen elements of a K or V vector from element i, as fp32. */
@@ -219,14 +234,7 @@ static inline __attribute__((always_inline)) void attend_span_w64(
             top[h * G + g] = _mm512_mask_reduce_max_ps(quarter, highest);
         }
     }
-    for (int64_t g = 0; g < HK * G; ++g) {
-        float *restrict s = scores + g * n;
-        const float t = top[g];
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t p = 0; p < n; ++p) { s[p] = exp_lanes(s[p] - t); sum += s[p]; }
-        total[g] = sum;
-    }
+    exponentiate(scores, HK * G, n, top, total);
     for (int64_t h = 0; h < HK; ++h) {
         __m512 a[4][4];
         for (int64_t g = 0; g < G; ++g)
@@ -257,6 +265,105 @@ static inline __attribute__((always_inline)) void attend_span_w64(
 #define SPAN_AVX512 0
 #endif
 
+#if !SPAN_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ASTRAI_PORTABLE)
+#define SPAN_AVX2 1
+/* Eight elements of a K or V vector from element i, as fp32. */
+static inline __attribute__((always_inline)) __m256 load8(const void *row, int64_t i, const int KIND)
+{
+    if (KIND == KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    if (KIND == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    return _mm256_cvtph_ps(half);
+}
+
+/* v[l]'s eight lanes summed into lane l, for eight vectors at once, every lane by the same
+ * tree (as sum_lanes16). */
+static inline __attribute__((always_inline)) __m256 sum_lanes8(const __m256 v[8])
+{
+    __m256 u[4], w[2];
+    for (int k = 0; k < 4; ++k)
+        u[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; ++k)
+        w[k] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
+}
+
+/* attend_span_w64 in AVX2: keys two positions at a time (at most eight dot products summed by
+ * sum_lanes8), and the values in passes over a part of the width each, so that the group's
+ * sums of that part fit the sixteen registers. */
+static inline __attribute__((always_inline)) void attend_span_w64(
+    const float *restrict qs, const void *restrict keys, const void *restrict values, float *restrict scores,
+    int64_t begin, int64_t n, int64_t kps, int64_t khs, int64_t vps, int64_t vhs,
+    const int64_t *restrict pages, int64_t page_size, float *restrict top, float *restrict total,
+    float *restrict acc, const int64_t HK, const int64_t G, const int KIND)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t h = 0; h < HK; ++h) {
+        const float *restrict qh = qs + h * G * 64;
+        __m256 highest = _mm256_set1_ps(-INFINITY);  /* lane 2g + i: query g's largest score */
+        for (int64_t j = 0, run; j < n; j += run) {
+            const void *run_keys = kv_position(keys, pages, page_size, begin + j, n - j, kps, &run, KIND);
+            const struct run_ahead ahead = look_ahead(keys, pages, page_size, begin + j + run, n - j - run, kps, KIND);
+            for (int64_t r = 0; r < run; r += 2) {
+                const int64_t count = run - r < 2 ? run - r : 2;
+                __m256 v[8];
+                for (int i = 0; i < 8; ++i) v[i] = zero;
+                for (int64_t i = 0; i < count; ++i) {
+                    if (pages && h == 0) prefetch_ahead(&ahead, run_keys, r + i, run);
+                    const void *key = kv_row(run_keys, (r + i) * kps + h * khs, KIND);
+                    __m256 k[8];
+                    for (int c = 0; c < 8; ++c) k[c] = load8(key, 8 * c, KIND);
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float *q = qh + g * 64;
+                        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
+                        for (int c = 1; c < 8; ++c) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), k[c], d);
+                        v[2 * g + i] = d;
+                    }
+                }
+                const __m256 sums = sum_lanes8(v);
+                float block[8] __attribute__((aligned(32)));  /* lane 2g + i: query g, position r + i */
+                _mm256_store_ps(block, sums);
+                const __m256 valid = count == 2 ? sums : _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sums, 0x55);
+                highest = _mm256_max_ps(valid, highest);
+                for (int64_t g = 0; g < G; ++g)
+                    for (int64_t i = 0; i < count; ++i) scores[(h * G + g) * n + j + r + i] = block[2 * g + i];
+            }
+        }
+        float most[8] __attribute__((aligned(32)));
+        _mm256_store_ps(most, highest);
+        for (int64_t g = 0; g < G; ++g) top[h * G + g] = most[2 * g] > most[2 * g + 1] ? most[2 * g] : most[2 * g + 1];
+    }
+    exponentiate(scores, HK * G, n, top, total);
+    const int64_t PART = G <= 3 ? 32 : 16;  /* floats of the width per pass */
+    for (int64_t h = 0; h < HK; ++h)
+        for (int64_t part = 0; part < 64; part += PART) {
+            __m256 a[4][4];
+            for (int64_t g = 0; g < G; ++g)
+                for (int c = 0; c < PART / 8; ++c) a[g][c] = zero;
+            for (int64_t j = 0, run; j < n; j += run) {
+                const void *run_values = kv_position(values, pages, page_size, begin + j, n - j, vps, &run, KIND);
+                const struct run_ahead ahead = look_ahead(values, pages, page_size, begin + j + run, n - j - run,
+                                                          vps, KIND);
+                for (int64_t r = 0; r < run; ++r) {
+                    if (pages && h == 0 && part == 0) prefetch_ahead(&ahead, run_values, r, run);
+                    const void *value = kv_row(run_values, r * vps + h * vhs, KIND);
+                    __m256 vv[4];
+                    for (int c = 0; c < PART / 8; ++c) vv[c] = load8(value, part + 8 * c, KIND);
+                    for (int64_t g = 0; g < G; ++g) {
+                        const __m256 w = _mm256_broadcast_ss(scores + (h * G + g) * n + j + r);
+                        for (int c = 0; c < PART / 8; ++c) a[g][c] = _mm256_fmadd_ps(w, vv[c], a[g][c]);
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)
+                for (int c = 0; c < PART / 8; ++c) _mm256_storeu_ps(acc + (h * G + g) * 64 + part + 8 * c, a[g][c]);
+        }
+}
+#else
+#define SPAN_AVX2 0
+#endif
+
 /* Positions [begin, end) of one row, all its HK K/V heads at once (a page holds every head of
  * its positions side by side, so the row's pages are read through once): for each of the HK * G
  * query heads, the largest score `top`, the sum of exp(score - top) `total` and the
@@ -277,7 +384,7 @@ static inline __attribute__((always_inline)) void attend_span(
     for (int64_t g = 0; g < HG; ++g) { top[g] = -INFINITY; total[g] = 0.0f; }
     for (int64_t i = 0; i < HG * VW; ++i) acc[i] = 0.0f;
     if (n <= 0) return;
-#if SPAN_AVX512
+#if SPAN_AVX512 || SPAN_AVX2
     if (W == 64 && VW == 64 && G <= 4) {
         attend_span_w64(qs, keys, values, scores, begin, n, kps, khs, vps, vhs, pages, page_size, top, total, acc, HK,
                         G, KIND);
@@ -323,14 +430,7 @@ static inline __attribute__((always_inline)) void attend_span(
             }
         }
     }
-    for (int64_t g = 0; g < HG; ++g) {
-        float *restrict s = scores + g * n;
-        const float t = top[g];
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t p = 0; p < n; ++p) { s[p] = exp_lanes(s[p] - t); sum += s[p]; }
-        total[g] = sum;
-    }
+    exponentiate(scores, HG, n, top, total);
     for (int64_t j = 0, run; j < n; j += run) {
         const void *run_values = kv_position(values, pages, page_size, begin + j, n - j, vps, &run, KIND);
         const struct run_ahead ahead = look_ahead(values, pages, page_size, begin + j + run, n - j - run, vps, KIND);
