@@ -274,8 +274,9 @@ def test_out_of_range_token_or_position_never_reaches_the_kernel(monkeypatch):
 
 def test_the_plan_follows_torchs_thread_count():
     """The C step's scratch memory holds one slice per thread, so a plan made for one thread
-    count is made again when torch's changes; the logits do not depend on it (each output is
-    one thread's dot product, each attention head one thread's loop)."""
+    count is made again when torch's changes. The same count gives the same logits bit for
+    bit; another count moves them by rounding only (attention splits each context among the
+    threads and adds up their stretches, so the sums' order follows the thread count)."""
     runner = _runner(make_model("tiny"))
     fused = runner.fused_decode
     assert runner.cache.task_alloc("a", [1, 2, 3, 4, 5])
@@ -291,7 +292,8 @@ def test_the_plan_follows_torchs_thread_count():
             answers.append(logits)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], answers[2])
+    assert torch.equal(answers[0], answers[2])
+    torch.testing.assert_close(answers[1], answers[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -150,10 +150,23 @@ static inline __attribute__((always_inline)) void exponentiate(float *restrict s
     }
 }
 
+/* The vector instructions attend_span_w64 is written in: sixteen lanes of AVX-512 or eight of
+ * AVX2. Each gives a load of a K/V vector's lanes widened to fp32 (bf16 by a shift, fp16 by
+ * vcvtph2ps) and a sum of a block's dot products: v[l]'s lanes summed into lane l of the result
+ * for all LANES vectors at once, in about three shuffles and adds per vector against some eight
+ * for a vector summed alone. Every lane's sum takes the same tree of additions, so a dot
+ * product's value does not depend on its lane or on the vectors beside it. */
 #if defined(__AVX512F__) && !defined(ASTRAI_PORTABLE)
-#define SPAN_AVX512 1
-/* Sixteen elements of a K or V vector from element i, as fp32. */
-static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t i, const int KIND)
+#define SPAN_VECTORS 1
+#define LANES 16
+typedef __m512 lanes_t;
+#define lanes_zero _mm512_setzero_ps
+#define lanes_load _mm512_loadu_ps
+#define lanes_store _mm512_storeu_ps
+#define lanes_mul _mm512_mul_ps
+#define lanes_fmadd _mm512_fmadd_ps
+#define lanes_set1 _mm512_set1_ps
+static inline __attribute__((always_inline)) lanes_t load_kv(const void *row, int64_t i, const int KIND)
 {
     if (KIND == KV_F32) return _mm512_loadu_ps((const float *)row + i);
     const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
@@ -161,11 +174,7 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, int6
     return _mm512_cvtph_ps(half);
 }
 
-/* v[l]'s sixteen lanes summed into lane l of the result, for sixteen vectors at once (45
- * shuffles and adds, against some eight per vector summed alone). Every lane's sum takes the
- * same tree of additions, so a dot product's value does not depend on the lane it sits in or
- * on the other fifteen. */
-static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 v[16])
+static inline __attribute__((always_inline)) lanes_t sum_lanes(const lanes_t v[LANES])
 {
     __m512 u[8], w[4];
     for (int k = 0; k < 8; ++k)  /* per 128 bits: a0+a2, b0+b2, a1+a3, b1+b3 */
@@ -180,95 +189,17 @@ static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 v[1
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-
-/* attend_span for 64-wide heads and up to four query heads per K/V head, in AVX-512. One K/V
- * head at a time: its keys four positions at a time, each scored by the group's queries (at
- * most sixteen dot products, summed together by sum_lanes16); then its values, each added
- * into the group's sums, which stay in registers for the whole span. Each score is a function
- * of its query and key alone, and each output sums its positions in order, so a row's result
- * is the same whichever rows are computed beside it. */
-static inline __attribute__((always_inline)) void attend_span_w64(
-    const float *restrict qs, const void *restrict keys, const void *restrict values, float *restrict scores,
-    int64_t begin, int64_t n, int64_t kps, int64_t khs, int64_t vps, int64_t vhs,
-    const int64_t *restrict pages, int64_t page_size, float *restrict top, float *restrict total,
-    float *restrict acc, const int64_t HK, const int64_t G, const int KIND)
-{
-    const __m512 zero = _mm512_setzero_ps();
-    for (int64_t h = 0; h < HK; ++h) {
-        const float *restrict qh = qs + h * G * 64;
-        __m512 highest = _mm512_set1_ps(-INFINITY);  /* lane 4g + i: query g's largest score */
-        for (int64_t j = 0, run; j < n; j += run) {
-            const void *run_keys = kv_position(keys, pages, page_size, begin + j, n - j, kps, &run, KIND);
-            const struct run_ahead ahead = look_ahead(keys, pages, page_size, begin + j + run, n - j - run, kps, KIND);
-            for (int64_t r = 0; r < run; r += 4) {
-                const int64_t count = run - r < 4 ? run - r : 4;
-                __m512 v[16];
-                for (int i = 0; i < 16; ++i) v[i] = zero;
-                for (int64_t i = 0; i < count; ++i) {
-                    if (pages && h == 0) prefetch_ahead(&ahead, run_keys, r + i, run);
-                    const void *key = kv_row(run_keys, (r + i) * kps + h * khs, KIND);
-                    const __m512 k0 = load16(key, 0, KIND), k1 = load16(key, 16, KIND);
-                    const __m512 k2 = load16(key, 32, KIND), k3 = load16(key, 48, KIND);
-                    for (int64_t g = 0; g < G; ++g) {
-                        const float *q = qh + g * 64;
-                        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), k0);
-                        d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1, d);
-                        d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, d);
-                        v[4 * g + i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, d);
-                    }
-                }
-                const __m512 sums = sum_lanes16(v);
-                const __mmask16 valid = (__mmask16)(0x1111u * ((1u << count) - 1u));  /* i < count in each quarter */
-                highest = _mm512_mask_max_ps(highest, valid, highest, sums);
-                float block[16] __attribute__((aligned(64)));  /* lane 4g + i: query g, position r + i */
-                _mm512_store_ps(block, sums);
-                for (int64_t g = 0; g < G; ++g) {
-                    float *restrict s = scores + (h * G + g) * n + j + r;
-                    if (count == 4) _mm_storeu_ps(s, _mm_load_ps(block + 4 * g));
-                    else for (int64_t i = 0; i < count; ++i) s[i] = block[4 * g + i];
-                }
-            }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-            const __mmask16 quarter = (__mmask16)(0xfu << (4 * g));
-            top[h * G + g] = _mm512_mask_reduce_max_ps(quarter, highest);
-        }
-    }
-    exponentiate(scores, HK * G, n, top, total);
-    for (int64_t h = 0; h < HK; ++h) {
-        __m512 a[4][4];
-        for (int64_t g = 0; g < G; ++g)
-            for (int c = 0; c < 4; ++c) a[g][c] = zero;
-        for (int64_t j = 0, run; j < n; j += run) {
-            const void *run_values = kv_position(values, pages, page_size, begin + j, n - j, vps, &run, KIND);
-            const struct run_ahead ahead = look_ahead(values, pages, page_size, begin + j + run, n - j - run, vps,
-                                                      KIND);
-            for (int64_t r = 0; r < run; ++r) {
-                if (pages && h == 0) prefetch_ahead(&ahead, run_values, r, run);
-                const void *value = kv_row(run_values, r * vps + h * vhs, KIND);
-                const __m512 v0 = load16(value, 0, KIND), v1 = load16(value, 16, KIND);
-                const __m512 v2 = load16(value, 32, KIND), v3 = load16(value, 48, KIND);
-                for (int64_t g = 0; g < G; ++g) {
-                    const __m512 w = _mm512_set1_ps(scores[(h * G + g) * n + j + r]);
-                    a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
-                    a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
-                    a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
-                    a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
-                }
-            }
-        }
-        for (int64_t g = 0; g < G; ++g)
-            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (h * G + g) * 64 + 16 * c, a[g][c]);
-    }
-}
-#else
-#define SPAN_AVX512 0
-#endif
-
-#if !SPAN_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ASTRAI_PORTABLE)
-#define SPAN_AVX2 1
-/* Eight elements of a K or V vector from element i, as fp32. */
-static inline __attribute__((always_inline)) __m256 load8(const void *row, int64_t i, const int KIND)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ASTRAI_PORTABLE)
+#define SPAN_VECTORS 1
+#define LANES 8
+typedef __m256 lanes_t;
+#define lanes_zero _mm256_setzero_ps
+#define lanes_load _mm256_loadu_ps
+#define lanes_store _mm256_storeu_ps
+#define lanes_mul _mm256_mul_ps
+#define lanes_fmadd _mm256_fmadd_ps
+#define lanes_set1 _mm256_set1_ps
+static inline __attribute__((always_inline)) lanes_t load_kv(const void *row, int64_t i, const int KIND)
 {
     if (KIND == KV_F32) return _mm256_loadu_ps((const float *)row + i);
     const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
@@ -276,9 +207,7 @@ static inline __attribute__((always_inline)) __m256 load8(const void *row, int64
     return _mm256_cvtph_ps(half);
 }
 
-/* v[l]'s eight lanes summed into lane l, for eight vectors at once, every lane by the same
- * tree (as sum_lanes16). */
-static inline __attribute__((always_inline)) __m256 sum_lanes8(const __m256 v[8])
+static inline __attribute__((always_inline)) lanes_t sum_lanes(const lanes_t v[LANES])
 {
     __m256 u[4], w[2];
     for (int k = 0; k < 4; ++k)
@@ -288,80 +217,84 @@ static inline __attribute__((always_inline)) __m256 sum_lanes8(const __m256 v[8]
                              _mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
 }
+#else
+#define SPAN_VECTORS 0
+#endif
 
-/* attend_span_w64 in AVX2: keys two positions at a time (at most eight dot products summed by
- * sum_lanes8), and the values in passes over a part of the width each, so that the group's
- * sums of that part fit the sixteen registers. */
+#if SPAN_VECTORS
+/* attend_span for 64-wide heads and up to four query heads per K/V head. One K/V head at a
+ * time: its keys LANES / 4 positions at a time, each scored by the group's queries (at most
+ * LANES dot products, summed together by sum_lanes); then its values, each added into the
+ * group's sums, which stay in registers over the whole span (in passes over a part of the
+ * width where the registers are too few for all of it). Each score is a function of its
+ * query and key alone and each output sums its positions in order, so a row's result is the
+ * same whichever rows are computed beside it. */
 static inline __attribute__((always_inline)) void attend_span_w64(
     const float *restrict qs, const void *restrict keys, const void *restrict values, float *restrict scores,
     int64_t begin, int64_t n, int64_t kps, int64_t khs, int64_t vps, int64_t vhs,
     const int64_t *restrict pages, int64_t page_size, float *restrict top, float *restrict total,
     float *restrict acc, const int64_t HK, const int64_t G, const int KIND)
 {
-    const __m256 zero = _mm256_setzero_ps();
+    enum { STEP = LANES / 4, CHUNKS = 64 / LANES };  /* positions a block scores; vectors in a row */
     for (int64_t h = 0; h < HK; ++h) {
         const float *restrict qh = qs + h * G * 64;
-        __m256 highest = _mm256_set1_ps(-INFINITY);  /* lane 2g + i: query g's largest score */
+        for (int64_t g = 0; g < G; ++g) top[h * G + g] = -INFINITY;
         for (int64_t j = 0, run; j < n; j += run) {
             const void *run_keys = kv_position(keys, pages, page_size, begin + j, n - j, kps, &run, KIND);
             const struct run_ahead ahead = look_ahead(keys, pages, page_size, begin + j + run, n - j - run, kps, KIND);
-            for (int64_t r = 0; r < run; r += 2) {
-                const int64_t count = run - r < 2 ? run - r : 2;
-                __m256 v[8];
-                for (int i = 0; i < 8; ++i) v[i] = zero;
+            for (int64_t r = 0; r < run; r += STEP) {
+                const int64_t count = run - r < STEP ? run - r : STEP;
+                lanes_t v[LANES];  /* v[STEP * g + i]: query g against position r + i */
+                for (int i = 0; i < LANES; ++i) v[i] = lanes_zero();
                 for (int64_t i = 0; i < count; ++i) {
                     if (pages && h == 0) prefetch_ahead(&ahead, run_keys, r + i, run);
                     const void *key = kv_row(run_keys, (r + i) * kps + h * khs, KIND);
-                    __m256 k[8];
-                    for (int c = 0; c < 8; ++c) k[c] = load8(key, 8 * c, KIND);
+                    lanes_t k[CHUNKS];
+                    for (int c = 0; c < CHUNKS; ++c) k[c] = load_kv(key, c * LANES, KIND);
                     for (int64_t g = 0; g < G; ++g) {
                         const float *q = qh + g * 64;
-                        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
-                        for (int c = 1; c < 8; ++c) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), k[c], d);
-                        v[2 * g + i] = d;
+                        lanes_t d = lanes_mul(lanes_load(q), k[0]);
+                        for (int c = 1; c < CHUNKS; ++c) d = lanes_fmadd(lanes_load(q + c * LANES), k[c], d);
+                        v[STEP * g + i] = d;
                     }
                 }
-                const __m256 sums = sum_lanes8(v);
-                float block[8] __attribute__((aligned(32)));  /* lane 2g + i: query g, position r + i */
-                _mm256_store_ps(block, sums);
-                const __m256 valid = count == 2 ? sums : _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sums, 0x55);
-                highest = _mm256_max_ps(valid, highest);
+                float block[LANES] __attribute__((aligned(64)));
+                lanes_store(block, sum_lanes(v));
                 for (int64_t g = 0; g < G; ++g)
-                    for (int64_t i = 0; i < count; ++i) scores[(h * G + g) * n + j + r + i] = block[2 * g + i];
+                    for (int64_t i = 0; i < count; ++i) {
+                        const float score = block[STEP * g + i];
+                        scores[(h * G + g) * n + j + r + i] = score;
+                        top[h * G + g] = score > top[h * G + g] ? score : top[h * G + g];
+                    }
             }
         }
-        float most[8] __attribute__((aligned(32)));
-        _mm256_store_ps(most, highest);
-        for (int64_t g = 0; g < G; ++g) top[h * G + g] = most[2 * g] > most[2 * g + 1] ? most[2 * g] : most[2 * g + 1];
     }
     exponentiate(scores, HK * G, n, top, total);
-    const int64_t PART = G <= 3 ? 32 : 16;  /* floats of the width per pass */
+    const int64_t part = LANES == 16 || G <= 3 ? 4 * LANES : 2 * LANES;  /* floats of the width a pass sums */
     for (int64_t h = 0; h < HK; ++h)
-        for (int64_t part = 0; part < 64; part += PART) {
-            __m256 a[4][4];
+        for (int64_t from = 0; from < 64; from += part) {
+            lanes_t a[4][4];
             for (int64_t g = 0; g < G; ++g)
-                for (int c = 0; c < PART / 8; ++c) a[g][c] = zero;
+                for (int c = 0; c < part / LANES; ++c) a[g][c] = lanes_zero();
             for (int64_t j = 0, run; j < n; j += run) {
                 const void *run_values = kv_position(values, pages, page_size, begin + j, n - j, vps, &run, KIND);
                 const struct run_ahead ahead = look_ahead(values, pages, page_size, begin + j + run, n - j - run,
                                                           vps, KIND);
                 for (int64_t r = 0; r < run; ++r) {
-                    if (pages && h == 0 && part == 0) prefetch_ahead(&ahead, run_values, r, run);
+                    if (pages && h == 0 && from == 0) prefetch_ahead(&ahead, run_values, r, run);
                     const void *value = kv_row(run_values, r * vps + h * vhs, KIND);
-                    __m256 vv[4];
-                    for (int c = 0; c < PART / 8; ++c) vv[c] = load8(value, part + 8 * c, KIND);
+                    lanes_t x[4];
+                    for (int c = 0; c < part / LANES; ++c) x[c] = load_kv(value, from + c * LANES, KIND);
                     for (int64_t g = 0; g < G; ++g) {
-                        const __m256 w = _mm256_broadcast_ss(scores + (h * G + g) * n + j + r);
-                        for (int c = 0; c < PART / 8; ++c) a[g][c] = _mm256_fmadd_ps(w, vv[c], a[g][c]);
+                        const lanes_t w = lanes_set1(scores[(h * G + g) * n + j + r]);
+                        for (int c = 0; c < part / LANES; ++c) a[g][c] = lanes_fmadd(w, x[c], a[g][c]);
                     }
                 }
             }
             for (int64_t g = 0; g < G; ++g)
-                for (int c = 0; c < PART / 8; ++c) _mm256_storeu_ps(acc + (h * G + g) * 64 + part + 8 * c, a[g][c]);
+                for (int c = 0; c < part / LANES; ++c) lanes_store(acc + (h * G + g) * 64 + from + c * LANES, a[g][c]);
         }
 }
-#else
-#define SPAN_AVX2 0
 #endif
 
 /* Positions [begin, end) of one row, all its HK K/V heads at once (a page holds every head of
@@ -384,7 +317,7 @@ static inline __attribute__((always_inline)) void attend_span(
     for (int64_t g = 0; g < HG; ++g) { top[g] = -INFINITY; total[g] = 0.0f; }
     for (int64_t i = 0; i < HG * VW; ++i) acc[i] = 0.0f;
     if (n <= 0) return;
-#if SPAN_AVX512 || SPAN_AVX2
+#if SPAN_VECTORS
     if (W == 64 && VW == 64 && G <= 4) {
         attend_span_w64(qs, keys, values, scores, begin, n, kps, khs, vps, vhs, pages, page_size, top, total, acc, HK,
                         G, KIND);
