@@ -36,7 +36,7 @@ from astrai.inference.sampling import SamplingPipeline, draw
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 7  # a verify step feeds at most 8 tokens (the CPU kernels' row limit)
-MAX_UNDRAFTED_RUN = 8  # greedy steps in one run for a row the drafter keeps finding nothing for
+MAX_UNDRAFTED_RUN = 4  # greedy steps in one run for a row the drafter keeps finding nothing for
 
 
 class Drafter(Protocol):
@@ -255,12 +255,12 @@ class SpeculationControl:
 
     def undrafted_steps(self, task_id: str) -> int:
         """Decode steps a lone greedy row takes in one run when the drafter found no draft for
-        it: 1 after a draft, then 2, 4 and at most ``MAX_UNDRAFTED_RUN`` while none comes. A
-        run passes by the points where a draft could appear (prompt lookup's next match), so
-        it is short while drafts are near; where the output has stopped repeating, runs of
-        steps in one call decode nearly as fast as without speculation."""
+        it: 1 after a draft, then 2, then ``MAX_UNDRAFTED_RUN`` while none comes. A run passes
+        by the points where a draft could appear (prompt lookup's next match, a loop the output
+        falls into), so it stays short; where the output has stopped repeating, a few steps per
+        call save most of what a call costs beyond its step."""
         record = self._rows.setdefault(task_id, RowRecord(self.k))
-        steps = min(1 << min(record.misses, 8), MAX_UNDRAFTED_RUN)
+        steps = min(1 << min(record.misses, 4), MAX_UNDRAFTED_RUN)
         record.misses += 1
         return steps
 

@@ -182,7 +182,7 @@ def test_a_rows_draft_length_follows_what_it_kept():
 
 def test_a_row_the_drafter_finds_nothing_for_takes_growing_runs_of_steps():
     control = SpeculationControl("ngram", 4)
-    assert [control.undrafted_steps("a") for _ in range(6)] == [1, 2, 4, 8, 8, 8]
+    assert [control.undrafted_steps("a") for _ in range(6)] == [1, 2, 4, 4, 4, 4]
     control.record("a", 2, 1, 2)  # a draft came: the next miss is a single step again
     assert [control.undrafted_steps("a") for _ in range(3)] == [1, 2, 4]
     assert control.undrafted_steps("b") == 1  # each row its own count
@@ -204,14 +204,14 @@ class _NeverDrafts:
 
 @pytest.mark.timeout(60)
 def test_a_lone_greedy_row_without_drafts_decodes_in_runs_and_keeps_its_tokens():
-    """Where drafting finds nothing, the row takes runs of greedy steps in one call (1, 2, 4, 8
-    tokens per loop step), not one step per call: 40 tokens ask the drafter 7 times, not 39."""
+    """Where drafting finds nothing, the row takes runs of greedy steps in one call (1, 2, then 4
+    tokens per loop step), not one step per call: 40 tokens ask the drafter 11 times, not 39."""
     model = make_model("tiny", seed=2)
     prompt = [5, 9, 2, 6]
     drafter = _NeverDrafts()
     got, stats = run(model, [prompt], 40, 1, speculative="draft", drafter=drafter)
     assert got == [greedy_reference(model, prompt, 40)]
-    assert drafter.asked == 7  # 1 + 2 + 4 + 8 + 8 + 8 + 8 = 39 tokens after the prefill's first
+    assert drafter.asked == 11  # 1 + 2 + 4 x 9 = 39 tokens after the prefill's first
     assert stats["speculative"]["verify_steps"] == 0
 
 
