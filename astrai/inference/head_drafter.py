@@ -24,12 +24,16 @@ class HeadDrafter:
     def __init__(self, head: DraftHead):
         self.head = head
         self._state: dict[str, tuple[int, torch.Tensor]] = {}  # task → (its num_computed then, hidden state)
+        self._fused = None  # one row's drafts in one call, where the runner offers it
 
     def prepare(self, runner) -> None:
         """Lay the head out as ``runner`` lays out the model it serves, so that a draft's few-row
         matmuls take the same kernels as a decode step's (on the CPU the C GEMV for one row,
-        where torch's one-row matmul took several times as long)."""
+        where torch's one-row matmul took several times as long), and take the runner's fused
+        drafting of one row where it has one (the CPU's: every draft token in one C call)."""
         self.head = runner.prepare(self.head)
+        fuse = getattr(runner, "fused_draft_head", None)
+        self._fused = fuse(self.head) if fuse is not None else None
 
     def observe(self, task, hidden: torch.Tensor) -> None:
         """``hidden`` [dim]: the target's final hidden state at ``task``'s last computed position."""
@@ -45,6 +49,10 @@ class HeadDrafter:
         drafts: list[list[int]] = [[] for _ in tasks]
         rows = [i for i, (task, wanted) in enumerate(zip(tasks, k)) if wanted > 0 and self.ready(task)]
         if not rows:
+            return drafts
+        if self._fused is not None and len(rows) == 1:
+            task = tasks[rows[0]]
+            drafts[rows[0]] = self._fused(self._state[task.task_id][1], task.context[task.num_computed], k[rows[0]])
             return drafts
         hidden = torch.stack([self._state[tasks[i].task_id][1] for i in rows])
         tokens = torch.tensor([tasks[i].context[tasks[i].num_computed] for i in rows])

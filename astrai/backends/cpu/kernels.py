@@ -304,6 +304,10 @@ def _load(compiler: str, level: KernelLevel) -> ctypes.CDLL:
     library.astrai_verify_step_f32.restype = i64
     library.astrai_step_work_floats.argtypes = [ctypes.POINTER(DecodePlan), i64]
     library.astrai_step_work_floats.restype = i64
+    library.astrai_head_work_floats.argtypes = [ctypes.POINTER(HeadPlan)]
+    library.astrai_head_work_floats.restype = i64
+    library.astrai_draft_head_steps.argtypes = [ctypes.POINTER(HeadPlan), ptr, i64, i64, ptr]
+    library.astrai_draft_head_steps.restype = i64
     library.astrai_dequant_matmul.argtypes = ([ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr] + [i64] * 5
                                               + [ctypes.c_int] * 2)
     library.astrai_dequant_matmul.restype = i64
@@ -650,6 +654,58 @@ def decode_plan(embedding: torch.Tensor, layers: torch.Tensor, dims: tuple[int, 
     plan.keep = (embedding, layers, cos, sin, final_norm, head, work, workspace)
     plan.embedding_rows = embedding.shape[0]
     return plan
+
+
+class HeadPlan(ctypes.Structure):
+    """``struct astrai_head_plan`` (native/decode_step.c): a draft head's weights as its C drafting
+    reads them. Make it with ``head_plan``, which keeps the tensors its pointers point into alive."""
+
+    _fields_ = [("embedding", ctypes.c_void_p), ("embedding_row_stride", ctypes.c_int64),
+                ("embedding_col_stride", ctypes.c_int64), ("embedding_rows", ctypes.c_int64),
+                ("dim", ctypes.c_int64), ("hidden_dim", ctypes.c_int64), ("draft_vocab", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("hidden_norm", ctypes.c_void_p), ("embed_norm", ctypes.c_void_p),
+                ("mlp_norm", ctypes.c_void_p), ("out_norm", ctypes.c_void_p),
+                ("fuse", ctypes.c_int64 * WEIGHT_VALUES), ("gate", ctypes.c_int64 * WEIGHT_VALUES),
+                ("up", ctypes.c_int64 * WEIGHT_VALUES), ("down", ctypes.c_int64 * WEIGHT_VALUES),
+                ("out", ctypes.c_int64 * WEIGHT_VALUES), ("draft_ids", ctypes.c_void_p), ("work", ctypes.c_void_p),
+                ("threads", ctypes.c_int64)]
+
+
+def head_plan(embedding: torch.Tensor, norms: Sequence[torch.Tensor], linears: Sequence[TypedWeight],
+              draft_ids: torch.Tensor, eps: float, threads: int) -> HeadPlan:
+    """The plan of ``astrai_draft_head_steps`` for a draft head: ``norms`` its hidden, embedding,
+    MLP and output norms' scales (fp32 [dim], contiguous), ``linears`` its fuse [dim, 2 dim],
+    gate and up [hidden, dim], down [dim, hidden] and out [draft vocab, dim] weights (checked),
+    ``embedding`` the target's [vocab, dim] fp32 and ``draft_ids`` the target id of each out row
+    (int64, each a row of the embedding). ValueError for anything of another shape or type."""
+    fuse, gate, up, down, out = (w.check() for w in linears)
+    dim, hidden = fuse.out_features, gate.out_features
+    if not (embedding.dim() == 2 and embedding.dtype == torch.float32 and embedding.shape[1] == dim
+            and all(n.shape == (dim,) and n.dtype == torch.float32 and n.is_contiguous() for n in norms)
+            and len(norms) == 4 and fuse.in_features == 2 * dim and gate.in_features == up.in_features == dim
+            and up.out_features == hidden and down.in_features == hidden and down.out_features == dim
+            and out.in_features == dim and draft_ids.shape == (out.out_features,) and draft_ids.dtype == torch.int64
+            and draft_ids.is_contiguous() and 0 <= int(draft_ids.min()) and int(draft_ids.max()) < embedding.shape[0]):
+        raise ValueError("head_plan: norms, linears, embedding or draft ids of the wrong shape or type")
+    plan = HeadPlan(embedding.data_ptr(), embedding.stride(0), embedding.stride(1), embedding.shape[0], dim, hidden,
+                    out.out_features, eps, *(n.data_ptr() for n in norms),
+                    *((ctypes.c_int64 * WEIGHT_VALUES)(*w.pointers()) for w in (fuse, gate, up, down, out)),
+                    draft_ids.data_ptr(), None, threads)
+    work = torch.empty(_library().astrai_head_work_floats(plan), dtype=torch.float32)
+    plan.work = work.data_ptr()
+    plan.keep = (embedding, *norms, fuse, gate, up, down, out, draft_ids, work)
+    return plan
+
+
+def draft_head_steps(plan: HeadPlan, hidden: torch.Tensor, token: int, k: int) -> list[int]:
+    """``k`` greedy drafts of a draft head in one call (``astrai_draft_head_steps``) from the
+    target's final hidden state ``hidden`` (fp32 [dim], contiguous) and the token it chose;
+    fewer when a draft has no embedding row. Call only when ``kernels_available()``."""
+    if not (hidden.shape == (plan.dim,) and hidden.dtype == torch.float32 and hidden.is_contiguous()):
+        raise ValueError(f"draft_head_steps: hidden must be contiguous fp32 [{plan.dim}]")
+    tokens = (ctypes.c_int64 * max(k, 1))()
+    done = _library().astrai_draft_head_steps(plan, hidden.data_ptr(), token, k, tokens)
+    return tokens[:done]
 
 
 def _check_step(plan: DecodePlan, token: int, pos: int, steps: int, embedding_rows: int) -> None:

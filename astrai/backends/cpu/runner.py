@@ -27,6 +27,7 @@ from astrai.backends.cpu.attention import CpuKvcacheView, DecodeView, MixedStepV
 from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
 from astrai.backends.cpu.dense_matmul import release_slab_buffer
 from astrai.backends.cpu.fused_decode import FusedDecode
+from astrai.backends.cpu.fused_head import FusedHead
 from astrai.backends.cpu.serving import kernel_counts, prepare_for_serving
 from astrai.inference.cache import KVCache
 from astrai.inference.runner import GreedyRun, ModelRunner, Row
@@ -47,6 +48,10 @@ class CpuModelRunner(ModelRunner):
         # decode rows may attend in place in the page store: past the decode buffers' budget,
         # and riding along a prefill step (which the scheduler then mixes in)
         self.mixes_decode = self.paged_decode = self.packs_prefill and PagedDecodeView.usable(cache.storage)
+
+    def fused_draft_head(self, head: nn.Module) -> Optional[FusedHead]:
+        """A draft head's one-row drafting in one C call (fused_head.py), or None where it does not fit."""
+        return FusedHead.for_head(head)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         super().load_weights(state)

@@ -371,3 +371,92 @@ int64_t astrai_step_work_floats(const struct astrai_decode_plan *plan, int64_t n
 {
     return n * row_floats(plan);
 }
+
+/* A draft head (astrai/model/draft_head.py) as the C step reads it: its norms' scales, its five
+ * linears by their table values (as a layer's weights), the target's embedding and the target
+ * ids of the head's output rows. Filled by kernels.py (HeadPlan). */
+struct astrai_head_plan {
+    const float *embedding;
+    int64_t embedding_row_stride, embedding_col_stride, embedding_rows;
+    int64_t dim, hidden_dim, draft_vocab;
+    float eps;
+    const float *hidden_norm, *embed_norm, *mlp_norm, *out_norm;
+    int64_t fuse[WEIGHT_VALUES], gate[WEIGHT_VALUES], up[WEIGHT_VALUES], down[WEIGHT_VALUES], out[WEIGHT_VALUES];
+    const int64_t *draft_ids;
+    float *work;  /* astrai_head_work_floats(plan) floats */
+    int64_t threads;
+};
+
+/* Scratch floats of a head step: the fused input [2 dim], x and its norm [dim each], gate and
+ * up [hidden_dim each], the output's scores [draft_vocab]. */
+int64_t astrai_head_work_floats(const struct astrai_head_plan *plan)
+{
+    return 4 * plan->dim + 2 * plan->hidden_dim + plan->draft_vocab;
+}
+
+/* `k` greedy drafts of the head in one call: from the target's final hidden state `hidden`
+ * [dim] and the token it chose, each step predicts the next hidden state (the norms of both
+ * inputs side by side through `fuse`, then a SwiGLU with its residual) and scores the draft
+ * vocabulary on its norm; the best row's target id is the draft and the next step's token.
+ * A draft costs the head's weights' reading once, with the Python of the torch ops gone: a
+ * dozen operator calls a draft token, most of a draft's time at the head's size. Writes
+ * tokens[0 .. k-1] and returns k, or the drafts made before one fell outside the
+ * embedding (-1 ends them). */
+int64_t astrai_draft_head_steps(const struct astrai_head_plan *plan, const float *hidden, int64_t token, int64_t k,
+                                int64_t *tokens)
+{
+    const int64_t dim = plan->dim, hid = plan->hidden_dim;
+    float *joined = plan->work, *x = joined + 2 * dim, *normed = x + dim, *gate = normed + dim, *up = gate + hid;
+    float *scores = up + hid;
+    memcpy(x, hidden, sizeof(float) * (size_t)dim);
+    int64_t best[MAX_TEAM], done = 0;
+    float top[MAX_TEAM];
+    int stop = 0;
+    struct team_barrier barrier = {0, 0, 0};
+    const int threads = plan->threads < MAX_TEAM ? (int)plan->threads : MAX_TEAM;
+    if (k < 1 || token < 0 || token >= plan->embedding_rows) return 0;
+    #pragma omp parallel num_threads(threads)
+    while (!stop) {
+        const int team = omp_get_num_threads(), lead = omp_get_thread_num() == 0;
+        if (lead) {
+            const float *embedding = plan->embedding + token * plan->embedding_row_stride;
+            rms_norm(x, plan->hidden_norm, joined, dim, plan->eps);
+            for (int64_t i = 0; i < dim; ++i) normed[i] = embedding[i * plan->embedding_col_stride];
+            rms_norm(normed, plan->embed_norm, joined + dim, dim, plan->eps);
+        }
+        team_barrier(&barrier, team);
+        matmul(plan->fuse, joined, 1, 2 * dim, 0, x, dim, 2 * dim, dim, 0, 0);
+        team_barrier(&barrier, team);
+        if (lead) rms_norm(x, plan->mlp_norm, normed, dim, plan->eps);
+        team_barrier(&barrier, team);
+        matmul(plan->gate, normed, 1, dim, 0, gate, hid, dim, hid, 0, 0);
+        matmul(plan->up, normed, 1, dim, 0, up, hid, dim, hid, 0, 0);
+        team_barrier(&barrier, team);
+        if (lead) {
+            #pragma omp simd
+            for (int64_t j = 0; j < hid; ++j) gate[j] = gate[j] / (1.0f + exp_lanes(-gate[j])) * up[j];
+        }
+        team_barrier(&barrier, team);
+        matmul(plan->down, gate, 1, hid, 0, normed, dim, hid, dim, 0, 0);
+        team_barrier(&barrier, team);
+        if (lead) {
+            for (int64_t i = 0; i < dim; ++i) x[i] += normed[i];
+            rms_norm(x, plan->out_norm, normed, dim, plan->eps);
+        }
+        team_barrier(&barrier, team);
+        matmul(plan->out, normed, 1, dim, 0, scores, plan->draft_vocab, dim, plan->draft_vocab, best, top);
+        team_barrier(&barrier, team);
+        if (lead) {
+            const int64_t row = astrai_team_argmax(best, top, team);
+            token = row >= 0 && row < plan->draft_vocab ? plan->draft_ids[row] : -1;
+            if (token < 0 || token >= plan->embedding_rows) {
+                stop = 1;
+            } else {
+                tokens[done++] = token;
+                stop = done >= k;
+            }
+        }
+        team_barrier(&barrier, team);
+    }
+    return done;
+}
