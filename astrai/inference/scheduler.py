@@ -439,7 +439,7 @@ class InferenceScheduler:
         """Whether any decoding task wanted drafts this step, and each one's drafted tokens
         (astrai/inference/speculative.py) with pages reserved for checking them, or None when no
         task has any (a plain decode step then)."""
-        if not self._speculation.batch_wanted(len(decode)):
+        if not self._speculation.batch_wanted(len(decode), [t.task_id for t in decode]):
             return False, None
         wanted = []
         for task in decode:

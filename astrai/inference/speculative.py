@@ -171,6 +171,7 @@ class StepTimes:
     since_plain: int = 0  # verify steps since the last plain one
     pause: int = 0  # decode steps left without drafting
     pauses: int = 0
+    paused_by: frozenset = frozenset()  # the tasks of the batch whose verify steps began the pause
 
 
 class SpeculationControl:
@@ -192,7 +193,8 @@ class SpeculationControl:
     - per batch size: the measured tokens per second of verify steps (tokens each row got,
       over the step's time with its drafting) against plain decode steps of the same batch
       size; when drafting loses, the batch decodes plainly for a while (longer each time),
-      then measures again. A drafter with a guess every step (a draft model, a draft head)
+      then measures again (at once when the batch holds none of the tasks that earned the
+      pause). A drafter with a guess every step (a draft model, a draft head)
       leaves no plain steps to weigh against, so after ``remeasure`` verify steps in a row
       the batch takes one plain step (for a lone greedy row, a run of greedy steps, what it
       would otherwise decode with): drafting that stops paying is then noticed, at the cost
@@ -210,9 +212,14 @@ class SpeculationControl:
         self.paused_steps = self.plain_steps = 0
         self.stopped: Optional[str] = None  # the error that ended drafting for the engine's life, if one did
 
-    def batch_wanted(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows drafts at all (see the class docstring)."""
+    def batch_wanted(self, rows: int, task_ids: Sequence[str] = ()) -> bool:
+        """Whether a decode step of ``rows`` rows (the tasks ``task_ids``) drafts at all (see the
+        class docstring). A pause ends early when none of the tasks that earned it is left in
+        the batch (a lone request after another): what their drafts kept says little of the
+        new ones', which are measured afresh."""
         times = self._times.setdefault(rows, StepTimes())
+        if times.pause > 0 and task_ids and times.paused_by.isdisjoint(task_ids):
+            times.pause = times.pauses = times.verifies = 0
         if times.pause > 0:
             times.pause -= 1
             self.paused_steps += 1
@@ -228,6 +235,7 @@ class SpeculationControl:
         times.pauses += 1
         times.pause = self.pause_steps * 2 ** min(times.pauses - 1, 4) - 1  # this step is the pause's first
         times.verifies = 0
+        times.paused_by = frozenset(task_ids)
         self.paused_steps += 1
         return False
 

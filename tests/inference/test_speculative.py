@@ -250,6 +250,24 @@ def test_a_batch_size_whose_verify_steps_lose_to_plain_steps_stops_drafting():
 
 
 
+def test_a_pause_earned_by_one_request_ends_when_another_takes_its_place():
+    """A lone request whose drafts lost pauses drafting for its batch size while it runs; the
+    next request alone in the batch drafts at once (its drafts are measured afresh, and its
+    own loss starts the pauses from the shortest again)."""
+    control = SpeculationControl("draft", 4, warmup=3)
+    control.timed("decode", 1, 0.010, 1)  # 100 tokens/s plainly
+    for _ in range(3):
+        assert control.batch_wanted(1, ["a"])
+        control.timed("verify", 1, 0.030, 2.0)  # "a" drafts at 67 tokens/s
+    assert [control.batch_wanted(1, ["a"]) for _ in range(4)] == [False] * 4
+    assert control.batch_wanted(1, ["b"])  # a new request: measured afresh
+    for expected in (True, True, False):
+        control.timed("verify", 1, 0.030, 2.0)
+        assert control.batch_wanted(1, ["b"]) is expected
+    assert [control.batch_wanted(1, ["b"]) for _ in range(7)] == [False] * 7  # an 8-step pause of its own
+    assert control.batch_wanted(1, ["b"])
+
+
 def test_a_batch_whose_rows_draft_every_step_still_measures_plain_steps():
     """A drafter with a guess every step leaves no plain step to weigh verify steps against:
     after ``remeasure`` verify steps in a row the batch takes one plain step, and drafting that
