@@ -644,6 +644,17 @@ static IN_SOURCE_ORDER void row_x8(int type, const uint8_t *w, const uint16_t *s
  * most 2 x 15 x 127 each stay inside 16 bits; Q8_0's w + 128 would overflow them, so |w|
  * multiplies x carrying w's sign instead. A row of x has its own sums, so its numbers do not
  * depend on the rows beside it. */
+#if DEQUANT_AVX2
+/* Four int8 values in every 32-bit lane. One 4-byte copy each: the compiler makes it a broadcast
+ * load, where an array of eight copied at once became a 64-bit load, a shift and a move. */
+static inline __m256i broadcast_four(const int8_t *p)
+{
+    int32_t four;
+    memcpy(&four, p, sizeof four);
+    return _mm256_set1_epi32(four);
+}
+#endif
+
 static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t *w, const uint16_t *scales,
                                                          const int8_t *xq, const float *xd, const int32_t *xe, int rows,
                                                          int64_t blocks, float *out, const uint8_t *end)
@@ -680,7 +691,7 @@ static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t
             const int64_t at = r * blocks + b;
             /* x's inputs 4k..4k+3, broadcast straight from memory (a load, no move from a
              * general register) */
-#define FOUR(k) _mm256_broadcastd_epi32(_mm_loadu_si32(xq + at * BLOCK + 4 * (k)))
+#define FOUR(k) broadcast_four(xq + at * BLOCK + 4 * (k))
 #if DEQUANT_VNNI
             /* two chains of four: a chain of eight would wait on vpdpbusd's latency */
             __m256i s = _mm256_set1_epi32(-xe[at]), t = _mm256_setzero_si256();
