@@ -39,7 +39,8 @@ attention, SiLU, residuals and the head - in one call, between the same matmuls 
 fp32, bf16, int8 or int4 weights, each weight's type in its table) and decode attention as
 above; fused_decode.py decides when a model and a step qualify and builds its
 table of pointers. ``decode_steps`` runs several such steps of a greedy request in one
-call, each taking the last one's argmax as its token.
+call, each taking the last one's argmax as its token. ``draft_head_steps`` runs a draft
+head's drafts of one row the same way (fused_head.py builds its ``HeadPlan``).
 
 The library is built with ``cc`` (``$CC``) into a per-user cache directory, keyed by
 the source, the flags and this CPU's feature flags (it is tuned for this CPU; a new
