@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from astrai.backends.cpu.decode_buffers import RowTarget
-from astrai.backends.cpu.kernels import (COLUMNS, MAX_VERIFY_TOKENS, DecodePlan, TypedWeight, decode_plan, decode_step,
+from astrai.backends.cpu.kernels import (MAX_VERIFY_TOKENS, DecodePlan, TypedWeight, decode_plan, decode_step,
                                          decode_steps, kernels_available, kv_kind, verify_step)
 from astrai.backends.cpu.serving import (InterleavedQuantizedLinear, ServingGQA, ServingLinear, ServingMLP,
                                          ServingQuantizedLinear, typed_weight)
