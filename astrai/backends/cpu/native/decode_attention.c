@@ -314,16 +314,16 @@ static inline __attribute__((always_inline)) void attend_span(
     const int READ = KIND == KV_F16 ? KV_F32 : KIND;  /* the kind the loops read after `readable` */
     float qs[HG * W], wide0[W], wide1[W > VW ? W : VW];
     for (int64_t i = 0; i < HG * W; ++i) qs[i] = query[i] * scale;
-    for (int64_t g = 0; g < HG; ++g) { top[g] = -INFINITY; total[g] = 0.0f; }
-    for (int64_t i = 0; i < HG * VW; ++i) acc[i] = 0.0f;
-    if (n <= 0) return;
 #if SPAN_VECTORS
-    if (W == 64 && VW == 64 && G <= 4) {
+    if (W == 64 && VW == 64 && G <= 4 && n > 0) {  /* it sets every top, total and output itself */
         attend_span_w64(qs, keys, values, scores, begin, n, kps, khs, vps, vhs, pages, page_size, top, total, acc, HK,
                         G, KIND);
         return;
     }
 #endif
+    for (int64_t g = 0; g < HG; ++g) { top[g] = -INFINITY; total[g] = 0.0f; }
+    for (int64_t i = 0; i < HG * VW; ++i) acc[i] = 0.0f;
+    if (n <= 0) return;
     for (int64_t j = 0, run; j < n; j += run) {
         const void *run_keys = kv_position(keys, pages, page_size, begin + j, n - j, kps, &run, KIND);
         const struct run_ahead ahead = look_ahead(keys, pages, page_size, begin + j + run, n - j - run, kps, KIND);
