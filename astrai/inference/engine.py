@@ -226,7 +226,8 @@ def _drafter(directory: str | Path, target, dtype: Optional[torch.dtype], device
     if limits.setdefault("speculative", "draft") != "draft":
         raise RequestError(f"a draft model drafts with speculative='draft', not {limits['speculative']!r}")
     if is_draft_head(directory):
-        return HeadDrafter(load_draft_head(directory, target))
+        head = load_draft_head(directory, target)
+        return HeadDrafter(head.quantize() if quantize else head)
     return DraftModel(load_model(directory, dtype, device, quantize), target.config.vocab_size,
                       int(limits.get("max_seq_len") or target.config.max_len), limits.get("max_batch_size", 16),
                       limits.get("page_size", 16), in_place=True)

@@ -29,6 +29,7 @@ from torch import nn
 from astrai.config.json_file import JsonConfig
 from astrai.errors import ConfigError
 from astrai.model.components.layers import Linear, RMSNorm
+from astrai.model.quantized import HEAD_BITS, QuantizedLinear
 from astrai.model.weight_files import atomic_save, atomic_write_text
 
 CONFIG_FILE = "draft_head.json"
@@ -137,6 +138,17 @@ class DraftHead(nn.Module):
             raise ConfigError("this draft head is bound to no target; load it with load_draft_head(directory, target)")
         return self._target[0]
 
+    def quantize(self) -> "DraftHead":
+        """The head's linears in int8 blocks, in place: how the engine serves a head beside a
+        quantized target. A draft token then reads a quarter of the fp32 head's bytes, which
+        between two target steps come from memory, not the caches; drafts are checked by the
+        target, so the rounding changes only how often they are right."""
+        for name in ("fuse", "gate_proj", "up_proj", "down_proj", "out_proj"):
+            linear = getattr(self, name)
+            if not isinstance(linear, QuantizedLinear):
+                setattr(self, name, QuantizedLinear.from_linear(linear, HEAD_BITS))
+        return self
+
     # --- the network ---------------------------------------------------------------
     def step(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
         """The target's hidden state one position on, predicted from the current one and the next token."""
@@ -149,12 +161,12 @@ class DraftHead(nn.Module):
         return self.out_proj(self.out_norm(hidden))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.out_proj.weight
+        weight = self.out_norm.weight
         return self.target.embed_tokens(token_ids.to(weight.device)).to(weight.dtype)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step over any batch shape: (next hidden state, draft-vocabulary logits)."""
-        new_hidden = self.step(hidden.to(self.out_proj.weight.dtype), self.embed(token_ids))
+        new_hidden = self.step(hidden.to(self.out_norm.weight.dtype), self.embed(token_ids))
         return new_hidden, self.logits(new_hidden)
 
     # --- drafting ------------------------------------------------------------------

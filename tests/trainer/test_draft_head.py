@@ -15,6 +15,7 @@ from astrai.errors import ConfigError
 from astrai.eval.draft_acceptance import draft_acceptance, greedy_continuation
 from astrai.model import AutoModel
 from astrai.model.draft_head import DraftHead, load_draft_head
+from astrai.model.quantized import QuantizedLinear
 from astrai.serialization import Checkpoint, list_checkpoints
 from astrai.trainer import Trainer
 from astrai.trainer.builder import TrainContextBuilder
@@ -64,6 +65,20 @@ def test_head_trains_and_its_drafts_are_accepted(trained):
     assert untrained.mean_accepted < 0.5, untrained.to_dict()
     assert len(acceptance.per_position) == 3
     assert acceptance.per_position == sorted(acceptance.per_position, reverse=True)
+
+
+def test_an_int8_head_drafts_as_well_as_the_fp32_one(trained):
+    """What the engine serves beside a quantized target: the head's linears in int8 blocks,
+    whose acceptance survives the rounding."""
+    tmp, target = trained
+    final = Path(tmp) / "ckpt" / "final"
+    prompts, continuations = held_out(target)
+    fp32 = draft_acceptance(load_draft_head(final, target), prompts, continuations, k=3)
+    head = load_draft_head(final, target).quantize()
+    assert all(isinstance(getattr(head, n), QuantizedLinear) for n in ("fuse", "gate_proj", "up_proj", "down_proj",
+                                                                        "out_proj"))
+    int8 = draft_acceptance(head, prompts, continuations, k=3)
+    assert int8.mean_accepted >= ACCEPTED_FLOOR and abs(int8.mean_accepted - fp32.mean_accepted) < 0.2, int8.to_dict()
 
 
 def test_target_stays_frozen_and_only_the_head_is_checkpointed(trained):

@@ -13,7 +13,7 @@ from astrai.backends.cpu.serving import prepare_for_serving
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference.head_drafter import HeadDrafter
 from astrai.model.draft_head import DraftHead
-from astrai.model.quantized import quantize_model
+from astrai.model.quantized import QuantizedLinear
 from inference_helpers import greedy_reference, make_model
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs a C compiler (CI has one)")
@@ -60,7 +60,7 @@ def test_fused_drafts_are_the_heads_own(weights, threads):
     target = make_model("tiny")
     head = random_head(target)
     if weights == "int8":
-        head = quantize_model(head, "int8")
+        head = head.quantize()
     prepare_for_serving(head)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -101,3 +101,24 @@ def test_the_engine_drafts_a_lone_row_through_the_fused_head_and_keeps_plain_tok
         stats = engine.get_stats()["speculative"]
     assert got.token_ids == expected
     assert calls and stats["drafted_tokens"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_quantized_engine_serves_a_saved_head_in_int8_and_keeps_plain_tokens(tokenizer, tmp_path):
+    """``from_pretrained(quantize=...)`` with a head directory: the head's linears are served as
+    int8 blocks (a quarter of the bytes a draft token reads) and the tokens are the plain engine's."""
+    target = make_model("tiny", seed=2, vocab_size=tokenizer.vocab_size)
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    random_head(target, seed=3).save_pretrained(tmp_path / "head")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with InferenceEngine.from_pretrained(tmp_path / "target", quantize="int8") as plain:
+        want = [plain.submit(p, params).result(60).token_ids for p in prompts]
+    with InferenceEngine.from_pretrained(tmp_path / "target", quantize="int8", draft_model=str(tmp_path / "head"),
+                                         max_batch_size=1) as engine:
+        head = engine.scheduler._drafter.head
+        assert all(isinstance(getattr(head, n), QuantizedLinear)
+                   for n in ("fuse", "gate_proj", "up_proj", "down_proj", "out_proj"))
+        assert [engine.submit(p, params).result(60).token_ids for p in prompts] == want
+        assert engine.get_stats()["speculative"]["drafted_tokens"] > 0
