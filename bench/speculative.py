@@ -10,13 +10,17 @@ weights and SmolLM2's tokenizer; greedy, the chat template applied):
 For each prompt, in one run and alternating (``--rounds`` passes, odd ones in reverse order):
 astrai without speculation, astrai with prompt lookup (``--speculative ngram``), optionally a
 draft model or head (``--draft DIR``), and llama.cpp's ``llama-lookup`` on the same weights (GGUF of the same type) with the same draft
-length. Replies end at the end-of-turn token, as a user sees them (``--ignore-eos`` decodes
+length. ``--draft-format int4`` drafts with a draft model that llama.cpp can run too: the target
+itself in that format (astrai: the target quantized and saved as ``astrai model quantize --to
+int4 --calibration none`` writes it; llama.cpp: the same model's Q4_0 GGUF), and adds
+``llama-speculative`` with it as ``-md``. Replies end at the end-of-turn token, as a user sees them (``--ignore-eos`` decodes
 ``--new-tokens`` past it). Decode tokens/s is (tokens - 1) / (time after the first token) for
 astrai, each prompt's and over all prompts' tokens together, and llama-lookup's own
 "decoded ... t/s" line. Prints the ratios, writes dated JSON to bench/results/.
 
 Usage: .venv/bin/python bench/speculative.py [--model smollm2] [--precision int8] [--workloads rewrite,chat]
-       [--prompts 4] [--rounds 1] [--new-tokens 192] [--draft-tokens 4] [--draft DIR] [--no-llamacpp] [--ignore-eos]
+       [--prompts 4] [--rounds 1] [--new-tokens 192] [--draft-tokens 4] [--draft DIR | --draft-format int4]
+       [--no-llamacpp] [--ignore-eos]
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from llamacpp_models import GGUF_TYPES, MODELS, build_llamacpp, ensure_gguf, ensure_hf  # noqa: E402
+from llamacpp_models import GGUF_TYPES, MODELS, MODELS_DIR, build_llamacpp, ensure_gguf, ensure_hf  # noqa: E402
 from results_file import write_result  # noqa: E402
 
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
+from astrai.model import AutoModel  # noqa: E402
+from astrai.model.quantized import quantize_model  # noqa: E402
+from astrai.tokenize import AutoTokenizer  # noqa: E402
 
 PASSAGE_CHARS = 900
 
@@ -94,6 +101,33 @@ def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens
             "acceptance": float(accept.group(1)) / 100 if accept else None}
 
 
+def llama_speculative(binary: Path, gguf: Path, draft_gguf: Path, prompt: str, n_new: int, draft_tokens: int,
+                      threads: int, ignore_eos: bool) -> dict:
+    """llama.cpp's ``llama-speculative`` with ``draft_gguf`` drafting up to ``draft_tokens``
+    tokens (its other settings its defaults), greedy."""
+    cmd = [str(binary), "-m", str(gguf), "-md", str(draft_gguf), "-p", prompt, "-n", str(n_new),
+           "--spec-draft-n-max", str(draft_tokens), "-t", str(threads), "-tb", str(threads), "-td", str(threads),
+           "-tbd", str(threads), "--temp", "0", "-c", "4096"] + (["--ignore-eos"] if ignore_eos else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=900)
+    log = done.stdout + done.stderr
+    speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
+    accept = re.search(r"accept\s+=\s+([\d.]+)%", log)
+    if done.returncode != 0 or speed is None:
+        raise RuntimeError(f"llama-speculative failed ({done.returncode}): {log[-2000:]}")
+    return {"tok_s": float(speed.group(3)), "tokens": int(speed.group(1)),
+            "acceptance": float(accept.group(1)) / 100 if accept else None}
+
+
+def quantized_copy(model: str, model_dir: Path, fmt: str) -> Path:
+    """The target saved in ``fmt`` with Q4_0's / Q8_0's plain rule (the numbers of llama.cpp's
+    GGUF of that type), made once."""
+    out = MODELS_DIR / model / f"astrai-{fmt}"
+    if not (out / "config.json").is_file():
+        quantize_model(AutoModel.from_pretrained(model_dir), fmt).save_pretrained(out)
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", choices=MODELS)
@@ -106,12 +140,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--draft", default=None, metavar="DIR", help="also run --speculative draft with this draft model")
+    parser.add_argument("--draft-format", default=None, choices=["int4", "int8"],
+                        help="also run a draft model that is the target in this format, in astrai and in "
+                             "llama-speculative (instead of --draft)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="decode --new-tokens past the end of the reply (default: stop there, as a user sees it)")
     parser.add_argument("--out", default=None)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.draft and args.draft_format:
+        parser.error("--draft and --draft-format name two draft models; give one")
+    return args
 
 
 def open_engine(model_dir: Path, precision: str, **settings) -> InferenceEngine:
@@ -125,7 +165,12 @@ def main() -> None:
     model_dir = ensure_hf(args.model)
     llamacpp = None if args.no_llamacpp else build_llamacpp()
     gguf = None if llamacpp is None else ensure_gguf(args.model, GGUF_TYPES[args.precision], llamacpp)
+    draft_gguf = None
+    if args.draft_format:
+        args.draft = str(quantized_copy(args.model, model_dir, args.draft_format))
+        draft_gguf = None if llamacpp is None else ensure_gguf(args.model, GGUF_TYPES[args.draft_format], llamacpp)
     results = {"model": args.model, "precision": args.precision, "draft_tokens": args.draft_tokens, "new_tokens": args.new_tokens,
+               "draft": args.draft, "draft_format": args.draft_format,
                "rounds": args.rounds, "threads": args.threads, "workloads": {}}
     for workload in args.workloads.split(","):
         # fresh engines per workload: what the engine learned of drafting on one (how long a
@@ -149,6 +194,10 @@ def main() -> None:
             if gguf is not None:
                 row["llama-lookup"] = llama_lookup(llamacpp.tool("llama-lookup"), gguf, text, args.new_tokens,
                                                    args.draft_tokens, args.threads, args.ignore_eos)
+            if draft_gguf is not None:
+                row["llama-speculative"] = llama_speculative(llamacpp.tool("llama-speculative"), gguf, draft_gguf, text,
+                                                             args.new_tokens, args.draft_tokens, args.threads,
+                                                             args.ignore_eos)
             rows.append(row)
             print(f"[{workload}] {len(ids)} prompt tokens: " + ", ".join(
                 f"{k} {v['tok_s']:.1f} tok/s" + (f" (acc {v['acceptance']:.2f})" if v.get("acceptance") is not None else "")
@@ -156,12 +205,14 @@ def main() -> None:
         summary, overall = {}, {}
         for name in [k for k in rows[0] if isinstance(rows[0][k], dict)]:
             summary[name] = statistics.median(r[name]["tok_s"] for r in rows)
-            if name != "llama-lookup":  # every token after each reply's first, over the time they took
+            if not name.startswith("llama-"):  # every token after each reply's first, over the time they took
                 overall[name] = sum(r[name]["new_tokens"] - 1 for r in rows) / sum(r[name]["decode_s"] for r in rows)
         ratios = {f"{name}/plain": summary[name] / summary["plain"] for name in summary if name != "plain"}
         ratios.update({f"{name}/plain, all tokens": overall[name] / overall["plain"] for name in overall if name != "plain"})
         if "llama-lookup" in summary:
             ratios["ngram/llama-lookup"] = summary["ngram"] / summary["llama-lookup"]
+        if "llama-speculative" in summary:
+            ratios["draft/llama-speculative"] = summary["draft"] / summary["llama-speculative"]
         results["workloads"][workload] = {"rows": rows, "median_tok_s": summary, "all_tokens_tok_s": overall,
                                           "ratios": ratios}
         print(f"[{workload}] median tok/s {json.dumps({k: round(v, 1) for k, v in summary.items()})}; "

@@ -6,7 +6,9 @@ task's context (the tokens the target kept since the last draft: one to a few), 
 ``k`` greedy steps; on the CPU backend the catch-up is one fused verify call and the
 steps one fused greedy run, so a draft costs about ``k`` of the draft model's decode steps.
 What the draft cache holds past the context (its guesses the target rejected) is
-overwritten by the next catch-up.
+overwritten by the next catch-up. A task's first draft would begin with its whole prompt;
+``catch_up`` prefills that beforehand, where the scheduler keeps it out of the drafting time
+it weighs against plain decoding (a prompt's prefill is paid once, not at every step).
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]:
         return [self._draft(task.task_id, task.context, wanted) if wanted > 0 else [] for task, wanted in zip(tasks, k)]
+
+    @torch.inference_mode()
+    def catch_up(self, tasks: Sequence) -> None:
+        """Prefill the draft cache with all but the last token of the context of each task it
+        holds nothing for yet (the last one is fed by the task's first draft)."""
+        for task in tasks:
+            context = task.context
+            if task.task_id in self._held or len(context) - 1 <= CATCH_UP_VERIFY:
+                continue
+            if not self.cache.task_alloc(task.task_id, context):
+                continue  # no pages now: the first draft tries again
+            if not self.cache.task_extend(task.task_id, len(context)):
+                self.cache.task_free(task.task_id)
+                continue
+            self.runner.forward([Row(task.task_id, context[:-1], 0)])
+            self._held[task.task_id] = (len(context) - 1, [])
 
     def forget(self, task_id: str) -> None:
         self.cache.task_free(task_id)

@@ -108,6 +108,7 @@ class InferenceScheduler:
                                f"got {greedy_run_seconds!r}")
         self._drafter, self._speculation = _speculation(speculative, draft_tokens, drafter)
         self._draft_seconds = 0.0  # the last planned step's drafting time, which its verify step is timed with
+        self._catch_up_seconds = 0.0  # of that planning, the drafter's catch-up with new requests' prompts
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_batch_size = max_batch_size
@@ -421,8 +422,9 @@ class InferenceScheduler:
         self._last_was_prefill = False
         decode = self._reserve_decode_pages()
         drafted_at = time.perf_counter()
+        self._catch_up_seconds = 0.0
         drafting, drafts = self._draft(decode) if self._drafter is not None and decode else (False, None)
-        self._draft_seconds = time.perf_counter() - drafted_at
+        self._draft_seconds = time.perf_counter() - drafted_at - self._catch_up_seconds
         if drafts is not None:
             return "verify", decode, [1 + len(d) for d in drafts], drafts
         # a row that may draft runs few greedy steps at a time: a run passes by the points where a
@@ -448,6 +450,11 @@ class InferenceScheduler:
         if not any(wanted):
             return False, None
         try:
+            catch_up = getattr(self._drafter, "catch_up", None)
+            if catch_up is not None:  # once per request: not part of what a step's drafting costs
+                started = time.perf_counter()
+                catch_up([task for task, w in zip(decode, wanted) if w])
+                self._catch_up_seconds = time.perf_counter() - started
             drafts = self._drafter.propose(decode, wanted)
         except Exception as exc:  # drafting only saves time: a drafter that fails is dropped, decoding goes on
             logger.exception("drafting failed; decoding continues without speculation")

@@ -45,7 +45,9 @@ class Drafter(Protocol):
     A drafter that drafts from the target's hidden state (head_drafter.py) also has
     ``observe(task, hidden)``, which the scheduler calls after each verify step,
     ``ready(task)``, false while it holds no current state for the task, and
-    ``prepare(runner)``, which the scheduler calls once its runner is made."""
+    ``prepare(runner)``, which the scheduler calls once its runner is made. A drafter with state
+    of its own per task (draft_model.py) may have ``catch_up(tasks)``, which the scheduler calls
+    before ``propose`` and leaves out of the drafting time it weighs (a new request's prompt)."""
 
     def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]: ...
 

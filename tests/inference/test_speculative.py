@@ -327,6 +327,9 @@ class SlowOracle:
         if self.calls % 2:
             return [[] for _ in k]
         time.sleep(self.seconds)
+        return self.continuations(tasks, k)
+
+    def continuations(self, tasks, k):
         drafts = []
         for task, n in zip(tasks, k):
             done = task.num_computed + 1 - self.prompt_len  # outputs already in the context
@@ -361,6 +364,60 @@ def test_a_verify_step_is_timed_with_its_drafting():
     plain = [seconds for kind, seconds in timings if kind != "verify"]
     assert verify and plain
     assert min(verify) >= 0.2 > max(plain)
+
+
+class CatchingUpOracle(SlowOracle):
+    """SlowOracle drafting at every call, at once, whose per-request catch-up (a draft model's
+    prefill of the prompt) takes ``catch_up_seconds``."""
+
+    def __init__(self, continuation: list[int], prompt_len: int, catch_up_seconds: float):
+        super().__init__(continuation, prompt_len, 0.0)
+        self.catch_up_seconds, self.caught_up = catch_up_seconds, []
+
+    def propose(self, tasks, k):
+        return self.continuations(tasks, k)
+
+    def catch_up(self, tasks):
+        for task in tasks:
+            if task.task_id not in self.caught_up:
+                self.caught_up.append(task.task_id)
+                time.sleep(self.catch_up_seconds)
+
+
+def test_a_drafters_catch_up_with_a_new_prompt_is_not_timed_as_drafting():
+    """A draft model prefills a new request's prompt once; charged to the step it happens in, it
+    would make drafting look slower than plain decoding and pause it."""
+    model = make_model("tiny", seed=4)
+    prompt = [3, 1, 4, 1, 5]
+    expected = greedy_reference(model, prompt, 40)
+    timings = []
+    drafter = CatchingUpOracle(expected, len(prompt), 0.3)
+    with InferenceEngine(model, None, max_batch_size=1, page_size=4, num_pages=256, speculative="draft",
+                         drafter=drafter) as engine:
+        control = engine.scheduler._speculation
+        timed = control.timed
+        control.timed = lambda kind, rows, seconds, tokens: (timings.append((kind, seconds)),
+                                                               timed(kind, rows, seconds, tokens))
+        got = engine.submit(prompt, SamplingParams(max_tokens=40, **GREEDY)).result(timeout=60).token_ids
+        assert engine.get_stats()["speculative"]["paused_steps"] == 0
+    assert got == expected
+    assert len(drafter.caught_up) == 1
+    verify = [seconds for kind, seconds in timings if kind == "verify"]
+    assert verify and max(verify) < 0.3
+
+
+def test_a_draft_models_catch_up_prefills_the_prompt_and_drafts_the_same():
+    """``DraftModel.catch_up`` leaves the draft cache holding all but a prompt's last token, so the
+    first draft feeds one token; its drafts equal those of a draft model that did not catch up."""
+    target, small = make_model("tiny"), make_model("tiny", seed=5, n_layers=1)
+    prompt = [random.Random(7).randrange(256) for _ in range(30)]
+    task = type("T", (), {"task_id": "a", "context": prompt})()
+    plain, caught = DraftModel(small, 256, 256, 1, page_size=4), DraftModel(small, 256, 256, 1, page_size=4)
+    caught.catch_up([task])
+    assert caught._held["a"] == (29, []) and caught.cache.stats()["pages_used"] > 0
+    assert caught.propose([task], [4]) == plain.propose([task], [4])
+    caught.forget("a")
+    assert caught.cache.stats()["pages_used"] == 0
 
 
 @pytest.mark.timeout(60)
