@@ -87,33 +87,20 @@ def astrai_decode(engine: InferenceEngine, ids: list[int], n_new: int, ignore_eo
     return out
 
 
-def llama_lookup(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens: int, threads: int,
-                 ignore_eos: bool) -> dict:
-    cmd = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(n_new), "--spec-draft-n-max", str(draft_tokens),
-           "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096"] + (["--ignore-eos"] if ignore_eos else [])
+def llama_speculating(binary: Path, gguf: Path, prompt: str, n_new: int, draft_tokens: int, threads: int,
+                      ignore_eos: bool, draft_gguf: Path | None = None) -> dict:
+    """One greedy run of llama.cpp's ``llama-lookup`` or, with ``draft_gguf`` drafting,
+    ``llama-speculative``, up to ``draft_tokens`` drafted tokens (its other settings its defaults)."""
+    draft = [] if draft_gguf is None else ["-md", str(draft_gguf), "-td", str(threads), "-tbd", str(threads)]
+    cmd = [str(binary), "-m", str(gguf), *draft, "-p", prompt, "-n", str(n_new), "--spec-draft-n-max",
+           str(draft_tokens), "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096"]
+    cmd += ["--ignore-eos"] if ignore_eos else []
     done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=900)  # a piece of a character
     log = done.stdout + done.stderr
     speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
     accept = re.search(r"accept\s+=\s+([\d.]+)%", log)
     if done.returncode != 0 or speed is None:
-        raise RuntimeError(f"llama-lookup failed ({done.returncode}): {log[-2000:]}")
-    return {"tok_s": float(speed.group(3)), "tokens": int(speed.group(1)),
-            "acceptance": float(accept.group(1)) / 100 if accept else None}
-
-
-def llama_speculative(binary: Path, gguf: Path, draft_gguf: Path, prompt: str, n_new: int, draft_tokens: int,
-                      threads: int, ignore_eos: bool) -> dict:
-    """llama.cpp's ``llama-speculative`` with ``draft_gguf`` drafting up to ``draft_tokens``
-    tokens (its other settings its defaults), greedy."""
-    cmd = [str(binary), "-m", str(gguf), "-md", str(draft_gguf), "-p", prompt, "-n", str(n_new),
-           "--spec-draft-n-max", str(draft_tokens), "-t", str(threads), "-tb", str(threads), "-td", str(threads),
-           "-tbd", str(threads), "--temp", "0", "-c", "4096"] + (["--ignore-eos"] if ignore_eos else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=900)
-    log = done.stdout + done.stderr
-    speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
-    accept = re.search(r"accept\s+=\s+([\d.]+)%", log)
-    if done.returncode != 0 or speed is None:
-        raise RuntimeError(f"llama-speculative failed ({done.returncode}): {log[-2000:]}")
+        raise RuntimeError(f"{binary.name} failed ({done.returncode}): {log[-2000:]}")
     return {"tok_s": float(speed.group(3)), "tokens": int(speed.group(1)),
             "acceptance": float(accept.group(1)) / 100 if accept else None}
 
@@ -192,12 +179,12 @@ def main() -> None:
                 tokens[name] = run["tokens"]
             row["same_tokens"] = all(t == tokens["plain"] for t in tokens.values())
             if gguf is not None:
-                row["llama-lookup"] = llama_lookup(llamacpp.tool("llama-lookup"), gguf, text, args.new_tokens,
-                                                   args.draft_tokens, args.threads, args.ignore_eos)
+                row["llama-lookup"] = llama_speculating(llamacpp.tool("llama-lookup"), gguf, text, args.new_tokens,
+                                                        args.draft_tokens, args.threads, args.ignore_eos)
             if draft_gguf is not None:
-                row["llama-speculative"] = llama_speculative(llamacpp.tool("llama-speculative"), gguf, draft_gguf, text,
+                row["llama-speculative"] = llama_speculating(llamacpp.tool("llama-speculative"), gguf, text,
                                                              args.new_tokens, args.draft_tokens, args.threads,
-                                                             args.ignore_eos)
+                                                             args.ignore_eos, draft_gguf)
             rows.append(row)
             print(f"[{workload}] {len(ids)} prompt tokens: " + ", ".join(
                 f"{k} {v['tok_s']:.1f} tok/s" + (f" (acc {v['acceptance']:.2f})" if v.get("acceptance") is not None else "")
