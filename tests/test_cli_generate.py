@@ -134,6 +134,23 @@ def test_speculative_flags_keep_the_text_and_refuse_what_cannot_run(model_dir, m
 
 
 @pytest.mark.timeout(120)
+def test_a_quantized_target_drafts_with_its_own_weights_saved_in_another_format(model_dir, tmp_path, monkeypatch):
+    """An int8 target with --draft-model on its int4 copy (`astrai model quantize`): the draft opens
+    in its own format, and the text is the int8 target's."""
+    assert main(["model", "quantize", str(model_dir), "--to", "int4", "--out", str(tmp_path / "int4"),
+                 "--calibration", "none"]) == 0
+    repeat = "the cat sat on the mat, the cat sat on the mat, the cat sat on the"
+    args = ["--model", str(model_dir), "--prompt", repeat, "--max-tokens", "24", "--quantize", "int8"]
+    plain = run_cli(args, monkeypatch).getvalue()
+    assert run_cli(args + ["--draft-model", str(tmp_path / "int4")], monkeypatch).getvalue() == plain
+    with InferenceEngine.from_pretrained(model_dir, quantize="int8", draft_model=str(tmp_path / "int4"),
+                                         max_batch_size=1, num_pages=32) as engine:
+        engine.generate(repeat, max_tokens=24, temperature=0.0)
+        assert engine.scheduler._drafter.runner.model.quantization["format"] == "int4"
+        assert engine.get_stats()["speculative"]["drafted_tokens"] > 0
+
+
+@pytest.mark.timeout(120)
 def test_sft_records_answer_each_chats_last_user_turn(model_dir, tokenizer, tmp_path, monkeypatch, capsys):
     """--sft-records writes what `astrai preprocess --train_type sft` reads: each chat up to its
     last user turn with the model's reply as the assistant's; a plain prompt is asked as a user turn."""

@@ -228,9 +228,9 @@ def _drafter(directory: str | Path, target, dtype: Optional[torch.dtype], device
     if is_draft_head(directory):
         head = load_draft_head(directory, target)
         return HeadDrafter(head.quantize() if quantize else head)
-    return DraftModel(load_model(directory, dtype, device, quantize), target.config.vocab_size,
-                      int(limits.get("max_seq_len") or target.config.max_len), limits.get("max_batch_size", 16),
-                      limits.get("page_size", 16), in_place=True)
+    draft = load_model(directory, dtype, device, quantize, keep_quantized=True)
+    return DraftModel(draft, target.config.vocab_size, int(limits.get("max_seq_len") or target.config.max_len),
+                      limits.get("max_batch_size", 16), limits.get("page_size", 16), in_place=True)
 
 
 def _read_generation_config(directory: Path) -> SamplingParams:
@@ -254,8 +254,10 @@ def _read_generation_config(directory: Path) -> SamplingParams:
 
 
 def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str | torch.device,
-               quantize: Optional[str] = None):
-    """The model of ``model_dir``, quantized to ``quantize`` from its float32 weights when asked."""
+               quantize: Optional[str] = None, keep_quantized: bool = False):
+    """The model of ``model_dir``, quantized to ``quantize`` from its float32 weights when asked;
+    with ``keep_quantized`` a model saved in another quantized format opens in its own (a draft
+    model: an int8 target may draft with its own weights in int4)."""
     if quantize is None:
         if _linear_weights_only(dtype, device):
             return cast_linear_weights(AutoModel.from_pretrained(model_dir, device=device), dtype)
@@ -265,7 +267,7 @@ def load_model(model_dir: str | Path, dtype: Optional[torch.dtype], device: str 
     saved = getattr(model, "quantization", None)
     if saved is None:
         model = quantize_model(model, quantize)
-    elif saved["format"] != quantize:
+    elif saved["format"] != quantize and not keep_quantized:
         command = f"astrai model quantize {shlex.quote(str(model_dir))} --to {quantize} --out NEW_DIR"
         raise ConfigError(f"{model_dir} holds {saved['format']} weights; it cannot be served as {quantize}. "
                           f"Requantize it once with `{command}` "
