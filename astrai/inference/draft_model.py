@@ -80,6 +80,8 @@ class DraftModel:
             common = length + _common_prefix(fed, context[length:length + len(fed)])
         common = min(common, len(context) - 1)  # at least the last token is fed: its logits give the first guess
         if not self.cache.task_extend(task_id, len(context) + k):
+            if held is None:  # let go of the pages just taken: the next draft starts over
+                self.cache.task_free(task_id)
             return []
         self.runner.rewind(task_id, common)
         chunk = Row(task_id, context[common:], common)

@@ -420,6 +420,17 @@ def test_a_draft_models_catch_up_prefills_the_prompt_and_drafts_the_same():
     assert caught.cache.stats()["pages_used"] == 0
 
 
+def test_a_draft_model_that_finds_no_pages_for_its_drafts_lets_go_and_drafts_later():
+    small = make_model("tiny", seed=5, n_layers=1)
+    task = type("T", (), {"task_id": "a", "context": [3, 1, 4, 1, 5]})()
+    draft = DraftModel(small, 256, 256, 1, page_size=4)
+    extend = draft.cache.task_extend
+    draft.cache.task_extend = lambda task_id, n: False
+    assert draft.propose([task], [3]) == [[]] and draft.cache.stats()["pages_used"] == 0
+    draft.cache.task_extend = extend
+    assert draft.propose([task], [3]) == DraftModel(small, 256, 256, 1, page_size=4).propose([task], [3])
+
+
 @pytest.mark.timeout(60)
 def test_bad_settings_are_refused_with_a_clear_error():
     model = make_model("tiny")
