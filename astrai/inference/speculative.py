@@ -31,7 +31,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from astrai.inference.sampling import SamplingPipeline, draw
+from astrai.inference.sampling import SamplingPipeline, draw, row_argmax
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4
@@ -113,7 +113,7 @@ def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> list[int]:
     """The tokens a greedy row keeps from a verify step: the drafted ones while each equals the
     argmax at its position, then the argmax at the first disagreement (or after the last draft).
     ``logits`` [len(draft) + 1, V], row i being the model's prediction after draft token i - 1."""
-    choices = logits.argmax(dim=-1).tolist()
+    choices = row_argmax(logits).tolist()
     kept = []
     for guess, choice in zip(draft, choices):
         if guess != choice:
