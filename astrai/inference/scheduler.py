@@ -567,4 +567,5 @@ def _speculation(method: Optional[str], draft_tokens: int,
         drafter = PromptLookup()
     elif drafter is None:
         raise RequestError("speculative='draft' needs a drafter (a draft model or draft head: --draft-model DIR)")
-    return drafter, SpeculationControl(method, draft_tokens)
+    floor = getattr(drafter, "min_kept", None)  # a drafter whose drafts cost little keeps drafting on fewer kept
+    return drafter, SpeculationControl(method, draft_tokens, **({} if floor is None else {"min_kept": floor}))

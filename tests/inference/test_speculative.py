@@ -491,6 +491,25 @@ def test_a_draft_head_drafts_from_the_verify_steps_hidden_states(batch):
             assert torch.allclose(hidden, want, atol=1e-4), (len(context), (hidden - want).abs().max())
 
 
+def test_a_draft_head_keeps_a_row_drafting_on_fewer_kept_tokens_than_a_draft_model():
+    """A head's drafts cost about 1% of a step, so a row stops drafting only below a tenth of
+    its drafts kept; a draft model's, which cost steps of a model, below three tenths."""
+    target = make_model("tiny")
+    with InferenceEngine(target, None, max_batch_size=1, page_size=4, num_pages=64, speculative="draft",
+                         drafter=HeadDrafter(DraftHead.for_target(target, torch.arange(256)))) as engine:
+        head_control = engine.scheduler._speculation
+    with InferenceEngine(target, None, max_batch_size=1, page_size=4, num_pages=64, speculative="draft",
+                         drafter=DraftModel(make_model("tiny", seed=5, n_layers=1), 256, 256, 1, page_size=4)) as engine:
+        model_control = engine.scheduler._speculation
+    assert head_control.min_kept == HeadDrafter.min_kept == 0.1 and model_control.min_kept == 0.3
+    for control in (head_control, model_control):  # a row keeping a fifth of its drafts
+        for i in range(12):
+            control.record("a", 4, 1 if i % 5 else 0, 2)
+            control.record("a", 1, 0, 1)
+    assert head_control.wanted(type("T", (), {"task_id": "a"})(), 8) > 0
+    assert model_control.wanted(type("T", (), {"task_id": "a"})(), 8) == 0
+
+
 def test_the_head_drafter_drafts_only_from_a_current_hidden_state():
     target = make_model("tiny")
     head = DraftHead.for_target(target, torch.arange(256))
