@@ -15,7 +15,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from astrai.inference.constraints import MaskWriter, RowMasks
-from astrai.inference.runner import GreedyRun, ModelRunner, Row
+from astrai.inference.runner import DraftRow, GreedyRun, ModelRunner, Row
 from astrai.inference.sampling import SamplingPipeline, apply_penalties, draw, row_argmax
 from astrai.inference.speculative import accept_greedy, accept_sampled
 from astrai.inference.task import Task
@@ -100,6 +100,19 @@ class Executor:
             task.num_computed += len(tokens)
             return [(token, None) for token in tokens]
         return self.execute_decode([task])
+
+    @torch.inference_mode()
+    def execute_speculative_run(self, task: Task, steps: int, stop_ids: Iterable[int], max_seconds: float, head,
+                                hidden: Optional[torch.Tensor], drafting: DraftRow):
+        """Up to ``steps`` tokens of a lone greedy task (``runs_greedy_steps``) from verify steps run
+        in one call, drafting with the fused draft head ``head`` (the runner's ``speculative_run``);
+        the task's pages must cover them. None when the runner cannot take the run."""
+        row = Row(task.task_id, [task.context[task.num_computed]], task.num_computed)
+        run = self.runner.speculative_run(GreedyRun(row, steps, tuple(sorted(stop_ids)), max_seconds), head, hidden,
+                                          drafting)
+        if run is not None:
+            task.num_computed += len(run.tokens)
+        return run
 
     def speculates(self, task: Task) -> bool:
         """Whether ``task``'s decode steps may check drafted tokens (``execute_verify``): a request

@@ -7,11 +7,13 @@ beside the logits), so the head needs no model run and no cache of its own: afte
 verify step the scheduler hands the drafter each row's hidden state at its last computed
 position (``observe``), and the next step drafts from it. A row without a fresh one (just
 prefilled, or back from plain decoding) first takes a verify step without drafts (``ready``).
+Where the runner drafts with the head in C (``fused``), a lone greedy row's verify steps and
+drafts run several to one call, the state handed in and out once a run.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -45,6 +47,16 @@ class HeadDrafter:
     def observe(self, task, hidden: torch.Tensor) -> None:
         """``hidden`` [dim]: the target's final hidden state at ``task``'s last computed position."""
         self._state[task.task_id] = (task.num_computed, hidden.detach().float().clone())
+
+    @property
+    def fused(self):
+        """The runner's fused drafting of one row (``prepare``), or None where it has none: with it
+        a lone greedy row's verify steps may run several to one call (the runner's ``speculative_run``)."""
+        return self._fused
+
+    def hidden(self, task) -> Optional[torch.Tensor]:
+        """The state held for ``task`` when it is current (``ready``), else None."""
+        return self._state[task.task_id][1] if self.ready(task) else None
 
     def ready(self, task) -> bool:
         """Whether the state held for ``task`` is at its current position (no plain step since)."""

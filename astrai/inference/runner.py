@@ -46,6 +46,19 @@ class GreedyRun:
     max_seconds: float
 
 
+@dataclass(frozen=True)
+class DraftRow:
+    """A row's drafting as speculative.py's SpeculationControl keeps it, for a runner that runs
+    several verify steps in one call (``speculative_run``): tokens to draft next (``length``), the
+    moving average of the fraction of drafts kept (``kept``), and the control's k, decay and floor."""
+
+    length: int
+    kept: float
+    max_draft: int
+    decay: float
+    min_kept: float
+
+
 class ModelRunner:
     """Runs a step's forward over the paged cache with the model's own modules.
 
@@ -139,6 +152,16 @@ class ModelRunner:
 
     def greedy_run(self, run: GreedyRun) -> Optional[list[int]]:
         """The tokens of a run of greedy steps, or None when this runner takes one step at a time."""
+        return None
+
+    def speculative_run(self, run: GreedyRun, head, hidden: Optional[torch.Tensor], row: DraftRow):
+        """A run of greedy verify steps of one row, drafting with the fused draft head ``head``
+        (``fused_draft_head``) from ``hidden`` (the final hidden state that chose the row's last
+        token; None: the first step drafts nothing) and ``row``'s drafting, which each step
+        follows as SpeculationControl.record does; it ends as a greedy run does, and after a step
+        that takes the kept fraction below ``row.min_kept``. The result has ``tokens``, per verify
+        step ``drafted`` and ``kept_drafts``, and ``hidden`` (the state that chose the last token);
+        None when this runner checks drafts one step at a time."""
         return None
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

@@ -62,6 +62,7 @@ DEFAULT_CACHE_BYTES = 2 * 1024**3
 RATE_WINDOW_S = 10.0
 GREEDY_RUN_STEPS = 8  # default: decode steps a lone greedy request takes per loop step (see above)
 GREEDY_RUN_SECONDS = 0.05  # default: a run ends after the step that brings it to this long (see above)
+SPECULATIVE_RUN = "speculative run"  # _draft's answer for a lone greedy row whose drafts the runner makes itself
 
 
 def default_num_pages(kv_bytes_per_token: int, max_batch_size: int, max_seq_len: int, page_size: int,
@@ -107,6 +108,8 @@ class InferenceScheduler:
             raise RequestError(f"greedy_run_seconds must be a number of seconds >= 0 (inf: no limit), "
                                f"got {greedy_run_seconds!r}")
         self._drafter, self._speculation = _speculation(speculative, draft_tokens, drafter)
+        # tokens a run of verify steps may give: as many steps as a greedy run's, each of up to k + 1
+        self._speculative_run_steps = greedy_run_steps * (draft_tokens + 1)
         self._draft_seconds = 0.0  # the last planned step's drafting time, which its verify step is timed with
         self._catch_up_seconds = 0.0  # of that planning, the drafter's catch-up with new requests' prompts
         self.tokenizer = tokenizer
@@ -314,23 +317,42 @@ class InferenceScheduler:
             if not task.done:
                 self._abort(task, error=f"{type(exc).__name__}: {exc}")
 
+    def _speculative_run(self, task: Task, steps: int):
+        """A lone greedy task's verify steps, drafting with the fused head, in one call (the model lock held)."""
+        return self._executor.execute_speculative_run(task, steps, self._run_stop_ids(task), self.greedy_run_seconds,
+                                                      self._drafter.fused, self._drafter.hidden(task),
+                                                      self._speculation.draft_row(task.task_id))
+
+    def _run_stop_ids(self, task: Task) -> frozenset[int]:
+        """The tokens after which a run of ``task``'s steps ends: the engine's stop tokens (unless
+        it ignores them) and its own."""
+        return (self.stop_ids if not task.params.ignore_eos else frozenset()).union(task.params.stop_token_ids)
+
     def _run_step(self, kind: str, batch: list[Task], n_new: list[int], drafts: Optional[list[list[int]]] = None) -> None:
         started = time.perf_counter()
+        run = None
         with self.model_lock:
             if kind == "prefill":
                 results = [[] if r is None else [r] for r in self._executor.execute_prefill(batch, n_new)]
             elif kind == "verify":
                 results, last_hidden = self._executor.execute_verify(batch, drafts)
+            elif kind == "speculate":
+                run = self._speculative_run(batch[0], n_new[0])
+                results = [[(token, None) for token in run.tokens]] if run is not None else \
+                    [[r] for r in self._executor.execute_decode(batch)]
             elif kind == "greedy":
-                stops = self.stop_ids if not batch[0].params.ignore_eos else frozenset()
-                stops = stops.union(batch[0].params.stop_token_ids)
-                results = [self._executor.execute_greedy_steps(batch[0], n_new[0], stops, self.greedy_run_seconds)]
+                results = [self._executor.execute_greedy_steps(batch[0], n_new[0], self._run_stop_ids(batch[0]),
+                                                               self.greedy_run_seconds)]
             else:
                 results = [[r] for r in self._executor.execute_decode(batch)]
         now = time.monotonic()
         with self._lock:
             produced = 0
-            if self._speculation is not None and kind != "prefill":
+            if kind == "speculate" and run is not None:
+                self._speculation.ran(batch[0].task_id, time.perf_counter() - started, run.drafted, run.kept_drafts,
+                                      len(run.tokens))
+                self._drafter.observe(batch[0], run.hidden)
+            elif self._speculation is not None and kind != "prefill":
                 # a verify step without drafts (a draft head fetching its first hidden state) is
                 # a plain step for the measure of what drafting gains; one with drafts costs its
                 # drafting too (a draft model's or head's steps, run while planning the step)
@@ -425,6 +447,8 @@ class InferenceScheduler:
         self._catch_up_seconds = 0.0
         drafting, drafts = self._draft(decode) if self._drafter is not None and decode else (False, None)
         self._draft_seconds = time.perf_counter() - drafted_at - self._catch_up_seconds
+        if drafts is SPECULATIVE_RUN:  # a lone greedy row and a fused head: verify steps and drafts in one call
+            return "speculate", decode, [self._greedy_run_steps(decode, longest=self._speculative_run_steps)], None
         if drafts is not None:
             return "verify", decode, [1 + len(d) for d in drafts], drafts
         # a row that may draft runs few greedy steps at a time: a run passes by the points where a
@@ -440,7 +464,8 @@ class InferenceScheduler:
     def _draft(self, decode: list[Task]) -> tuple[bool, Optional[list[list[int]]]]:
         """Whether any decoding task wanted drafts this step, and each one's drafted tokens
         (astrai/inference/speculative.py) with pages reserved for checking them, or None when no
-        task has any (a plain decode step then)."""
+        task has any (a plain decode step then); SPECULATIVE_RUN for a lone greedy task whose
+        drafts the runner makes itself between verify steps (a draft head fused on the CPU)."""
         if not self._speculation.batch_wanted(len(decode), [t.task_id for t in decode]):
             return False, None
         wanted = []
@@ -449,6 +474,9 @@ class InferenceScheduler:
             wanted.append(self._speculation.wanted(task, room) if self._executor.speculates(task) else 0)
         if not any(wanted):
             return False, None
+        if (len(decode) == 1 and self.greedy_run_steps > 1 and self._executor.runs_greedy_steps(decode[0])
+                and getattr(self._drafter, "fused", None) is not None):
+            return True, SPECULATIVE_RUN
         try:
             catch_up = getattr(self._drafter, "catch_up", None)
             if catch_up is not None:  # once per request: not part of what a step's drafting costs
@@ -474,13 +502,15 @@ class InferenceScheduler:
             return True, drafts
         return True, None
 
-    def _greedy_run_steps(self, decode: list[Task], most: Optional[int] = None) -> int:
+    def _greedy_run_steps(self, decode: list[Task], most: Optional[int] = None, longest: Optional[int] = None) -> int:
         """How many decode steps a lone greedy request takes this loop step (1: the usual one),
-        at most ``most`` when given; see the module's docstring."""
+        at most ``most`` when given, and at most ``longest`` (default ``greedy_run_steps``); see
+        the module's docstring."""
         if len(decode) != 1 or not self._executor.runs_greedy_steps(decode[0]) or most == 1:
             return 1
         task = decode[0]
-        steps = min(self.greedy_run_steps if most is None else min(most, self.greedy_run_steps),
+        longest = self.greedy_run_steps if longest is None else longest
+        steps = min(longest if most is None else min(most, longest),
                     task.params.max_tokens - len(task.output_ids), self.max_seq_len - len(task.context))
         if steps > 1 and self._page_cache.task_extend(task.task_id, task.num_computed + steps):
             return steps

@@ -31,6 +31,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from astrai.inference.runner import DraftRow
 from astrai.inference.sampling import SamplingPipeline, draw, row_argmax
 
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -292,6 +293,25 @@ class SpeculationControl:
             record.pauses += 1
             record.paused = self.pause_steps * 2 ** min(record.pauses - 1, 4)
             record.kept, record.length = 0.5, self.k  # it starts again as a new row would
+
+    def draft_row(self, task_id: str) -> DraftRow:
+        """``task_id``'s drafting for a runner that runs several verify steps in one call."""
+        record = self._rows.setdefault(task_id, RowRecord(self.k))
+        return DraftRow(record.length, record.kept, self.k, self.decay, self.min_kept)
+
+    def ran(self, task_id: str, seconds: float, drafted: Sequence[int], kept_drafts: Sequence[int],
+            produced: int) -> None:
+        """A run of verify steps made in one call (``draft_row``'s runner), which gave ``produced``
+        tokens in ``seconds``: each step is recorded and timed (at the run's mean) as the steps
+        would have been one by one, a step without drafts as a plain one."""
+        steps = len(drafted)
+        given = 0
+        for drafts, kept in zip(drafted, kept_drafts):
+            tokens = min(kept + 1, produced - given)
+            given += tokens
+            self.timed("verify" if drafts else "decode", 1, seconds / steps, tokens)
+            self.record(task_id, drafts, kept, tokens)
+        self.verify_steps += steps
 
     def forget(self, task_id: str) -> None:
         self._rows.pop(task_id, None)

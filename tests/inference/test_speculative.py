@@ -472,7 +472,7 @@ def test_a_draft_head_drafts_from_the_verify_steps_hidden_states(batch):
     drafter = HeadDrafter(DraftHead.for_target(target, torch.arange(256)))
     seen = []
     observe = drafter.observe
-    drafter.observe = lambda task, hidden: (seen.append((task.context[:task.num_computed], hidden.clone())),
+    drafter.observe = lambda task, hidden: (seen.append((task, task.num_computed, hidden.clone())),
                                             observe(task, hidden))
     unprepared = copy.deepcopy(drafter.head)
     got, stats = run(target, prompts, 30, batch, speculative="draft", drafter=drafter)
@@ -486,9 +486,9 @@ def test_a_draft_head_drafts_from_the_verify_steps_hidden_states(batch):
         for a, b in zip(drafter.head(hidden, tokens), unprepared.bind(target)(hidden, tokens)):
             assert torch.allclose(a, b, atol=1e-4)
     with torch.no_grad():  # each hidden state handed over is the model's own at the last computed position
-        for context, hidden in seen[::5]:
-            want = target(torch.tensor([context]))["hidden_states"][0, -1]
-            assert torch.allclose(hidden, want, atol=1e-4), (len(context), (hidden - want).abs().max())
+        for task, computed, hidden in seen[::3]:
+            want = target(torch.tensor([task.context[:computed]]))["hidden_states"][0, -1]
+            assert torch.allclose(hidden, want, atol=1e-4), (computed, (hidden - want).abs().max())
 
 
 def test_a_draft_head_keeps_a_row_drafting_on_fewer_kept_tokens_than_a_draft_model():

@@ -18,6 +18,7 @@ the kernels do not take).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -28,9 +29,10 @@ from astrai.backends.cpu.decode_buffers import DecodeBuffers, RowTarget
 from astrai.backends.cpu.dense_matmul import release_slab_buffer
 from astrai.backends.cpu.fused_decode import FusedDecode
 from astrai.backends.cpu.fused_head import FusedHead
+from astrai.backends.cpu.kernels import SpeculativeSteps
 from astrai.backends.cpu.serving import kernel_counts, prepare_for_serving
 from astrai.inference.cache import KVCache
-from astrai.inference.runner import GreedyRun, ModelRunner, Row
+from astrai.inference.runner import DraftRow, GreedyRun, ModelRunner, Row
 
 
 class CpuModelRunner(ModelRunner):
@@ -163,6 +165,17 @@ class CpuModelRunner(ModelRunner):
             self.decode_paths["fused"] += len(tokens)
             self.decode_attention["buffers"] += len(tokens)
         return tokens
+
+    def speculative_run(self, run: GreedyRun, head, hidden: Optional[torch.Tensor],
+                        row: DraftRow) -> Optional[SpeculativeSteps]:
+        if self.fused_decode is None or not isinstance(head, FusedHead) \
+                or not self.fused_decode.ready(run.row.task_id):
+            return None
+        target = self.decode_target(run.row.task_id, run.row.start, run.steps)
+        if target is None:
+            return None
+        return self.fused_decode.speculative_steps(run.row.tokens[0], target, head.plan, hidden, run.stop_ids,
+                                                   run.max_seconds, dataclasses.asdict(row))
 
     def decode_target(self, task_id: str, pos: int, steps: int = 1) -> Optional[RowTarget]:
         """``steps`` decode steps of ``task_id`` alone, the first one's token at ``pos``, prepared

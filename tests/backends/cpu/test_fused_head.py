@@ -88,6 +88,8 @@ def test_a_head_with_a_bias_or_a_weight_the_kernels_cannot_read_is_not_fused():
 
 @pytest.mark.timeout(120)
 def test_the_engine_drafts_a_lone_row_through_the_fused_head_and_keeps_plain_tokens(monkeypatch):
+    """A verify step at a time (``greedy_run_steps=1``; a lone greedy row otherwise takes runs of
+    verify steps in C, test_speculative_runs.py), the head's drafts come from its fused call."""
     calls = []
     real = FusedHead.__call__
     monkeypatch.setattr(FusedHead, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
@@ -96,7 +98,7 @@ def test_the_engine_drafts_a_lone_row_through_the_fused_head_and_keeps_plain_tok
     expected = greedy_reference(target, prompt, 40)
     drafter = HeadDrafter(random_head(target, seed=1))
     with InferenceEngine(target, None, max_batch_size=1, page_size=4, num_pages=64, speculative="draft",
-                         drafter=drafter, in_place=False) as engine:
+                         drafter=drafter, in_place=False, greedy_run_steps=1) as engine:
         got = engine.submit(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)).result(60)
         stats = engine.get_stats()["speculative"]
     assert got.token_ids == expected

@@ -195,7 +195,7 @@ static int64_t row_floats(const struct astrai_decode_plan *plan)
  * a verify step's rows share that work and a row's numbers do not depend on which thread
  * computed them. Token r attends to positions up to pos + r, so the n tokens see each other
  * causally, as a prefill chunk would. `work` holds row_floats(plan) floats per token.
- * With one token, each thread's stretch of the head leaves its argmax in best/top. */
+ * With `best`, each thread's stretch of the head leaves token r's argmax in best/top[r * MAX_TEAM + t]. */
 static void team_step(const struct astrai_decode_plan *plan, const int64_t *tokens, int64_t n, int64_t pos,
                       const int64_t *k_offsets, const int64_t *v_offsets, float *work, float *logits,
                       int64_t *best, float *top, struct team_barrier *barrier)
@@ -279,7 +279,7 @@ static void team_step(const struct astrai_decode_plan *plan, const int64_t *toke
         }
         team_barrier(barrier, team);
     }
-    matmul(plan->head, h, n, dim, 0, logits, plan->vocab, dim, plan->vocab, n == 1 ? best : 0, top);
+    matmul(plan->head, h, n, dim, 0, logits, plan->vocab, dim, plan->vocab, best, top);
     team_barrier(barrier, team);
 }
 
@@ -459,4 +459,100 @@ int64_t astrai_draft_head_steps(const struct astrai_head_plan *plan, const float
         team_barrier(&barrier, team);
     }
     return done;
+}
+
+/* A greedy row's speculative decoding with a draft head, many verify steps in one call. Filled
+ * by kernels.py (SpeculativeRun); `length` and `kept` are the row's draft length and kept
+ * fraction (speculative.py's RowRecord), which the steps update as SpeculationControl.record does. */
+struct astrai_speculative_run {
+    int64_t token, pos, steps;            /* the row's last token (no K/V yet), its position, tokens the run may give */
+    const int64_t *k_offsets, *v_offsets; /* [steps]: where positions pos .. pos + steps - 1 go in the page store */
+    const float *hidden;                  /* [dim]: the final hidden state whose logits chose `token`, or NULL */
+    const int64_t *stop_ids;
+    int64_t n_stop, embedding_rows;
+    double max_seconds;
+    int64_t max_draft;                    /* k: drafts a step at most */
+    double decay, min_kept;
+    int64_t length;                       /* in and out */
+    double kept;                          /* in and out */
+    int64_t *tokens, *drafted, *kept_drafts;  /* [steps] each: the tokens given; drafts made and kept per verify step */
+    int64_t verify_steps;                 /* out */
+    float *hidden_out;                    /* [dim]: the final hidden state whose logits chose the last token */
+    float *work, *logits;                 /* astrai_step_work_floats(plan, ASTRAI_MAX_VERIFY_ROWS), [that many][vocab] */
+};
+
+/* Verify steps of one greedy row, each drafting with the head from the last one's hidden state
+ * (the first, without `hidden`, drafts nothing and fetches it), keeping the drafts while they
+ * equal the target's argmax and the argmax after them, as the engine's verify step does
+ * (speculative.py's accept_greedy): the tokens are exactly those of greedy decoding. The head's
+ * drafting and the acceptance run here, between the steps, so the Python of the engine's loop
+ * (planning, the drafting call, acceptance, the task's bookkeeping: about half a millisecond a
+ * step, a sixth of an int8 SmolLM2 step on a fast machine) comes once a run, as a lone greedy
+ * request's plain steps have it (astrai_decode_steps_f32). Every argmax is the head matmul's own.
+ *
+ * The run ends once it has given `steps` tokens, at a token in `stop_ids` or one the embedding
+ * has no row for (it is the last), after the step that brings it to `max_seconds`, or after a
+ * step that takes the kept fraction below `min_kept` (the engine then pauses the row's drafts).
+ * A step drafts at most `steps` - given - 1 tokens, so every position it writes has its offsets.
+ * Returns the tokens given; `verify_steps`, `drafted` and `kept_drafts` say how. */
+int64_t astrai_head_speculative_steps(const struct astrai_decode_plan *plan, const struct astrai_head_plan *head,
+                                      struct astrai_speculative_run *run)
+{
+    const double start = seconds_now();
+    const int64_t dim = plan->dim, k = run->max_draft < ASTRAI_MAX_VERIFY_ROWS - 1 ? run->max_draft
+                                                                                 : ASTRAI_MAX_VERIFY_ROWS - 1;
+    int64_t best[ASTRAI_MAX_VERIFY_ROWS * MAX_TEAM];
+    float top[ASTRAI_MAX_VERIFY_ROWS * MAX_TEAM];
+    int64_t token = run->token, pos = run->pos, given = 0, steps = 0;
+    int hidden = run->hidden != NULL, stop = 0;
+    if (hidden) memcpy(run->hidden_out, run->hidden, sizeof(float) * (size_t)dim);
+    const int threads = plan->threads < MAX_TEAM ? (int)plan->threads : MAX_TEAM;
+    while (!stop && given < run->steps) {
+        int64_t rows[ASTRAI_MAX_VERIFY_ROWS];
+        int64_t want = run->length < k ? run->length : k;
+        if (want > run->steps - given - 1) want = run->steps - given - 1;
+        rows[0] = token;
+        const int64_t drafted = hidden && want > 0 ? astrai_draft_head_steps(head, run->hidden_out, token, want, rows + 1)
+                                                  : 0;
+        const int64_t n = 1 + drafted;
+        struct team_barrier barrier = {0, 0, 0};
+        int team = 1;
+        #pragma omp parallel num_threads(threads)
+        {
+            team_step(plan, rows, n, pos, run->k_offsets + given, run->v_offsets + given, run->work, run->logits, best,
+                      top, &barrier);
+            if (omp_get_thread_num() == 0) team = omp_get_num_threads();
+        }
+        int64_t kept = 0, choice;
+        for (;;) {
+            choice = astrai_team_argmax(best + kept * MAX_TEAM, top + kept * MAX_TEAM, team);
+            if (kept < drafted && choice == rows[1 + kept]) ++kept;
+            else break;
+        }
+        memcpy(run->hidden_out, run->work + (n + kept) * dim, sizeof(float) * (size_t)dim);  /* team_step's h, row kept */
+        hidden = 1;
+        run->drafted[steps] = drafted;
+        run->kept_drafts[steps++] = kept;
+        if (drafted > 0) {  /* SpeculationControl.record's rule */
+            run->length = kept == drafted ? (2 * drafted < run->max_draft ? 2 * drafted : run->max_draft) : kept + 1;
+            const double weight = pow(run->decay, (double)drafted / (double)run->max_draft);
+            run->kept = weight * run->kept + (1.0 - weight) * (double)kept / (double)drafted;
+            stop = run->kept < run->min_kept;
+        }
+        for (int64_t i = 0; i <= kept; ++i) {
+            const int64_t t = i < kept ? rows[1 + i] : choice;
+            run->tokens[given++] = t;
+            int ends = t < 0 || t >= run->embedding_rows;
+            for (int64_t s = 0; s < run->n_stop && !ends; ++s) ends = t == run->stop_ids[s];
+            if (ends) {
+                stop = 1;
+                break;
+            }
+        }
+        token = choice;
+        pos += kept + 1;
+        if (seconds_now() - start >= run->max_seconds) stop = 1;
+    }
+    run->verify_steps = steps;
+    return given;
 }

@@ -749,8 +749,9 @@ static void team_x8(int type, const float *x, int64_t rows, int64_t x_stride, co
         for (int lane = 0; lane < 8; ++lane) e += xo[8 * i + lane];
         xe[i] = type == ASTRAI_Q8X8 ? 16 * e : e;  /* the lanes hold 8 times x's sums */
     }
-    int64_t mine = -1;
-    float highest = 0.0f;
+    int64_t mine[ASTRAI_MAX_DEQUANT_ROWS];
+    float highest[ASTRAI_MAX_DEQUANT_ROWS];
+    for (int64_t r = 0; r < rows; ++r) mine[r] = -1, highest[r] = 0.0f;
     for (int64_t g = first; g < last; ++g) {
         const uint8_t *wg = w + g * 8 * ld;
         const uint16_t *sg = scales + g * 8 * scale_ld;
@@ -765,11 +766,14 @@ static void team_x8(int type, const float *x, int64_t rows, int64_t x_stride, co
         for (int i = 0; i < 8; ++i) {
             const int64_t j = 8 * g + i;
             const float b = bias ? bias[j] : 0.0f;
-            for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[8 * r + i] + b;
-            if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
+            for (int64_t r = 0; r < rows; ++r) {
+                const float v = y[r * y_stride + j] = out[8 * r + i] + b;
+                if (best && (mine[r] < 0 || beats(v, highest[r]))) { mine[r] = j; highest[r] = v; }
+            }
         }
     }
-    if (best) { best[t] = mine; top[t] = highest; }
+    if (best)
+        for (int64_t r = 0; r < rows; ++r) best[r * MAX_TEAM + t] = mine[r], top[r * MAX_TEAM + t] = highest[r];
 }
 
 /* The bf16 weight row's products with the rows of x, rounded to bf16 (bf16_rounded_rows:
@@ -888,7 +892,9 @@ static int64_t row_bytes(int type, int64_t ld) { return type == ASTRAI_F32 ? 4 *
 /* This thread's stretch of the matmul, for every thread of the team running it: the dequantizing
  * counterpart of row_matmul.c's astrai_team_row_matmul, which it hands one row of an fp32
  * weight (ASTRAI_F32), so that decode_step.c calls one function for every weight type. With
- * `best`, each thread notes its stretch's argmax of row 0 for astrai_team_argmax. No barrier. */
+ * `best`, each thread notes its stretch's argmax of each row r in best[r * MAX_TEAM + t] /
+ * top[r * MAX_TEAM + t] for astrai_team_argmax (an fp32 weight: one row only), so a verify
+ * step's acceptance reads no logits again. No barrier. */
 void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, const void *weight,
                                 const uint16_t *scales, int type, const float *bias, float *y, int64_t y_stride,
                                 int64_t n_in, int64_t n_out, int64_t ld, int64_t scale_ld, int64_t *best, float *top)
@@ -907,8 +913,9 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
     const int64_t first = t * per, last = first + per < n_out ? first + per : n_out;
     const uint8_t *w = (const uint8_t *)weight;
     const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
-    int64_t mine = -1;
-    float highest = 0.0f, out[ASTRAI_MAX_DEQUANT_ROWS];
+    int64_t mine[ASTRAI_MAX_DEQUANT_ROWS];
+    float highest[ASTRAI_MAX_DEQUANT_ROWS], out[ASTRAI_MAX_DEQUANT_ROWS];
+    for (int64_t r = 0; r < rows; ++r) mine[r] = -1, highest[r] = 0.0f;
     /* int8 and int4 quantize x, bf16 rounds it (below): each thread for itself (a few
      * microseconds), so no barrier is needed */
     const int64_t blocks = (type == ASTRAI_Q8 || type == ASTRAI_Q4 || type == ASTRAI_Q41) && first < last
@@ -926,7 +933,8 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
         if (xr == NULL) {  /* no memory for a few rows: NaN outputs rather than other numbers */
             for (int64_t j = first; j < last; ++j)
                 for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = NAN;
-            if (best) { best[t] = first; top[t] = NAN; }
+            if (best)
+                for (int64_t r = 0; r < rows; ++r) best[r * MAX_TEAM + t] = first, top[r * MAX_TEAM + t] = NAN;
             return;
         }
     }
@@ -940,10 +948,13 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
 #undef ROWS_CASE
         }
         const float b = bias ? bias[j] : 0.0f;
-        for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
-        if (best && (mine < 0 || beats(y[j], highest))) { mine = j; highest = y[j]; }
+        for (int64_t r = 0; r < rows; ++r) {
+            const float v = y[r * y_stride + j] = out[r] + b;
+            if (best && (mine[r] < 0 || beats(v, highest[r]))) { mine[r] = j; highest[r] = v; }
+        }
     }
-    if (best) { best[t] = mine; top[t] = highest; }
+    if (best)
+        for (int64_t r = 0; r < rows; ++r) best[r * MAX_TEAM + t] = mine[r], top[r * MAX_TEAM + t] = highest[r];
 }
 
 /* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias), shared among `threads`; with
@@ -960,10 +971,10 @@ int64_t astrai_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, co
     #pragma omp parallel num_threads(threads)
     {
         astrai_team_dequant_matmul(x, rows, x_stride, weight, scales, type, bias, y, y_stride, n_in, n_out, ld,
-                                   scale_ld, want_argmax ? best : 0, top);
+                                   scale_ld, want_argmax && rows == 1 ? best : 0, top);
         if (omp_get_thread_num() == 0) team = omp_get_num_threads();
     }
-    return want_argmax ? astrai_team_argmax(best, top, team) : -1;
+    return want_argmax && rows == 1 ? astrai_team_argmax(best, top, team) : -1;
 }
 
 /* out = x rounded to Q8_0 blocks along its rows of n_in, as floats: quantized.py's
