@@ -5,8 +5,9 @@ predicts the target's next tokens from the target's final hidden state and the t
 state chose. That hidden state comes free with every verify step (the runner returns it
 beside the logits), so the head needs no model run and no cache of its own: after each
 verify step the scheduler hands the drafter each row's hidden state at its last computed
-position (``observe``), and the next step drafts from it. A row without a fresh one (just
-prefilled, or back from plain decoding) first takes a verify step without drafts (``ready``).
+position (``observe``), and the next step drafts from it; a prompt's step hands over the state
+at the prompt's end the same way. A row without a fresh one (back from plain decoding) first
+takes a verify step without drafts (``ready``).
 Where the runner drafts with the head in C (``fused``), a lone greedy row's verify steps and
 drafts run several to one call, the state handed in and out once a run.
 """

@@ -83,6 +83,10 @@ class ModelRunner:
         self.backend = backend_for(self.device)
         self.decode_paths = dict.fromkeys(self.backend.decode_paths, 0)  # every key present: readers copy it from other threads
         self.decode_attention = dict.fromkeys(self.decode_attention_reads, 0)
+        # the final hidden states [B, dim] at the positions of the last forward's logits, when it
+        # ran the model's own forward (None after a step a kernel ran whole): a prompt's last one
+        # is what a draft head drafts its first tokens from
+        self.last_hidden: Optional[torch.Tensor] = None
 
     def decode_path_counts(self) -> dict[str, int]:
         """Decode steps so far by the path that ran them (see the class docstring)."""
@@ -99,6 +103,7 @@ class ModelRunner:
     def forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, Optional[list[int]]]:
         """Each row's last position's logits [B, V], and their argmax when the step found it on
         the way (None here)."""
+        self.last_hidden = None
         logits = self.model_forward(rows)
         if all(len(r.tokens) == 1 for r in rows):
             self.decode_paths[PLAIN_DECODE_PATH] += 1
@@ -124,6 +129,7 @@ class ModelRunner:
         input_ids = torch.tensor([r.tokens + [0] * (T - len(r.tokens)) for r in rows], device=self.device)
         logits_index = None if T == 1 else torch.tensor([len(r.tokens) - 1 for r in rows], device=self.device)
         out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=logits_index)
+        self.last_hidden = out["hidden_states"][:, -1]
         return out["logits"][:, -1]
 
     def verify(self, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor]]:

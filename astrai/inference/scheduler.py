@@ -21,7 +21,10 @@ string are the only ones computed and thrown away.
 With speculative decoding (``speculative``, astrai/inference/speculative.py) a decode step
 whose tasks have drafted tokens becomes a verify step: each task feeds its last token and
 its drafts, and keeps the tokens the acceptance rules give (1 to drafts + 1). A task that
-may draft takes single steps rather than runs of greedy steps, so that no match is passed by.
+may draft takes single steps rather than runs of greedy steps, so that no match is passed by;
+but a lone greedy task whose drafter the runner fuses (a draft head on the CPU) takes runs of
+verify steps, drafting between them in the runner (``speculative_run``), up to
+``greedy_run_steps`` x (draft_tokens + 1) tokens and ``greedy_run_seconds`` a run.
 
 When decoding needs a page and none is left, the newest running task is preempted:
 its pages are released (full ones stay in the prefix cache) and it goes back to the
@@ -317,6 +320,17 @@ class InferenceScheduler:
             if not task.done:
                 self._abort(task, error=f"{type(exc).__name__}: {exc}")
 
+    def _observe_prompts(self, batch: list[Task], results: list[list]) -> None:
+        """Hand a drafter that drafts from hidden states (a draft head) the state at the end of
+        each prompt just prefilled, the one that chose the first token: the row's first verify
+        step then drafts, where it would otherwise only fetch that state."""
+        observe, hidden = getattr(self._drafter, "observe", None), self._runner.last_hidden
+        if observe is None or hidden is None or len(hidden) != len(batch):
+            return
+        for task, sampled, state in zip(batch, results, hidden):
+            if sampled and not task.done and self._executor.speculates(task):
+                observe(task, state)
+
     def _speculative_run(self, task: Task, steps: int):
         """A lone greedy task's verify steps, drafting with the fused head, in one call (the model lock held)."""
         return self._executor.execute_speculative_run(task, steps, self._run_stop_ids(task), self.greedy_run_seconds,
@@ -348,7 +362,9 @@ class InferenceScheduler:
         now = time.monotonic()
         with self._lock:
             produced = 0
-            if kind == "speculate" and run is not None:
+            if kind == "prefill":
+                self._observe_prompts(batch, results)
+            elif kind == "speculate" and run is not None:
                 self._speculation.ran(batch[0].task_id, time.perf_counter() - started, run.drafted, run.kept_drafts,
                                       len(run.tokens))
                 self._drafter.observe(batch[0], run.hidden)

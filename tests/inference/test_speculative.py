@@ -463,9 +463,8 @@ def test_an_aborted_speculating_request_leaks_no_page():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_draft_head_drafts_from_the_verify_steps_hidden_states(batch):
-    """The head's drafts come from the hidden state each verify step leaves; the output is the
-    target's whatever the head guesses (an untrained head here), and a row with no hidden state
-    yet gets one from a verify step without drafts."""
+    """The head's drafts come from the hidden state each verify step (and a prompt's last step)
+    leaves; the output is the target's whatever the head guesses (an untrained head here)."""
     target = make_model("tiny")
     prompts = repeating_prompts(2)
     expected = [greedy_reference(target, p, 30) for p in prompts]

@@ -66,6 +66,7 @@ class CpuModelRunner(ModelRunner):
         return model
 
     def forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, Optional[list[int]]]:
+        self.last_hidden = None
         if (len(rows) == 1 and len(rows[0].tokens) == 1 and self.fused_decode is not None
                 and self.fused_decode.ready(rows[0].task_id)):
             row = rows[0]
@@ -121,6 +122,7 @@ class CpuModelRunner(ModelRunner):
         input_ids = torch.tensor([[token for r in rows for token in r.tokens]], device=self.device)
         ends = torch.tensor([len(r.tokens) for r in rows], device=self.device).cumsum(0) - 1
         out = self.model(input_ids, paged_cache=view, position_ids=view.position_ids, logits_index=ends.view(1, -1))
+        self.last_hidden = out["hidden_states"][0]
         return out["logits"][0]
 
     def verify(self, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor]]:

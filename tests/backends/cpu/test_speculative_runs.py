@@ -103,9 +103,10 @@ def test_a_run_of_verify_steps_drafts_keeps_and_pauses_as_single_steps_do(weight
     assert got == single == expected
     assert steps == single_steps
     assert counts["runs"] > 0 and counts["verify"] == 0 and single_counts["runs"] == 0
-    if shift == 0:  # drafts kept whole, in part and not at all
+    assert steps[0][0] > 0  # the first verify step drafts, from the state the prompt's step left
+    if shift == 0:  # drafts kept whole; over fp32 weights the output moves on in a draft's middle
         assert any(kept == drafted > 1 for drafted, kept, _ in steps)
-        assert any(0 < kept < drafted for drafted, kept, _ in steps) or any(kept == 0 < drafted for drafted, kept, _ in steps)
+        assert weights != "fp32" or any(0 < kept < drafted for drafted, kept, _ in steps)
     else:  # every draft rejected: the row's kept fraction falls below the floor, and it pauses
         assert all(kept == 0 for _, kept, _ in steps) and any(paused for _, _, paused in steps)
 
