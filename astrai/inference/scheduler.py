@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -368,11 +368,12 @@ class InferenceScheduler:
                 self._speculation.ran(batch[0].task_id, time.perf_counter() - started, run.drafted, run.kept_drafts,
                                       len(run.tokens))
                 self._drafter.observe(batch[0], run.hidden)
-            elif self._speculation is not None and kind != "prefill":
+            elif self._speculation is not None:
                 # a verify step without drafts (a draft head fetching its first hidden state) is
-                # a plain step for the measure of what drafting gains; one with drafts costs its
-                # drafting too (a draft model's or head's steps, run while planning the step)
-                timed_as = "decode" if kind == "verify" and not any(drafts) else kind
+                # a plain step for the measure of what drafting gains, as is the plain step a
+                # run of verify steps falls back to; one with drafts costs its drafting too (a
+                # draft model's or head's steps, run while planning the step)
+                timed_as = "decode" if kind == "speculate" or (kind == "verify" and not any(drafts)) else kind
                 drafting = self._draft_seconds if timed_as == "verify" else 0.0
                 self._speculation.timed(timed_as, len(batch), time.perf_counter() - started + drafting,
                                         sum(map(len, results)) / len(batch))
@@ -477,7 +478,7 @@ class InferenceScheduler:
             return "greedy", decode, [steps], None
         return "decode", decode, [1] * len(decode), None
 
-    def _draft(self, decode: list[Task]) -> tuple[bool, Optional[list[list[int]]]]:
+    def _draft(self, decode: list[Task]) -> tuple[bool, Union[list[list[int]], str, None]]:
         """Whether any decoding task wanted drafts this step, and each one's drafted tokens
         (astrai/inference/speculative.py) with pages reserved for checking them, or None when no
         task has any (a plain decode step then); SPECULATIVE_RUN for a lone greedy task whose

@@ -123,3 +123,19 @@ def test_a_run_ends_at_a_stop_token_inside_its_kept_drafts(monkeypatch):
     assert counts["runs"] > 0 and counts["verify"] == 0
     assert steps[-1][:2] == (1, 1)  # the stop token was a kept draft,
     assert counts["run_tokens"] == 12  # and the run gave no token after it (the first came from the prompt's step)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_aborted_between_runs_leaks_no_page():
+    target = make_model("tiny", seed=3)
+    with InferenceEngine(target, None, max_batch_size=1, page_size=4, num_pages=64, speculative="draft",
+                         drafter=HeadDrafter(copy_head(target)), greedy_run_steps=2) as engine:
+        handle = engine.submit(PROMPT, SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
+        events = iter(handle)
+        for _ in range(3):
+            next(events)
+        handle.abort()
+        list(events)
+        stats = engine.get_stats()
+        assert stats["pages_used"] == 0 and stats["speculative"]["verify_steps"] > 0
+        assert not engine.scheduler._drafter._state
