@@ -102,13 +102,13 @@ class Executor:
         return self.execute_decode([task])
 
     @torch.inference_mode()
-    def execute_speculative_run(self, task: Task, steps: int, stop_ids: Iterable[int], max_seconds: float, head,
+    def execute_speculative_run(self, task: Task, steps: int, stop_ids: Iterable[int], max_seconds: float, drafter,
                                 hidden: Optional[torch.Tensor], drafting: DraftRow):
         """Up to ``steps`` tokens of a lone greedy task (``runs_greedy_steps``) from verify steps run
-        in one call, drafting with the fused draft head ``head`` (the runner's ``speculative_run``);
-        the task's pages must cover them. None when the runner cannot take the run."""
+        in one call, drafting with ``drafter`` (the runner's ``speculative_run``); the task's pages
+        must cover them. None when the runner cannot take the run."""
         row = Row(task.task_id, [task.context[task.num_computed]], task.num_computed)
-        run = self.runner.speculative_run(GreedyRun(row, steps, tuple(sorted(stop_ids)), max_seconds), head, hidden,
+        run = self.runner.speculative_run(GreedyRun(row, steps, tuple(sorted(stop_ids)), max_seconds), drafter, hidden,
                                           drafting)
         if run is not None:
             task.num_computed += len(run.tokens)

@@ -8,7 +8,7 @@ verify step the scheduler hands the drafter each row's hidden state at its last 
 position (``observe``), and the next step drafts from it; a prompt's step hands over the state
 at the prompt's end the same way. A row without a fresh one (back from plain decoding) first
 takes a verify step without drafts (``ready``).
-Where the runner drafts with the head in C (``fused``), a lone greedy row's verify steps and
+Where the runner drafts with the head in C (``run_drafter``), a lone greedy row's verify steps and
 drafts run several to one call, the state handed in and out once a run.
 """
 
@@ -49,10 +49,9 @@ class HeadDrafter:
         """``hidden`` [dim]: the target's final hidden state at ``task``'s last computed position."""
         self._state[task.task_id] = (task.num_computed, hidden.detach().float().clone())
 
-    @property
-    def fused(self):
-        """The runner's fused drafting of one row (``prepare``), or None where it has none: with it
-        a lone greedy row's verify steps may run several to one call (the runner's ``speculative_run``)."""
+    def run_drafter(self, task):
+        """What the runner's ``speculative_run`` drafts ``task``'s row with: the runner's fused drafting
+        of one row (``prepare``), or None where it has none (verify steps then go one at a time)."""
         return self._fused
 
     def hidden(self, task) -> Optional[torch.Tensor]:

@@ -47,6 +47,16 @@ class GreedyRun:
 
 
 @dataclass(frozen=True)
+class LookupDrafts:
+    """Prompt lookup's drafting of one row for ``speculative_run``: the row's tokens (its last
+    token last) and the n-gram sizes looked up (speculative.py's PromptLookup)."""
+
+    context: list[int]
+    min_n: int
+    max_n: int
+
+
+@dataclass(frozen=True)
 class DraftRow:
     """A row's drafting as speculative.py's SpeculationControl keeps it, for a runner that runs
     several verify steps in one call (``speculative_run``): tokens to draft next (``length``), the
@@ -72,6 +82,7 @@ class ModelRunner:
     # how a decode step's attention may read the contexts; here always gathered from the pages
     decode_attention_reads: tuple[str, ...] = ("gathered",)
     runs_greedy = False  # whether ``greedy_run`` can take several steps in one call
+    runs_speculative = False  # whether ``speculative_run`` can take several verify steps in one call
     # whether decoding rows may ride along a prefill step (one token each, after the prompt
     # rows) at the cost of their own attention: the scheduler then mixes them in
     mixes_decode = False
@@ -160,14 +171,15 @@ class ModelRunner:
         """The tokens of a run of greedy steps, or None when this runner takes one step at a time."""
         return None
 
-    def speculative_run(self, run: GreedyRun, head, hidden: Optional[torch.Tensor], row: DraftRow):
-        """A run of greedy verify steps of one row, drafting with the fused draft head ``head``
-        (``fused_draft_head``) from ``hidden`` (the final hidden state that chose the row's last
-        token; None: the first step drafts nothing) and ``row``'s drafting, which each step
-        follows as SpeculationControl.record does; it ends as a greedy run does, and after a step
-        that takes the kept fraction below ``row.min_kept``. The result has ``tokens``, per verify
-        step ``drafted`` and ``kept_drafts``, and ``hidden`` (the state that chose the last token);
-        None when this runner checks drafts one step at a time."""
+    def speculative_run(self, run: GreedyRun, drafter, hidden: Optional[torch.Tensor], row: DraftRow):
+        """A run of greedy verify steps of one row, drafting with ``drafter``: the fused draft head
+        (``fused_draft_head``), which drafts from ``hidden`` (the final hidden state that chose
+        the row's last token; None: the first step drafts nothing), or ``LookupDrafts``; each
+        step follows ``row``'s drafting as SpeculationControl.record does. The run ends as a
+        greedy run does, and after a step that takes the kept fraction below ``row.min_kept``.
+        The result has ``tokens``, per verify step ``drafted`` and ``kept_drafts``, and ``hidden``
+        (with a head: the state that chose the last token); None when this runner checks drafts
+        one step at a time (``runs_speculative`` false)."""
         return None
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

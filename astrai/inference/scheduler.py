@@ -22,9 +22,10 @@ With speculative decoding (``speculative``, astrai/inference/speculative.py) a d
 whose tasks have drafted tokens becomes a verify step: each task feeds its last token and
 its drafts, and keeps the tokens the acceptance rules give (1 to drafts + 1). A task that
 may draft takes single steps rather than runs of greedy steps, so that no match is passed by;
-but a lone greedy task whose drafter the runner fuses (a draft head on the CPU) takes runs of
-verify steps, drafting between them in the runner (``speculative_run``), up to
-``greedy_run_steps`` x (draft_tokens + 1) tokens and ``greedy_run_seconds`` a run.
+but a lone greedy task whose drafts the runner can make itself (the CPU runner: a draft head it
+fuses, prompt lookup) takes runs of verify steps, drafting between them in the runner
+(``speculative_run``), up to ``greedy_run_steps`` x (draft_tokens + 1) tokens and
+``greedy_run_seconds`` a run.
 
 When decoding needs a page and none is left, the newest running task is preempted:
 its pages are released (full ones stay in the prefix cache) and it goes back to the
@@ -331,10 +332,20 @@ class InferenceScheduler:
             if sampled and not task.done and self._executor.speculates(task):
                 observe(task, state)
 
+    def _runs_speculative(self, decode: list[Task]) -> bool:
+        """Whether the decoding tasks are one greedy task whose verify steps the runner can run
+        several to one call, drafting itself (a draft head it fuses, prompt lookup)."""
+        run_drafter = getattr(self._drafter, "run_drafter", None)
+        return (len(decode) == 1 and self.greedy_run_steps > 1 and self._runner.runs_speculative
+                and self._executor.runs_greedy_steps(decode[0]) and run_drafter is not None
+                and run_drafter(decode[0]) is not None)
+
     def _speculative_run(self, task: Task, steps: int):
-        """A lone greedy task's verify steps, drafting with the fused head, in one call (the model lock held)."""
+        """A lone greedy task's verify steps, drafting in the runner, in one call (the model lock held)."""
+        hidden = getattr(self._drafter, "hidden", None)
         return self._executor.execute_speculative_run(task, steps, self._run_stop_ids(task), self.greedy_run_seconds,
-                                                      self._drafter.fused, self._drafter.hidden(task),
+                                                      self._drafter.run_drafter(task),
+                                                      hidden(task) if hidden is not None else None,
                                                       self._speculation.draft_row(task.task_id))
 
     def _run_stop_ids(self, task: Task) -> frozenset[int]:
@@ -365,9 +376,11 @@ class InferenceScheduler:
             if kind == "prefill":
                 self._observe_prompts(batch, results)
             elif kind == "speculate" and run is not None:
-                self._speculation.ran(batch[0].task_id, time.perf_counter() - started, run.drafted, run.kept_drafts,
-                                      len(run.tokens))
-                self._drafter.observe(batch[0], run.hidden)
+                if not batch[0].done:  # else aborted during the run: its records are gone and stay gone
+                    self._speculation.ran(batch[0].task_id, time.perf_counter() - started, run.drafted,
+                                          run.kept_drafts, len(run.tokens))
+                    if run.hidden is not None:
+                        self._drafter.observe(batch[0], run.hidden)
             elif self._speculation is not None:
                 # a verify step without drafts (a draft head fetching its first hidden state) is
                 # a plain step for the measure of what drafting gains, as is the plain step a
@@ -381,6 +394,8 @@ class InferenceScheduler:
                 self._speculation.verify_steps += 1
                 observe = getattr(self._drafter, "observe", None)
                 for task, draft, sampled, hidden in zip(batch, drafts, results, last_hidden):
+                    if task.done:  # aborted while the step ran: its records are gone and stay gone
+                        continue
                     self._speculation.record(task.task_id, len(draft), len(sampled) - 1, len(sampled))
                     if observe is not None:
                         observe(task, hidden)
@@ -482,7 +497,7 @@ class InferenceScheduler:
         """Whether any decoding task wanted drafts this step, and each one's drafted tokens
         (astrai/inference/speculative.py) with pages reserved for checking them, or None when no
         task has any (a plain decode step then); SPECULATIVE_RUN for a lone greedy task whose
-        drafts the runner makes itself between verify steps (a draft head fused on the CPU)."""
+        drafts the runner makes itself between verify steps (``_runs_speculative``)."""
         if not self._speculation.batch_wanted(len(decode), [t.task_id for t in decode]):
             return False, None
         wanted = []
@@ -491,8 +506,7 @@ class InferenceScheduler:
             wanted.append(self._speculation.wanted(task, room) if self._executor.speculates(task) else 0)
         if not any(wanted):
             return False, None
-        if (len(decode) == 1 and self.greedy_run_steps > 1 and self._executor.runs_greedy_steps(decode[0])
-                and getattr(self._drafter, "fused", None) is not None):
+        if self._runs_speculative(decode):
             return True, SPECULATIVE_RUN
         try:
             catch_up = getattr(self._drafter, "catch_up", None)

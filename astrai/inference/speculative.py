@@ -31,7 +31,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from astrai.inference.runner import DraftRow
+from astrai.inference.runner import DraftRow, LookupDrafts
 from astrai.inference.sampling import SamplingPipeline, draw, row_argmax
 
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -105,6 +105,11 @@ class PromptLookup:
             index.update(task.context)
             drafts.append(index.lookup(task.context, wanted) if wanted > 0 else [])
         return drafts
+
+    def run_drafter(self, task) -> LookupDrafts:
+        """What a runner that runs several verify steps in one call drafts ``task``'s row with (the
+        same lookup, made between the steps)."""
+        return LookupDrafts(task.context, self.min_n, self.max_n)
 
     def forget(self, task_id: str) -> None:
         self._indexes.pop(task_id, None)
@@ -303,15 +308,16 @@ class SpeculationControl:
             produced: int) -> None:
         """A run of verify steps made in one call (``draft_row``'s runner), which gave ``produced``
         tokens in ``seconds``: each step is recorded and timed (at the run's mean) as the steps
-        would have been one by one, a step without drafts as a plain one."""
+        would have been one by one; a step for which the drafter had nothing is a plain step."""
         steps = len(drafted)
         given = 0
         for drafts, kept in zip(drafted, kept_drafts):
             tokens = min(kept + 1, produced - given)
             given += tokens
             self.timed("verify" if drafts else "decode", 1, seconds / steps, tokens)
-            self.record(task_id, drafts, kept, tokens)
-        self.verify_steps += steps
+            if drafts:
+                self.record(task_id, drafts, kept, tokens)
+                self.verify_steps += 1
 
     def forget(self, task_id: str) -> None:
         self._rows.pop(task_id, None)

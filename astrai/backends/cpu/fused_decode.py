@@ -34,8 +34,8 @@ A lone greedy request takes several steps per call (``greedy_steps``), each step
 the next one's token, so the checks above and the scheduler's bookkeeping run once per
 run of steps, not once a step. A speculative decoder's check of its drafted tokens
 (``verify``) is one call too: the row's last token and the drafts, each weight read once
-for all of them; and a greedy row drafting with a draft head takes runs of such steps
-(``speculative_steps``), the head's drafts and their acceptance made in C between them.
+for all of them; and a greedy row drafting with a draft head or by prompt lookup takes runs
+of such steps (``speculative_steps``), the drafts and their acceptance made in C between them.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import torch
 from torch import nn
 
 from astrai.backends.cpu.decode_buffers import RowTarget
-from astrai.backends.cpu.kernels import (MAX_VERIFY_TOKENS, DecodePlan, HeadPlan, SpeculativeSteps,
-                                         TypedWeight, decode_plan, decode_step, decode_steps, head_speculative_steps,
-                                         kernels_available, kv_kind, verify_step)
+from astrai.backends.cpu.kernels import (MAX_VERIFY_TOKENS, DecodePlan, SpeculativeSteps, TypedWeight, decode_plan,
+                                         decode_step, decode_steps, kernels_available, kv_kind, speculative_steps,
+                                         verify_step)
 from astrai.backends.cpu.serving import (InterleavedQuantizedLinear, ServingGQA, ServingLinear, ServingMLP,
                                          ServingQuantizedLinear, typed_weight)
 from astrai.model.components.layers import Embedding, Linear, RMSNorm, rotary_tables
@@ -132,21 +132,22 @@ class FusedDecode:
         k_stride, v_stride = self._slot_strides
         return verify_step(plan, tokens, target.pos, [(slot * k_stride, slot * v_stride) for slot in target.slots])
 
-    def speculative_steps(self, token: int, target: RowTarget, head: HeadPlan, hidden: Optional[torch.Tensor],
+    def speculative_steps(self, token: int, target: RowTarget, drafter, hidden: Optional[torch.Tensor],
                           stop_ids: Sequence[int], max_seconds: float, drafting: dict) -> Optional[SpeculativeSteps]:
         """Up to ``len(target.slots)`` tokens of a greedy row from verify steps in one call, each
-        drafting with the draft head ``head`` (``kernels.head_speculative_steps``, whose drafting
-        arguments ``drafting`` holds), ending as ``greedy_steps`` ends and when the row's kept
-        fraction falls below its floor; None when the steps do not qualify. Call when ``ready()``
-        has just said True."""
+        drafting with ``drafter`` (a draft head's ``HeadPlan``, or prompt lookup's ``(context,
+        min_n, max_n)``; ``kernels.speculative_steps``, whose drafting arguments ``drafting``
+        holds), ending as ``greedy_steps`` ends and when the row's kept fraction falls below its
+        floor; None when the steps do not qualify. Call when ``ready()`` has just said True."""
         plan = self._checked_plan(token, target)
         if plan is None:
             return None
-        head.threads = plan.threads
+        if hasattr(drafter, "threads"):
+            drafter.threads = plan.threads
         k_stride, v_stride = self._slot_strides
-        steps = head_speculative_steps(plan, head, token, target.pos,
-                                       [(slot * k_stride, slot * v_stride) for slot in target.slots], hidden,
-                                       stop_ids, self._vocab, max_seconds, **drafting)
+        steps = speculative_steps(plan, drafter, token, target.pos,
+                                  [(slot * k_stride, slot * v_stride) for slot in target.slots], hidden, stop_ids,
+                                  self._vocab, max_seconds, **drafting)
         if len(steps.tokens) < len(target.slots):
             target.ran(len(steps.tokens))
         return steps

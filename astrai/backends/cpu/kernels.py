@@ -312,6 +312,11 @@ def _load(compiler: str, level: KernelLevel) -> ctypes.CDLL:
     library.astrai_head_speculative_steps.argtypes = [ctypes.POINTER(DecodePlan), ctypes.POINTER(HeadPlan),
                                                       ctypes.POINTER(SpeculativeRun)]
     library.astrai_head_speculative_steps.restype = i64
+    library.astrai_lookup_speculative_steps.argtypes = [ctypes.POINTER(DecodePlan), ctypes.POINTER(PromptLookupRun),
+                                                        ctypes.POINTER(SpeculativeRun)]
+    library.astrai_lookup_speculative_steps.restype = i64
+    library.astrai_ngram_drafts.argtypes = [ptr] + [i64] * 4 + [ptr]
+    library.astrai_ngram_drafts.restype = i64
     library.astrai_dequant_matmul.argtypes = ([ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr] + [i64] * 5
                                               + [ctypes.c_int] * 2)
     library.astrai_dequant_matmul.restype = i64
@@ -714,7 +719,7 @@ def draft_head_steps(plan: HeadPlan, hidden: torch.Tensor, token: int, k: int) -
 
 class SpeculativeRun(ctypes.Structure):
     """``struct astrai_speculative_run`` (native/decode_step.c): one call's verify steps of a
-    greedy row drafting with a draft head. ``head_speculative_steps`` fills it."""
+    greedy row. ``speculative_steps`` fills it."""
 
     _fields_ = [("token", ctypes.c_int64), ("pos", ctypes.c_int64), ("steps", ctypes.c_int64),
                 ("k_offsets", ctypes.c_void_p), ("v_offsets", ctypes.c_void_p), ("hidden", ctypes.c_void_p),
@@ -728,49 +733,81 @@ class SpeculativeRun(ctypes.Structure):
 
 @dataclass
 class SpeculativeSteps:
-    """What ``head_speculative_steps`` gave: the tokens, each verify step's drafts made and kept,
-    and the final hidden state [dim] whose logits chose the last token."""
+    """What ``speculative_steps`` gave: the tokens, each verify step's drafts made and kept, and
+    (drafting with a head) the final hidden state [dim] whose logits chose the last token."""
 
     tokens: list[int]
     drafted: list[int]
     kept_drafts: list[int]
-    hidden: torch.Tensor
+    hidden: Optional[torch.Tensor]
 
 
-def head_speculative_steps(plan: DecodePlan, head: HeadPlan, token: int, pos: int,
-                           kv_offsets: Sequence[tuple[int, int]], hidden: Optional[torch.Tensor],
-                           stop_ids: Sequence[int], embedding_rows: int, max_seconds: float, length: int,
-                           kept: float, max_draft: int, decay: float, min_kept: float) -> SpeculativeSteps:
-    """Verify steps of one greedy row in one call (``astrai_head_speculative_steps``), each
-    drafting with the head from the last step's hidden state (the first from ``hidden``; None:
-    it drafts nothing) and keeping what greedy acceptance keeps: at most ``len(kv_offsets)``
-    tokens, the positions from ``pos`` on writing their K/V at those offsets (as
-    ``decode_steps``). ``length`` and ``kept`` are the row's draft length and kept fraction, which
+class PromptLookupRun(ctypes.Structure):
+    """``struct astrai_prompt_lookup`` (native/decode_step.c): a row's tokens for prompt lookup in
+    a run of verify steps, with room for the tokens the run gives."""
+
+    _fields_ = [("context", ctypes.c_void_p), ("length", ctypes.c_int64), ("synced", ctypes.c_int64),
+                ("min_n", ctypes.c_int64), ("max_n", ctypes.c_int64)]
+
+
+def ngram_drafts(context: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup's ``k`` drafts after ``context`` as a run of verify steps makes them in C
+    (``astrai_ngram_drafts``, speculative.py's ``NgramIndex.lookup``), or [] when none. Call only
+    when ``kernels_available()``."""
+    tokens = (ctypes.c_int64 * max(len(context), 1))(*context)
+    out = (ctypes.c_int64 * max(k, 1))()
+    return out[:_library().astrai_ngram_drafts(tokens, len(context), min_n, max_n, k, out)]
+
+
+def speculative_steps(plan: DecodePlan, drafter, token: int, pos: int, kv_offsets: Sequence[tuple[int, int]],
+                      hidden: Optional[torch.Tensor], stop_ids: Sequence[int], embedding_rows: int,
+                      max_seconds: float, length: int, kept: float, max_draft: int, decay: float,
+                      min_kept: float) -> SpeculativeSteps:
+    """Verify steps of one greedy row in one call, each keeping what greedy acceptance keeps: at
+    most ``len(kv_offsets)`` tokens, the positions from ``pos`` on writing their K/V at those
+    offsets (as ``decode_steps``). ``drafter`` is a draft head's ``HeadPlan``
+    (``astrai_head_speculative_steps``: each step drafts from the last one's hidden state, the
+    first from ``hidden``; None: it drafts nothing), or a ``(context, min_n, max_n)`` tuple for
+    prompt lookup over the row's tokens (``astrai_lookup_speculative_steps``; the context ends
+    with ``token``). ``length`` and ``kept`` are the row's draft length and kept fraction, which
     the steps follow as speculative.py's SpeculationControl (``max_draft`` its k, ``decay`` and
     ``min_kept`` its settings); the run also ends after a step that takes the kept fraction
     below ``min_kept``. Call only when ``kernels_available()``."""
     n = len(kv_offsets)
     _check_step(plan, token, pos, n, embedding_rows)
-    if head.dim != plan.dim or not 1 <= max_draft < MAX_VERIFY_TOKENS or length < 1:
-        raise ValueError(f"speculative steps: a head of width {head.dim} for a model of {plan.dim}, "
-                         f"{max_draft} drafts a step (1 to {MAX_VERIFY_TOKENS - 1}), length {length}")
-    if hidden is not None and not (hidden.shape == (plan.dim,) and hidden.dtype == torch.float32
-                                   and hidden.is_contiguous()):
-        raise ValueError(f"speculative steps: hidden must be contiguous fp32 [{plan.dim}]")
+    if not 1 <= max_draft < MAX_VERIFY_TOKENS or length < 1:
+        raise ValueError(f"speculative steps: {max_draft} drafts a step (1 to {MAX_VERIFY_TOKENS - 1}), "
+                         f"length {length}")
     library = _library()
     k_offsets = (ctypes.c_int64 * n)(*(k for k, _ in kv_offsets))
     v_offsets = (ctypes.c_int64 * n)(*(v for _, v in kv_offsets))
     stops = (ctypes.c_int64 * max(len(stop_ids), 1))(*stop_ids)
     tokens, drafted, kept_drafts = ((ctypes.c_int64 * n)() for _ in range(3))
-    hidden_out = torch.empty(plan.dim, dtype=torch.float32)
     work = torch.empty(library.astrai_step_work_floats(plan, MAX_VERIFY_TOKENS), dtype=torch.float32)
     logits = torch.empty(MAX_VERIFY_TOKENS, plan.vocab, dtype=torch.float32)
-    run = SpeculativeRun(token, pos, n, ctypes.addressof(k_offsets), ctypes.addressof(v_offsets),
-                         None if hidden is None else hidden.data_ptr(), ctypes.addressof(stops), len(stop_ids),
-                         embedding_rows, max_seconds, max_draft, decay, min_kept, length, kept,
-                         ctypes.addressof(tokens), ctypes.addressof(drafted), ctypes.addressof(kept_drafts), 0,
-                         hidden_out.data_ptr(), work.data_ptr(), logits.data_ptr())
-    given = library.astrai_head_speculative_steps(plan, head, run)
+    run = SpeculativeRun(token, pos, n, ctypes.addressof(k_offsets), ctypes.addressof(v_offsets), None,
+                         ctypes.addressof(stops), len(stop_ids), embedding_rows, max_seconds, max_draft, decay,
+                         min_kept, length, kept, ctypes.addressof(tokens), ctypes.addressof(drafted),
+                         ctypes.addressof(kept_drafts), 0, None, work.data_ptr(), logits.data_ptr())
+    hidden_out = None
+    if isinstance(drafter, HeadPlan):
+        if drafter.dim != plan.dim:
+            raise ValueError(f"speculative steps: a head of width {drafter.dim} for a model of {plan.dim}")
+        if hidden is not None:
+            if not (hidden.shape == (plan.dim,) and hidden.dtype == torch.float32 and hidden.is_contiguous()):
+                raise ValueError(f"speculative steps: hidden must be contiguous fp32 [{plan.dim}]")
+            run.hidden = hidden.data_ptr()
+        hidden_out = torch.empty(plan.dim, dtype=torch.float32)
+        run.hidden_out = hidden_out.data_ptr()
+        given = library.astrai_head_speculative_steps(plan, drafter, run)
+    else:
+        context, min_n, max_n = drafter
+        if not (context and context[-1] == token and 1 <= min_n <= max_n):
+            raise ValueError("speculative steps: prompt lookup needs the row's context ending with its token "
+                             f"and 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        buffer = (ctypes.c_int64 * (len(context) + n))(*context)
+        given = library.astrai_lookup_speculative_steps(
+            plan, PromptLookupRun(ctypes.addressof(buffer), len(context), 0, min_n, max_n), run)
     return SpeculativeSteps(tokens[:given], drafted[:run.verify_steps], kept_drafts[:run.verify_steps], hidden_out)
 
 

@@ -32,7 +32,7 @@ from astrai.backends.cpu.fused_head import FusedHead
 from astrai.backends.cpu.kernels import SpeculativeSteps
 from astrai.backends.cpu.serving import kernel_counts, prepare_for_serving
 from astrai.inference.cache import KVCache
-from astrai.inference.runner import DraftRow, GreedyRun, ModelRunner, Row
+from astrai.inference.runner import DraftRow, GreedyRun, LookupDrafts, ModelRunner, Row
 
 
 class CpuModelRunner(ModelRunner):
@@ -46,7 +46,7 @@ class CpuModelRunner(ModelRunner):
         # SDPA's causal kernel per row beats the masked kernel over padded rows (attention.py)
         self.packs_prefill = getattr(self.model.config, "attn_type", None) == "gqa"
         self.fused_decode = FusedDecode.for_model(self.model)
-        self.runs_greedy = self.fused_decode is not None
+        self.runs_greedy = self.runs_speculative = self.fused_decode is not None
         # decode rows may attend in place in the page store: past the decode buffers' budget,
         # and riding along a prefill step (which the scheduler then mixes in)
         self.mixes_decode = self.paged_decode = self.packs_prefill and PagedDecodeView.usable(cache.storage)
@@ -168,15 +168,20 @@ class CpuModelRunner(ModelRunner):
             self.decode_attention["buffers"] += len(tokens)
         return tokens
 
-    def speculative_run(self, run: GreedyRun, head, hidden: Optional[torch.Tensor],
+    def speculative_run(self, run: GreedyRun, drafter, hidden: Optional[torch.Tensor],
                         row: DraftRow) -> Optional[SpeculativeSteps]:
-        if self.fused_decode is None or not isinstance(head, FusedHead) \
-                or not self.fused_decode.ready(run.row.task_id):
+        if isinstance(drafter, FusedHead):
+            drafts = drafter.plan
+        elif isinstance(drafter, LookupDrafts):
+            drafts = (drafter.context, drafter.min_n, drafter.max_n)
+        else:
+            return None
+        if self.fused_decode is None or not self.fused_decode.ready(run.row.task_id):
             return None
         target = self.decode_target(run.row.task_id, run.row.start, run.steps)
         if target is None:
             return None
-        return self.fused_decode.speculative_steps(run.row.tokens[0], target, head.plan, hidden, run.stop_ids,
+        return self.fused_decode.speculative_steps(run.row.tokens[0], target, drafts, hidden, run.stop_ids,
                                                    run.max_seconds, dataclasses.asdict(row))
 
     def decode_target(self, task_id: str, pos: int, steps: int = 1) -> Optional[RowTarget]:

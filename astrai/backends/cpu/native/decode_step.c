@@ -461,9 +461,10 @@ int64_t astrai_draft_head_steps(const struct astrai_head_plan *plan, const float
     return done;
 }
 
-/* A greedy row's speculative decoding with a draft head, many verify steps in one call. Filled
- * by kernels.py (SpeculativeRun); `length` and `kept` are the row's draft length and kept
- * fraction (speculative.py's RowRecord), which the steps update as SpeculationControl.record does. */
+/* A greedy row's speculative decoding, many verify steps in one call, drafting with a draft
+ * head or by prompt lookup. Filled by kernels.py (SpeculativeRun); `length` and `kept` are the
+ * row's draft length and kept fraction (speculative.py's RowRecord), which the steps update as
+ * SpeculationControl.record does. */
 struct astrai_speculative_run {
     int64_t token, pos, steps;            /* the row's last token (no K/V yet), its position, tokens the run may give */
     const int64_t *k_offsets, *v_offsets; /* [steps]: where positions pos .. pos + steps - 1 go in the page store */
@@ -477,14 +478,20 @@ struct astrai_speculative_run {
     double kept;                          /* in and out */
     int64_t *tokens, *drafted, *kept_drafts;  /* [steps] each: the tokens given; drafts made and kept per verify step */
     int64_t verify_steps;                 /* out */
-    float *hidden_out;                    /* [dim]: the final hidden state whose logits chose the last token */
+    float *hidden_out;                    /* [dim]: the final hidden state whose logits chose the last token, or NULL */
     float *work, *logits;                 /* astrai_step_work_floats(plan, ASTRAI_MAX_VERIFY_ROWS), [that many][vocab] */
 };
 
-/* Verify steps of one greedy row, each drafting with the head from the last one's hidden state
- * (the first, without `hidden`, drafts nothing and fetches it), keeping the drafts while they
- * equal the target's argmax and the argmax after them, as the engine's verify step does
- * (speculative.py's accept_greedy): the tokens are exactly those of greedy decoding. The head's
+/* A run's drafter: up to `want` drafts after `token` into `out` (how many it wrote), given
+ * the run so far (`given` tokens in run->tokens; `hidden` whether run->hidden_out holds the
+ * state that chose `token`). */
+typedef int64_t (*run_drafter)(void *drafter, const struct astrai_speculative_run *run, int64_t given, int hidden,
+                               int64_t token, int64_t want, int64_t *out);
+
+/* Verify steps of one greedy row, each drafting with `draft` (the first, without `hidden`, may
+ * draft only with a drafter that needs no state) and keeping the drafts while they equal the
+ * target's argmax and the argmax after them, as the engine's verify step does
+ * (speculative.py's accept_greedy): the tokens are exactly those of greedy decoding. The
  * drafting and the acceptance run here, between the steps, so the Python of the engine's loop
  * (planning, the drafting call, acceptance, the task's bookkeeping: about half a millisecond a
  * step, a sixth of an int8 SmolLM2 step on a fast machine) comes once a run, as a lone greedy
@@ -495,8 +502,8 @@ struct astrai_speculative_run {
  * step that takes the kept fraction below `min_kept` (the engine then pauses the row's drafts).
  * A step drafts at most `steps` - given - 1 tokens, so every position it writes has its offsets.
  * Returns the tokens given; `verify_steps`, `drafted` and `kept_drafts` say how. */
-int64_t astrai_head_speculative_steps(const struct astrai_decode_plan *plan, const struct astrai_head_plan *head,
-                                      struct astrai_speculative_run *run)
+static int64_t speculative_steps(const struct astrai_decode_plan *plan, struct astrai_speculative_run *run,
+                                 run_drafter draft, void *drafter)
 {
     const double start = seconds_now();
     const int64_t dim = plan->dim, k = run->max_draft < ASTRAI_MAX_VERIFY_ROWS - 1 ? run->max_draft
@@ -505,15 +512,14 @@ int64_t astrai_head_speculative_steps(const struct astrai_decode_plan *plan, con
     float top[ASTRAI_MAX_VERIFY_ROWS * MAX_TEAM];
     int64_t token = run->token, pos = run->pos, given = 0, steps = 0;
     int hidden = run->hidden != NULL, stop = 0;
-    if (hidden) memcpy(run->hidden_out, run->hidden, sizeof(float) * (size_t)dim);
+    if (hidden && run->hidden_out) memcpy(run->hidden_out, run->hidden, sizeof(float) * (size_t)dim);
     const int threads = plan->threads < MAX_TEAM ? (int)plan->threads : MAX_TEAM;
     while (!stop && given < run->steps) {
         int64_t rows[ASTRAI_MAX_VERIFY_ROWS];
         int64_t want = run->length < k ? run->length : k;
         if (want > run->steps - given - 1) want = run->steps - given - 1;
         rows[0] = token;
-        const int64_t drafted = hidden && want > 0 ? astrai_draft_head_steps(head, run->hidden_out, token, want, rows + 1)
-                                                  : 0;
+        const int64_t drafted = want > 0 ? draft(drafter, run, given, hidden, token, want, rows + 1) : 0;
         const int64_t n = 1 + drafted;
         struct team_barrier barrier = {0, 0, 0};
         int team = 1;
@@ -529,7 +535,8 @@ int64_t astrai_head_speculative_steps(const struct astrai_decode_plan *plan, con
             if (kept < drafted && choice == rows[1 + kept]) ++kept;
             else break;
         }
-        memcpy(run->hidden_out, run->work + (n + kept) * dim, sizeof(float) * (size_t)dim);  /* team_step's h, row kept */
+        if (run->hidden_out)  /* team_step's h, row kept */
+            memcpy(run->hidden_out, run->work + (n + kept) * dim, sizeof(float) * (size_t)dim);
         hidden = 1;
         run->drafted[steps] = drafted;
         run->kept_drafts[steps++] = kept;
@@ -555,4 +562,64 @@ int64_t astrai_head_speculative_steps(const struct astrai_decode_plan *plan, con
     }
     run->verify_steps = steps;
     return given;
+}
+
+static int64_t head_drafts(void *drafter, const struct astrai_speculative_run *run, int64_t given, int hidden,
+                           int64_t token, int64_t want, int64_t *out)
+{
+    (void)given;
+    return hidden ? astrai_draft_head_steps((const struct astrai_head_plan *)drafter, run->hidden_out, token, want, out)
+                  : 0;
+}
+
+/* Verify steps of one greedy row drafting with a draft head (speculative_steps): each step's
+ * drafts come from the hidden state the step before left (the first's from `hidden`; without
+ * it the first step drafts nothing). `hidden_out` [dim] receives the state that chose the last
+ * token. */
+int64_t astrai_head_speculative_steps(const struct astrai_decode_plan *plan, const struct astrai_head_plan *head,
+                                      struct astrai_speculative_run *run)
+{
+    return run->hidden_out ? speculative_steps(plan, run, head_drafts, (void *)head) : 0;
+}
+
+/* A row's tokens for prompt lookup in a run (kernels.py's PromptLookupRun): the row's context
+ * (its last token last) in a buffer with room for the run's tokens, which the drafts append
+ * as they find them given. */
+struct astrai_prompt_lookup {
+    int64_t *context;
+    int64_t length, synced;  /* tokens in `context`; of the run's given tokens, how many are appended */
+    int64_t min_n, max_n;
+};
+
+/* speculative.py's NgramIndex.lookup over the `len` tokens of `c`: the `want` tokens that
+ * followed the latest earlier occurrence of the last n tokens (longest n first, from `max_n`
+ * down to `min_n`), repeating them when that occurrence is closer to the end than `want`;
+ * returns how many it wrote: `want`, or 0 when none occurs. */
+int64_t astrai_ngram_drafts(const int64_t *c, int64_t len, int64_t min_n, int64_t max_n, int64_t want, int64_t *out)
+{
+    for (int64_t n = max_n < len - 1 ? max_n : len - 1; n >= min_n && n >= 1; --n)
+        for (int64_t end = len - 1; end >= n; --end) {  /* an occurrence [end - n, end) with a token after it */
+            if (memcmp(c + end - n, c + len - n, sizeof(int64_t) * (size_t)n) != 0) continue;
+            const int64_t period = len - end;
+            for (int64_t i = 0; i < want; ++i) out[i] = c[end + i % period];
+            return want;
+        }
+    return 0;
+}
+
+static int64_t lookup_drafts(void *drafter, const struct astrai_speculative_run *run, int64_t given, int hidden,
+                             int64_t token, int64_t want, int64_t *out)
+{
+    struct astrai_prompt_lookup *lookup = drafter;
+    (void)hidden, (void)token;
+    while (lookup->synced < given) lookup->context[lookup->length++] = run->tokens[lookup->synced++];
+    return astrai_ngram_drafts(lookup->context, lookup->length, lookup->min_n, lookup->max_n, want, out);
+}
+
+/* Verify steps of one greedy row drafting by prompt lookup (speculative_steps). */
+int64_t astrai_lookup_speculative_steps(const struct astrai_decode_plan *plan, struct astrai_prompt_lookup *lookup,
+                                        struct astrai_speculative_run *run)
+{
+    if (lookup->min_n < 1 || lookup->max_n < lookup->min_n || lookup->length < 1) return 0;
+    return speculative_steps(plan, run, lookup_drafts, lookup);
 }
