@@ -48,7 +48,10 @@ class Drafter(Protocol):
     ``ready(task)``, false while it holds no current state for the task, and
     ``prepare(runner)``, which the scheduler calls once its runner is made. A drafter with state
     of its own per task (draft_model.py) may have ``catch_up(tasks)``, which the scheduler calls
-    before ``propose`` and leaves out of the drafting time it weighs (a new request's prompt)."""
+    before ``propose`` and leaves out of the drafting time it weighs (a new request's prompt). A
+    drafter whose drafts a runner can make itself between verify steps (prompt lookup; a head the
+    runner fuses) has ``run_drafter(task)``: what the runner's ``speculative_run`` drafts with, or
+    None."""
 
     def propose(self, tasks: Sequence, k: Sequence[int]) -> list[list[int]]: ...
 
