@@ -196,20 +196,9 @@ static const bf16_row_t *bf16_rounded_rows(const float *x, int64_t rows, int64_t
     return buffer;
 }
 
-/* A prefetch of the weight bytes AHEAD_BYTES on (prefetchnta: the weights pass through once).
- * On x86 it is an instruction the compiler must keep: GCC 12 dropped __builtin_prefetch from
- * every loop inlined into astrai_team_dequant_matmul (bf16, Q8_0 and Q4_0/Q4_1 rows, several
- * fp32 rows; its assembly held none), where the AVX2 bf16 decode of the 1B shape then ran
- * 1.28-1.40x slower. */
 static inline void prefetch_ahead(const uint8_t *p, const uint8_t *end)
 {
-    if (p + AHEAD_BYTES < end) {
-#if defined(__x86_64__) || defined(__i386__)
-        __asm__ volatile("prefetchnta %0" : : "m"(p[AHEAD_BYTES]));
-#else
-        __builtin_prefetch(p + AHEAD_BYTES, 0, 0);
-#endif
-    }
+    if (p + AHEAD_BYTES < end) __builtin_prefetch(p + AHEAD_BYTES, 0, 0);
 }
 
 
