@@ -112,7 +112,8 @@ def test_a_run_of_verify_steps_drafts_keeps_and_pauses_as_single_steps_do(weight
     # one as a verify step without drafts, to fetch the head's state; in a run, a plain step)
     assert steps == [s for s in single_steps if s[0]]
     assert counts["runs"] > 0 and counts["verify"] == 0 and single_counts["runs"] == 0
-    assert steps[0][0] > 0  # the first verify step drafts, from the state the prompt's step left
+    # the first verify step drafts, from the state the prompt's step left (in a run and one by one)
+    assert counts["run_steps"][0][0] > 0 and single_steps[0][0] > 0
     if shift == 0:  # drafts kept whole; over fp32 weights the output moves on in a draft's middle
         assert any(kept == drafted > 1 for drafted, kept, _ in steps)
         assert weights != "fp32" or any(0 < kept < drafted for drafted, kept, _ in steps)
