@@ -22,8 +22,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from astrai.alignment.group_packing import pack_groups, packed_logprobs_and_aux, split_rows
 from astrai.alignment.losses import (REDUCTIONS, group_advantages, grpo_loss, keyed_group_advantages,
-                                     shifted_logprobs_and_aux, shifted_token_logprobs)
+                                     shifted_logprobs_and_aux)
 from astrai.alignment.reference import ReferenceModel, cpu_weights, frozen, load_weights, unwrap
 from astrai.alignment.rewards import compute_rewards, resolve_reward
 from astrai.alignment.rollout import EngineRollout, RolloutBatch, pack_sequences
@@ -50,7 +51,7 @@ class GRPOStrategy(BaseStrategy):
                  reward: Any = None, tokenizer: Any = None, rollout: Optional[EngineRollout] = None,
                  max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                  weight_sync_interval: int = 1, ref_model: Optional[nn.Module] = None, ref_path: Optional[str] = None,
-                 seed: int = 0, **kwargs: Any):
+                 seed: int = 0, share_prompts: bool = True, **kwargs: Any):
         super().__init__(model, device, **kwargs)
         if not isinstance(group_size, int) or group_size < 2:
             raise ConfigError(f"group_size must be an integer >= 2 (advantages compare responses within a group), "
@@ -66,6 +67,7 @@ class GRPOStrategy(BaseStrategy):
             raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
         self.group_size, self.clip_eps, self.kl_coef = group_size, float(clip_eps), float(kl_coef)
         self.sync_interval, self.weight_sync_interval, self.reduction = sync_interval, weight_sync_interval, reduction
+        self.share_prompts = bool(share_prompts)
         self.reference = ReferenceModel(model, ref_model, ref_path)
         self.reward = None if reward is None else resolve_reward(reward, device=self.device)
         self.tokenizer = tokenizer
@@ -111,19 +113,18 @@ class GRPOStrategy(BaseStrategy):
     def policy_loss(self, input_ids: torch.Tensor, response_mask: torch.Tensor, rewards: torch.Tensor,
                     advantages: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The GRPO objective on scored sequences (consecutive groups unless ``advantages`` is given)."""
-        input_ids, response_mask = input_ids.to(self.device), response_mask.to(self.device)
         if advantages is None:
             advantages = group_advantages(rewards, self.group_size)
         advantages = advantages.to(self.device)
-        mask = response_mask[:, 1:]
-        logp, aux = shifted_logprobs_and_aux(self.model, input_ids)
+        score, mask = self.token_scorer(input_ids, response_mask)
+        logp, aux = score(self.model)
         if self.behaviour is None:
             old_logp = logp.detach()
         else:
             with torch.no_grad():
-                old_logp = shifted_token_logprobs(self.behaviour, input_ids)
+                old_logp = score(self.behaviour)[0]
         with self.reference.active() as ref:
-            ref_logp = shifted_token_logprobs(ref, input_ids)
+            ref_logp = score(ref)[0]
         loss, metrics = grpo_loss(logp, old_logp, ref_logp, advantages, mask, self.clip_eps, self.kl_coef,
                                   self.reduction)
         self.metrics = {
@@ -134,6 +135,19 @@ class GRPOStrategy(BaseStrategy):
             **metrics,
         }
         return self.add_aux_loss(loss, {"aux_loss": aux})
+
+    def token_scorer(self, input_ids: torch.Tensor, response_mask: torch.Tensor):
+        """(score, mask): ``score(model)`` gives (log-probs, aux loss) of the response tokens that
+        ``mask`` marks. Rows sharing a prompt are packed into one (``group_packing``) when
+        ``share_prompts`` is on and the packed row fits the model; otherwise each row runs whole."""
+        if self.share_prompts:
+            packed = pack_groups(*split_rows(input_ids, response_mask))
+            max_len = getattr(getattr(unwrap(self.model), "config", None), "max_len", 0)
+            if packed is not None and packed.length <= max_len and packed.tokens <= input_ids.numel():
+                packed = packed.to(self.device)
+                return (lambda model: packed_logprobs_and_aux(model, packed)), packed.mask
+        ids = input_ids.to(self.device)
+        return (lambda model: shifted_logprobs_and_aux(model, ids)), response_mask[:, 1:].to(self.device)
 
     def compute_loss(self, batch: dict[str, Any]) -> torch.Tensor:
         if "prompts" not in batch:

@@ -253,10 +253,13 @@ class BaseQuickstart(Quickstart):
         elif name == "dpo":
             steps_planned, kw = self.dpo_plan(seconds)
         else:
-            # an update over group·prompts sequences (policy, behaviour and reference passes) plus
-            # one decoding step of all sequences per answer token; the deadline guard ends the stage
+            # an update (policy, behaviour and reference passes) over each prompt once with its group's
+            # answers behind it (GRPOStrategy packs them) plus one decoding step of all sequences per
+            # answer token, a forward costing about a third of a training token; planned at twice
+            # that many steps, the stage then keeps what its timed steps 2-4 say fits
             sequences = s.grpo_prompts_per_step * s.grpo_group_size
-            step_seconds = 1.5 * sequences * s.grpo_seq_len / tps + s.grpo_max_new_tokens * sequences * 3 / tps
+            packed_tokens = s.grpo_prompts_per_step * (s.grpo_seq_len + s.grpo_group_size * s.grpo_max_new_tokens)
+            step_seconds = 1.5 * packed_tokens / tps + s.grpo_max_new_tokens * sequences / (3 * tps)
             steps_planned = 2 * seconds / step_seconds
             kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
                       batch_per_device=s.grpo_prompts_per_step, window_size=s.grpo_seq_len + s.grpo_max_new_tokens,

@@ -556,14 +556,15 @@ class Quickstart:
                               {"path": str(self.data_dir("arithmetic")), "rate": share, "type": "seq"}])
 
     def grpo_step_seconds(self) -> float:
-        """One GRPO step's estimated time: an update over group·prompts sequences of ~32 tokens
-        (policy, behaviour and reference passes) plus one decoding step of all sequences per
-        answer token (a forward costs ~1/3 of training). A default 15-minute run did 797 steps in the
-        time this gives 625 for, so the stage completes the steps it plans."""
+        """One GRPO step's estimated time: an update (policy, behaviour and reference passes) over
+        each prompt of ~16 tokens once with its group's answers of ~16 behind it (GRPOStrategy packs
+        them) plus one decoding step of all sequences per answer token (a forward costs ~1/3 of
+        training). It errs long, so the stage completes the steps it plans."""
         s = self.s
         sequences = s.grpo_prompts_per_step * s.grpo_group_size
+        packed_tokens = s.grpo_prompts_per_step * (16 + s.grpo_group_size * 16)
         tps = self.fp32_tps
-        return 1.5 * sequences * 32 / tps + s.grpo_max_new_tokens * (sequences / (3 * tps) + 0.004)
+        return 1.5 * packed_tokens / tps + s.grpo_max_new_tokens * (sequences / (3 * tps) + 0.004)
 
     def dpo_plan(self, seconds: float) -> tuple[float, dict]:
         """DPO's step count for ``seconds`` and its TrainConfig fields. Chosen + rejected go
