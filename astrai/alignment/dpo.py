@@ -7,8 +7,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from astrai.alignment.losses import (REDUCTIONS, dpo_loss, reduce, response_sums, sequence_logprobs,
-                                     shifted_logprobs_and_aux)
+from astrai.alignment.group_packing import model_max_len, packed_logprobs_and_aux, packed_rows
+from astrai.alignment.losses import REDUCTIONS, dpo_loss, reduce, response_sums, shifted_logprobs_and_aux
 from astrai.alignment.preference import check_preference_batch, stack_attention, stack_pairs
 from astrai.alignment.reference import ReferenceModel
 from astrai.errors import ConfigError
@@ -33,7 +33,7 @@ class DPOStrategy(BaseStrategy):
 
     def __init__(self, model: nn.Module, device: str | torch.device = "cpu", beta: float = 0.1,
                  reduction: str = "mean", ref_model: Optional[nn.Module] = None, ref_path: Optional[str] = None,
-                 rpo_alpha: float = 0.0, **kwargs: Any):
+                 rpo_alpha: float = 0.0, share_prompts: bool = True, **kwargs: Any):
         super().__init__(model, device, **kwargs)
         if not beta > 0:
             raise ConfigError(f"beta must be > 0 for DPO, got {beta!r}")
@@ -42,6 +42,7 @@ class DPOStrategy(BaseStrategy):
         if not rpo_alpha >= 0:
             raise ConfigError(f"rpo_alpha must be >= 0 (the weight of the chosen answers' NLL), got {rpo_alpha!r}")
         self.beta, self.reduction, self.rpo_alpha = float(beta), reduction, float(rpo_alpha)
+        self.share_prompts = bool(share_prompts)
         self.reference = ReferenceModel(model, ref_model, ref_path)
 
     @property
@@ -54,10 +55,10 @@ class DPOStrategy(BaseStrategy):
         ids, mask = stack_pairs(batch)
         attention = stack_attention(batch)
         n = batch["chosen"].shape[0]
-        per_token, aux = shifted_logprobs_and_aux(self.model, ids, attention)
-        policy = response_sums(per_token, mask)
+        score = self.response_scorer(ids, mask, attention)
+        policy, aux = score(self.model)
         with self.reference.active() as ref:
-            reference = sequence_logprobs(ref, ids, mask, attention)
+            reference = score(ref)[0]
         loss, metrics = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.beta, self.reduction)
         self.metrics = {"dpo_loss": loss.detach(), **metrics}
         if self.rpo_alpha:
@@ -66,6 +67,24 @@ class DPOStrategy(BaseStrategy):
             loss = loss + self.rpo_alpha * nll
             self.metrics["chosen_nll"] = nll.detach()
         return self.add_aux_loss(loss, {"aux_loss": aux})
+
+    def response_scorer(self, ids: torch.Tensor, mask: torch.Tensor, attention: Optional[torch.Tensor]):
+        """``score(model)`` → (each row's summed response log-prob [2n], the MoE balancing loss). A
+        pair's chosen and rejected answers take their shared prompt once (``group_packing``) when
+        ``share_prompts`` is on and the packed row fits the model; otherwise each row runs whole."""
+        packed = packed_rows(ids, mask, model_max_len(self.model), attention) if self.share_prompts else None
+        if packed is not None:
+            packed = packed.to(ids.device)
+
+            def score(model):
+                logp, aux = packed_logprobs_and_aux(model, packed)
+                return logp.sum(dim=1), aux
+            return score
+
+        def score(model):
+            per_token, aux = shifted_logprobs_and_aux(model, ids, attention)
+            return response_sums(per_token, mask), aux
+        return score
 
     def state_dict(self) -> dict[str, Any]:
         return {"reference": self.reference.state_dict()}

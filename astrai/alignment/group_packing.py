@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from astrai.alignment.losses import token_logprobs
+from astrai.alignment.reference import unwrap
 
 
 @dataclass
@@ -50,14 +51,21 @@ class PackedGroups:
         return PackedGroups(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def split_rows(input_ids: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompts, responses) of right-padded prompt+response rows: a row's prompt is what comes
-    before its first response token."""
+def split_rows(input_ids: torch.Tensor, response_mask: torch.Tensor,
+               attention_mask: Optional[torch.Tensor] = None) -> Optional[tuple[list[list[int]], list[list[int]]]]:
+    """(prompts, responses) of prompt+response rows: a row's prompt is what comes before its first
+    response token (less the positions ``attention_mask`` marks as padding), its response the one
+    run of tokens the mask marks; what follows the response cannot change its scores. None when
+    a row's response is not one run (a token inside it that does not count is still context)."""
     prompts, responses = [], []
-    for ids, mask in zip(input_ids.tolist(), response_mask.tolist()):
+    attention = attention_mask.tolist() if attention_mask is not None else [None] * len(input_ids)
+    for ids, mask, real in zip(input_ids.tolist(), response_mask.tolist(), attention):
         start = mask.index(1) if 1 in mask else len(mask)
-        prompts.append(ids[:start])
-        responses.append([t for t, m in zip(ids, mask) if m])
+        end = start + sum(mask)
+        if any(mask[start:end]) and not all(mask[start:end]):
+            return None
+        prompts.append([t for i, t in enumerate(ids[:start]) if real is None or real[i]])
+        responses.append(ids[start:end])
     return prompts, responses
 
 
@@ -105,6 +113,22 @@ def pack_groups(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
             mask[n, :len(response)] = 1
             start, k = end, k + len(response)
     return PackedGroups(ids, positions, allowed, logits_index, targets, gather, mask)
+
+
+def model_max_len(model) -> int:
+    """The longest row ``model`` takes (0 when its config does not say, so nothing is packed)."""
+    return int(getattr(getattr(unwrap(model), "config", None), "max_len", 0) or 0)
+
+
+def packed_rows(input_ids: torch.Tensor, response_mask: torch.Tensor, max_len: int,
+                attention_mask: Optional[torch.Tensor] = None) -> Optional[PackedGroups]:
+    """The rows packed by shared prompt when that fits ``max_len`` and is no longer than the rows
+    themselves; None where the rows must be scored as they are."""
+    rows = split_rows(input_ids, response_mask, attention_mask)
+    packed = pack_groups(*rows) if rows is not None else None
+    if packed is None or packed.length > max_len or packed.tokens > input_ids.numel():
+        return None
+    return packed
 
 
 def packed_logprobs_and_aux(model, packed: PackedGroups) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

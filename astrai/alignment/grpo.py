@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from astrai.alignment.group_packing import pack_groups, packed_logprobs_and_aux, split_rows
+from astrai.alignment.group_packing import model_max_len, packed_logprobs_and_aux, packed_rows
 from astrai.alignment.losses import (REDUCTIONS, group_advantages, grpo_loss, keyed_group_advantages,
                                      shifted_logprobs_and_aux)
 from astrai.alignment.reference import ReferenceModel, cpu_weights, frozen, load_weights, unwrap
@@ -140,12 +140,10 @@ class GRPOStrategy(BaseStrategy):
         """(score, mask): ``score(model)`` gives (log-probs, aux loss) of the response tokens that
         ``mask`` marks. Rows sharing a prompt are packed into one (``group_packing``) when
         ``share_prompts`` is on and the packed row fits the model; otherwise each row runs whole."""
-        if self.share_prompts:
-            packed = pack_groups(*split_rows(input_ids, response_mask))
-            max_len = getattr(getattr(unwrap(self.model), "config", None), "max_len", 0)
-            if packed is not None and packed.length <= max_len and packed.tokens <= input_ids.numel():
-                packed = packed.to(self.device)
-                return (lambda model: packed_logprobs_and_aux(model, packed)), packed.mask
+        packed = packed_rows(input_ids, response_mask, model_max_len(self.model)) if self.share_prompts else None
+        if packed is not None:
+            packed = packed.to(self.device)
+            return (lambda model: packed_logprobs_and_aux(model, packed)), packed.mask
         ids = input_ids.to(self.device)
         return (lambda model: shifted_logprobs_and_aux(model, ids)), response_mask[:, 1:].to(self.device)
 

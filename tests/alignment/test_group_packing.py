@@ -5,8 +5,11 @@ import random
 import pytest
 import torch
 
-from astrai.alignment.group_packing import pack_groups, packed_logprobs_and_aux, split_rows
+from astrai.alignment.dpo import DPOStrategy
+from astrai.alignment.group_packing import (model_max_len, pack_groups, packed_logprobs_and_aux, packed_rows,
+                                            split_rows)
 from astrai.alignment.grpo import GRPOStrategy
+from astrai.alignment.preference import stack_attention, stack_pairs
 from astrai.alignment.losses import shifted_token_logprobs
 from astrai.alignment.rollout import pack_sequences
 from astrai.config import preset
@@ -118,3 +121,70 @@ def test_packing_falls_back_when_a_packed_row_would_not_fit():
     assert mask.shape == (4, ids.shape[1] - 1)  # one row per response
     _, mask = strategy.token_scorer(ids[:, :70], response_mask[:, :70])  # 60 + 4 x 10 fits
     assert mask.shape == (4, 10)
+
+
+def test_split_rows_drops_prompt_padding_and_refuses_a_response_with_gaps():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0], [3, 4, 5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1, 0], [0, 0, 1, 1, 1, 0, 0]])
+    attention = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    assert split_rows(ids, mask, attention) == ([[5, 6], [3, 4]], [[7, 8], [5, 6, 7]])
+    assert split_rows(ids, torch.tensor([[0, 0, 0, 1, 0, 1, 0], [0, 0, 1, 1, 1, 0, 0]])) is None
+
+
+def dpo_batch(seed=0, pairs=3, vocab=64, left_pad=False):
+    """Pairs whose chosen and rejected answers follow one prompt; with ``left_pad``, prompts padded
+    on the left under attention masks, as a user's own collate function may do."""
+    rng = random.Random(seed)
+    rows = {"chosen": [], "rejected": []}
+    for _ in range(pairs):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 10))]
+        for side in rows:
+            rows[side].append((prompt, [rng.randrange(1, vocab) for _ in range(rng.randint(1, 6))]))
+    batch = {}
+    for side, items in rows.items():
+        P = max(len(p) for p, _ in items)
+        L = P + max(len(a) for _, a in items)
+        ids, mask, attention = (torch.zeros(len(items), L, dtype=torch.long) for _ in range(3))
+        for i, (p, a) in enumerate(items):
+            start = P - len(p) if left_pad else 0
+            ids[i, start:start + len(p) + len(a)] = torch.tensor(p + a)
+            mask[i, start + len(p):start + len(p) + len(a)] = 1
+            attention[i, start:start + len(p) + len(a)] = 1
+        batch.update({side: ids, f"{side}_mask": mask})
+        if left_pad:
+            batch[f"{side}_attention_mask"] = attention
+    return batch
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_dpo_loss_is_the_same_packed_or_not(left_pad):
+    model = tiny_lm(64).train()
+    batch = dpo_batch(left_pad=left_pad)
+    results = []
+    for share in (True, False):
+        strategy = DPOStrategy(model, beta=0.5, rpo_alpha=1.0, share_prompts=share)
+        with torch.no_grad():  # the policy away from its reference, so the DPO term is not flat
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p, generator=torch.Generator().manual_seed(3)))
+        loss = strategy.compute_loss(batch)
+        loss.backward()
+        results.append((loss.item(), strategy.metrics["chosen_nll"].item(),
+                        [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.02 * torch.randn_like(p, generator=torch.Generator().manual_seed(3)))
+    packed, plain = results
+    # the batch does pack: each pair's prompt once, its padding dropped
+    assert packed_rows(*stack_pairs(batch), model_max_len(model), stack_attention(batch)).input_ids.shape[0] == 3
+    assert packed[0] == pytest.approx(plain[0], rel=1e-4) and packed[1] == pytest.approx(plain[1], rel=1e-4)
+    for got, want in zip(packed[2], plain[2]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_dpo_packs_each_pair_into_one_row():
+    model = tiny_lm(64)
+    batch = dpo_batch(pairs=4)
+    ids, mask = stack_pairs(batch)
+    packed = packed_rows(ids, mask, model_max_len(model))
+    assert packed.input_ids.shape[0] == 4 and packed.tokens < ids.numel()

@@ -125,7 +125,9 @@ def test_offline_grpo_groups_rows_by_prompt():
              "rewards": torch.tensor([1.0, 0.0, 5.0])}
     loss = strategy.compute_loss(batch)
     loss.backward()
-    assert strategy.metrics["kl"] == 0.0  # the reference is a snapshot of these very weights
+    # the reference is a snapshot of these very weights (in eval mode its last block computes the
+    # scored positions alone, whose products may round apart from the policy's in the last bits)
+    assert strategy.metrics["kl"] < 1e-10
     assert strategy.metrics["reward_mean"] == pytest.approx(2.0)
     # the lone third row gets advantage 0; the pair gets ±1, each averaged over its own tokens
     assert loss.item() == pytest.approx(-(1.0 - 1.0) / 3, abs=1e-6)
