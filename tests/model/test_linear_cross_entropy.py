@@ -45,6 +45,30 @@ def test_value_and_gradients_match_plain_cross_entropy(monkeypatch, smoothing, g
         assert lce.linear_cross_entropy(hidden, weight, targets, label_smoothing=smoothing).item() == pytest.approx(want.item(), rel=1e-6)
 
 
+def test_rows_whose_target_does_not_count_skip_the_projection():
+    """SFT's loss mask leaves most prompt rows out: their logits are never computed."""
+    logit_rows = []
+    weight = (torch.randn(50, 32) * 0.3).requires_grad_()
+
+    def matmul(a, b):
+        if a is weight:  # W @ hᵀ: the logits of b's rows (the weight gradient is G @ h)
+            logit_rows.append(b.shape[0])
+        return a @ b.t()
+
+    hidden = torch.randn(4, 30, 32, requires_grad=True)
+    targets = torch.randint(0, 50, (4, 30))
+    targets[:, :24] = -100  # a prompt of 24 tokens a row, 6 answer tokens counted
+    got = lce.linear_cross_entropy(hidden, weight, targets, matmul=matmul)
+    assert sum(logit_rows) == 24
+    want = reference(hidden, weight, targets)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    got_h, got_w = torch.autograd.grad(got, (hidden, weight))
+    want_h, want_w = torch.autograd.grad(want, (hidden, weight))
+    torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)
+    assert torch.all(got_h[:, :24] == 0)
+
+
 def test_all_ignored_gives_nan_like_cross_entropy():
     hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
     targets = torch.full((4,), -100)

@@ -231,9 +231,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     softmax = _installed.softmax_gradient if hidden.device.type == _installed.device_type else None
     if compute_dtype not in (torch.float32, torch.bfloat16):
         softmax = None
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    counted = targets != ignore_index
+    if not bool(counted.all()):
+        # a row whose target does not count (a prompt token under SFT's loss mask, padding) adds
+        # nothing to the loss or the gradients, so it skips the projection's three matmuls
+        rows = counted.nonzero().squeeze(1)
+        hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
     with torch.autocast(hidden.device.type, enabled=False):
-        return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                                        ignore_index, float(label_smoothing), compute_dtype, matmul, softmax)
+        return LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, float(label_smoothing),
+                                        compute_dtype, matmul, softmax)
 
 
 def projection_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
