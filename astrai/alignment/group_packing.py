@@ -1,14 +1,14 @@
-"""One forward pass per GRPO group: the prompt once, its responses side by side behind it.
+"""One forward pass per shared prompt: the prompt once, its responses side by side behind it.
 
-A group's responses share their prompt, and on a chat model the prompt (template,
-system text, question) is often ten to twenty times longer than an answer. Laid out
-one row per response, the policy, the reference and the backward pass run the
-prompt ``group_size`` times. Packed, a row holds the prompt once and then each
-response, with a mask that lets every response see the prompt and its own earlier
-tokens and nothing of its siblings, and positions that restart after the prompt for
-each response. Each response token is scored from the position before it (the
-prompt's last position for a first token), so the log-probs are those of the
-one-row-per-response layout, and logits are computed at those positions only.
+A GRPO group's responses, and a DPO pair's chosen and rejected answers, share their
+prompt, and on a chat model the prompt (template, system text, question) is often ten
+to twenty times longer than an answer. Laid out one row per response, the policy, the
+reference and the backward pass run the prompt once per response. Packed, a row holds
+the prompt once and then each response, with a mask that lets every response see the
+prompt and its own earlier tokens and nothing of its siblings, and positions that
+restart after the prompt for each response. Each response token is scored from the
+position before it (the prompt's last position for a first token), so the log-probs are
+those of the one-row-per-response layout, and logits are computed at those positions only.
 """
 
 from __future__ import annotations
