@@ -559,7 +559,8 @@ class Quickstart:
         """One GRPO step's estimated time: an update (policy, behaviour and reference passes) over
         each prompt of ~16 tokens once with its group's answers of ~16 behind it (GRPOStrategy packs
         them) plus one decoding step of all sequences per answer token (a forward costs ~1/3 of
-        training). It errs long, so the stage completes the steps it plans."""
+        training). Where fewer steps fit, the stage's timed steps 2-4 plan fewer
+        (``make_replan_callback``), so it completes the steps it reports."""
         s = self.s
         sequences = s.grpo_prompts_per_step * s.grpo_group_size
         packed_tokens = s.grpo_prompts_per_step * (16 + s.grpo_group_size * 16)
