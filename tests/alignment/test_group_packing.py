@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+import astrai.alignment.dpo as dpo_module
 from astrai.alignment.dpo import DPOStrategy
 from astrai.alignment.group_packing import (model_max_len, pack_groups, packed_logprobs_and_aux, packed_rows,
                                             split_rows)
@@ -188,3 +189,16 @@ def test_dpo_packs_each_pair_into_one_row():
     ids, mask = stack_pairs(batch)
     packed = packed_rows(ids, mask, model_max_len(model))
     assert packed.input_ids.shape[0] == 4 and packed.tokens < ids.numel()
+
+
+def test_dpo_strategy_scores_through_the_packed_rows(monkeypatch):
+    calls = []
+    real = dpo_module.packed_logprobs_and_aux
+    monkeypatch.setattr(dpo_module, "packed_logprobs_and_aux",
+                        lambda model, packed: calls.append(packed.input_ids.shape[0]) or real(model, packed))
+    model = tiny_lm(64).train()
+    DPOStrategy(model, beta=0.5).compute_loss(dpo_batch(pairs=3))
+    assert calls == [3, 3]  # the policy and the reference, one row per pair each
+    calls.clear()
+    DPOStrategy(model, beta=0.5, share_prompts=False).compute_loss(dpo_batch(pairs=3))
+    assert calls == []
