@@ -53,7 +53,9 @@
  * their magnitudes multiply the activations carrying the weights' signs.
  *
  * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
- * stream (two: values and scales) front to back, prefetched non-temporally ahead. With AVX2
+ * stream (two: values and scales) front to back, prefetched non-temporally ahead; bf16 widened
+ * by AVX2 reads its stretch as four (one row of x) or two (two rows) streams side by side
+ * (bf16_stretch_streams), one stream leaving a core short of the memory's pace. With AVX2
  * and FMA (x86-64 builds for a CPU that has them), blocks are multiplied (bf16: widened to
  * fp32) in registers by intrinsics, and with AVX512-VNNI each four int8 products are summed
  * by one vpdpbusd (the same integers as maddubs gives); otherwise, or built with
@@ -290,12 +292,11 @@ static inline __m256 scales8(const uint16_t *h)
 #endif
 
 
-#if !DEQUANT_AVX2
-/* The plain-C loops, one row of x at a time. Each is its own function, never inlined, with
- * the float additions in source order (reassociation off here alone, so the integer loops
- * still vectorize): under -fassociative-math an inlined loop over several rows may be
- * vectorized or reordered differently for each row count, and a row of a speculative step's
- * verify would then differ from the same row decoded alone. */
+/* Float sums that must not depend on the rows sharing a call are each made in a function of
+ * their own, never inlined, with the additions in source order (reassociation off there
+ * alone, so integer loops still vectorize): under -fassociative-math an inlined loop over
+ * several rows may be vectorized or reordered differently for each row count, and a row of
+ * a speculative step's verify would then differ from the same row decoded alone. */
 #if defined(__clang__)
 #define IN_SOURCE_ORDER __attribute__((noinline))
 #define SOURCE_ORDER_PRAGMA _Pragma("clang fp reassociate(off)")
@@ -303,6 +304,9 @@ static inline __m256 scales8(const uint16_t *h)
 #define IN_SOURCE_ORDER __attribute__((noinline, optimize("no-associative-math")))
 #define SOURCE_ORDER_PRAGMA
 #endif
+
+#if !DEQUANT_AVX2
+/* The plain-C loops, one row of x at a time, each in source order (above). */
 
 /* One row's int8 blocks against one quantized row of x. */
 static IN_SOURCE_ORDER float row_q8(const int8_t *w, const uint16_t *scales, const int8_t *xq, const float *xd,
@@ -776,6 +780,71 @@ static void team_x8(int type, const float *x, int64_t rows, int64_t x_stride, co
         for (int64_t r = 0; r < rows; ++r) best[r * MAX_TEAM + t] = mine[r], top[r * MAX_TEAM + t] = highest[r];
 }
 
+#if BF16_QUARTERS
+/* sum plus the products of the last n elements, in order (a row's tail past its sixteens) */
+static IN_SOURCE_ORDER float bf16_tail(const uint16_t *w, const float *x, int64_t n, float sum)
+{
+    SOURCE_ORDER_PRAGMA
+    for (int64_t i = 0; i < n; ++i) sum += bf16_to_float(w[i]) * x[i];
+    return sum;
+}
+
+/* `streams` bf16 weight rows, `gap` elements apart, against the rows of x rounded to bf16 (as
+ * floats, each sixteen in BF16_QUARTERS order), into out[s * rows + r]. Each (weight row, row
+ * of x) pair adds into two chains, one per unpack of the widened sixteen, then its tail in
+ * order: the same numbers however many streams and rows share the loop. One weight row read
+ * at a time keeps too few cache lines in flight for a core to reach the memory's pace (on the
+ * 1B shape's weights, 0.86 of a bare read against 0.97 for four rows read side by side). */
+static inline __attribute__((always_inline)) void dot_bf16_streams(const uint16_t *w, int64_t gap, int streams,
+                                                                   const float *x, int64_t x_stride, int rows,
+                                                                   int64_t n_in, float *out, const uint8_t *end)
+{
+    __m256 lo[4][ASTRAI_MAX_DEQUANT_ROWS], hi[4][ASTRAI_MAX_DEQUANT_ROWS];
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n_in; i += 16)
+        for (int s = 0; s < streams; ++s) {
+            if (!(i & 31)) prefetch_ahead((const uint8_t *)(w + s * gap + i), end);
+            /* inputs 0-3 and 8-11, then 4-7 and 12-15, as x's sixteens are stored */
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + s * gap + i));
+            const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw));
+            const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw));
+            for (int r = 0; r < rows; ++r) {
+                lo[s][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * x_stride + i), lo[s][r]);
+                hi[s][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * x_stride + i + 8), hi[s][r]);
+            }
+        }
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r)
+            out[s * rows + r] = bf16_tail(w + s * gap + i, x + r * x_stride + i, n_in - i,
+                                          horizontal_sum(_mm256_add_ps(lo[s][r], hi[s][r])));
+}
+
+/* The first rows of a thread's stretch [first, last) of a bf16 weight, read several weight
+ * rows side by side: one row of x takes the stretch in four parts, two rows in two, more rows
+ * keep enough chains going with one weight row. Returns the first output row left undone. */
+static int64_t bf16_stretch_streams(const uint16_t *w, int64_t ld, const float *xr, int rows, int64_t n_in,
+                                    const float *bias, float *y, int64_t y_stride, int64_t first, int64_t last,
+                                    const uint8_t *end)
+{
+    const int streams = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    if (streams == 1) return first;
+    const int64_t part = (last - first) / streams;
+    float out[4 * ASTRAI_MAX_DEQUANT_ROWS];
+    for (int64_t j = first; j < first + part; ++j) {
+        if (rows == 1)
+            dot_bf16_streams(w + j * ld, part * ld, 4, xr, n_in, 1, n_in, out, end);
+        else
+            dot_bf16_streams(w + j * ld, part * ld, 2, xr, n_in, 2, n_in, out, end);
+        for (int s = 0; s < streams; ++s)
+            for (int r = 0; r < rows; ++r)
+                y[r * y_stride + j + s * part] = out[s * rows + r] + (bias ? bias[j + s * part] : 0.0f);
+    }
+    return first + streams * part;
+}
+#endif
+
 /* The bf16 weight row's products with the rows of x, rounded to bf16 (bf16_rounded_rows:
  * `rounded` holds bf16 bits with vdpbf16ps, else floats, rows x_stride elements apart). */
 static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const bf16_row_t *rounded,
@@ -793,52 +862,11 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, co
             acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(live, rounded + r * x_stride + i));
     }
     for (int r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-#else
-    const float *x = rounded;
-    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
-#if DEQUANT_AVX2
-    int64_t i = 0;
-    /* four chains of multiply-adds, two sixteens of inputs a step: with two chains a row waits
-     * on the multiply-add's latency and reads below the memory's pace */
-    __m256 acc[4][ASTRAI_MAX_DEQUANT_ROWS];
-    for (int c = 0; c < 4; ++c)
-        for (int r = 0; r < rows; ++r) acc[c][r] = _mm256_setzero_ps();
-    for (; i + 16 <= n_in; i += 16) {
-        const int second = i + 32 <= n_in;  /* a whole second sixteen follows */
-        prefetch_ahead((const uint8_t *)(w + i), end);
-        /* inputs 0-3 and 8-11, then 4-7 and 12-15, as x's sixteens are stored (BF16_QUARTERS) */
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i));
-        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw));
-        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw));
-        if (second) {
-            const __m256i next = _mm256_loadu_si256((const __m256i *)(w + i + 16));
-            const __m256 w2 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), next));
-            const __m256 w3 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), next));
-            for (int r = 0; r < rows; ++r) {
-                const float *xi = x + r * x_stride + i;
-                acc[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc[0][r]);
-                acc[1][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc[1][r]);
-                acc[2][r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xi + 16), acc[2][r]);
-                acc[3][r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), acc[3][r]);
-            }
-            i += 16;
-            continue;
-        }
-        for (int r = 0; r < rows; ++r) {
-            const float *xi = x + r * x_stride + i;
-            acc[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), acc[0][r]);
-            acc[1][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), acc[1][r]);
-        }
-    }
-    for (int r = 0; r < rows; ++r)
-        sum[r] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0][r], acc[1][r]), _mm256_add_ps(acc[2][r], acc[3][r])));
-    for (; i < n_in; ++i)
-        for (int r = 0; r < rows; ++r) sum[r] += bf16_to_float(w[i]) * x[r * x_stride + i];
+#elif BF16_QUARTERS
+    dot_bf16_streams(w, 0, 1, rounded, x_stride, rows, n_in, out, end);
 #else
     (void)end;
-    for (int r = 0; r < rows; ++r) sum[r] = row_bf16(w, x + r * x_stride, n_in);
-#endif
-    for (int r = 0; r < rows; ++r) out[r] = sum[r];
+    for (int r = 0; r < rows; ++r) out[r] = row_bf16(w, rounded + r * x_stride, n_in);
 #endif
 }
 
@@ -938,7 +966,12 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
             return;
         }
     }
-    for (int64_t j = first; j < last; ++j) {
+    int64_t j = first;
+#if BF16_QUARTERS
+    if (type == ASTRAI_BF16)
+        j = bf16_stretch_streams((const uint16_t *)weight, ld, xr, (int)rows, n_in, bias, y, y_stride, first, last, end);
+#endif
+    for (; j < last; ++j) {
         /* a literal row count per case: each copy keeps its rows' sums in registers */
         switch (rows) {
 #define ROWS_CASE(n) case n: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs, xr); break;
@@ -948,11 +981,14 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
 #undef ROWS_CASE
         }
         const float b = bias ? bias[j] : 0.0f;
-        for (int64_t r = 0; r < rows; ++r) {
-            const float v = y[r * y_stride + j] = out[r] + b;
-            if (best && (mine[r] < 0 || beats(v, highest[r]))) { mine[r] = j; highest[r] = v; }
-        }
+        for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
     }
+    /* the argmax in y's order once the stretch is written (it may not be written in order) */
+    for (j = first; best && j < last; ++j)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float v = y[r * y_stride + j];
+            if (mine[r] < 0 || beats(v, highest[r])) { mine[r] = j; highest[r] = v; }
+        }
     if (best)
         for (int64_t r = 0; r < rows; ++r) best[r * MAX_TEAM + t] = mine[r], top[r * MAX_TEAM + t] = highest[r];
 }
