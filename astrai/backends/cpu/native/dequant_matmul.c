@@ -581,10 +581,10 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
             const float f0 = d0 * xd[at], f1 = d1 * xd[at + 1];
             const __m256 f = _mm256_setr_ps(f0, f0, f0, f0, f1, f1, f1, f1);
             acc0[r] = _mm256_fmadd_ps(f, q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8), acc0[r]);
-            if (mins) {
-                sum[r] += (half_to_float(mins[b]) + 8.0f * d0) * xs[at];
-                sum[r] += (half_to_float(mins[b + 1]) + 8.0f * d1) * xs[at + 1];
-            }
+            if (mins)  /* in low's lanes, as the eights' middles: scalar sums here were reordered per level */
+                low[r] = _mm256_fmadd_ps(_mm256_setr_ps(fmaf(8.0f, d0, half_to_float(mins[b])),
+                                                        fmaf(8.0f, d1, half_to_float(mins[b + 1])), 0, 0, 0, 0, 0, 0),
+                                         _mm256_setr_ps(xs[at], xs[at + 1], 0, 0, 0, 0, 0, 0), low[r]);
         }
     }
     if (b < blocks) {  /* an odd last block keeps its own layout */
@@ -594,7 +594,9 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
             const int64_t at = r * blocks + b;
             acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q4_block_products(u, xq + at * BLOCK, xo + at * 8),
                                       acc1[r]);
-            if (mins) sum[r] += (half_to_float(mins[b]) + 8.0f * d) * xs[at];
+            if (mins)
+                low[r] = _mm256_fmadd_ps(_mm256_setr_ps(fmaf(8.0f, d, half_to_float(mins[b])), 0, 0, 0, 0, 0, 0, 0),
+                                         _mm256_setr_ps(xs[at], 0, 0, 0, 0, 0, 0, 0), low[r]);
         }
     }
     for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), low[r]));
@@ -647,7 +649,9 @@ static IN_SOURCE_ORDER void row_x8(int type, const uint8_t *w, const uint16_t *s
  * again. Without VNNI, maddubs and a madd give the same integers: Q4_0's eight pair sums of at
  * most 2 x 15 x 127 each stay inside 16 bits; Q8_0's w + 128 would overflow them, so |w|
  * multiplies x carrying w's sign instead. A row of x has its own sums, so its numbers do not
- * depend on the rows beside it. */
+ * depend on the rows beside it. With `streams` 2, a second group `group_gap` bytes (its
+ * scales `scale_gap` values) further on is read block for block beside the first, into
+ * out[8 * (rows + r) + i]: one stream leaves a core short of the memory's pace. */
 #if DEQUANT_AVX2
 /* Four int8 values in every 32-bit lane. One 4-byte copy each: the compiler makes it a broadcast
  * load, where an array of eight copied at once became a 64-bit load, a shift and a move. */
@@ -659,16 +663,23 @@ static inline __m256i broadcast_four(const int8_t *p)
 }
 #endif
 
-static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t *w, const uint16_t *scales,
-                                                         const int8_t *xq, const float *xd, const int32_t *xe, int rows,
-                                                         int64_t blocks, float *out, const uint8_t *end)
+static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t *first_group,
+                                                         const uint16_t *first_scales, int64_t group_gap,
+                                                         int64_t scale_gap, int streams, const int8_t *xq,
+                                                         const float *xd, const int32_t *xe, int rows, int64_t blocks,
+                                                         float *out, const uint8_t *end)
 {
 #if DEQUANT_AVX2
     const int64_t block_bytes = type == ASTRAI_Q8X8 ? 256 : 128;
-    __m256 acc[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = w + b * block_bytes;
+    __m256 sums[2][ASTRAI_MAX_DEQUANT_ROWS];
+    for (int g = 0; g < streams; ++g)
+        for (int r = 0; r < rows; ++r) sums[g][r] = _mm256_setzero_ps();
+    for (int64_t step = 0; step < blocks * streams; ++step) {  /* the groups' block b side by side */
+        const int64_t b = step / streams;
+        const int g = (int)(step % streams);
+        const uint8_t *block = first_group + g * group_gap + b * block_bytes;
+        const uint16_t *scales = first_scales + g * scale_gap;
+        __m256 *acc = sums[g];
         for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(block + line, end);
         if ((b & 3) == 0) __builtin_prefetch(scales + 8 * b + 256, 0, 0);
         const __m256 d = scales8(scales + 8 * b);
@@ -724,14 +735,37 @@ static inline __attribute__((always_inline)) void dot_x8(int type, const uint8_t
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[at])), acc[r]);
         }
     }
-    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+    for (int g = 0; g < streams; ++g)
+        for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out + 8 * (g * rows + r), sums[g][r]);
 #else
     (void)xe, (void)end;
-    for (int r = 0; r < rows; ++r) row_x8(type, w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks, out + 8 * r);
+    for (int g = 0; g < streams; ++g)
+        for (int r = 0; r < rows; ++r)
+            row_x8(type, first_group + g * group_gap, first_scales + g * scale_gap, xq + r * blocks * BLOCK,
+                   xd + r * blocks, blocks, out + 8 * (g * rows + r));
 #endif
 }
 
 static inline int beats(float value, float top) { return value > top || (value != value && top == top); }
+
+/* With `best`, the argmax of each row r of y over a thread's outputs [first, last), in their
+ * order (a stretch may be written out of order), into best[r * MAX_TEAM + t] and
+ * top[r * MAX_TEAM + t] for astrai_team_argmax. */
+static void stretch_argmax(const float *y, int64_t y_stride, int64_t rows, int64_t first, int64_t last,
+                           int64_t *best, float *top, int t)
+{
+    if (!best)
+        return;
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t mine = -1;
+        float highest = 0.0f;
+        for (int64_t j = first; j < last; ++j) {
+            const float v = y[r * y_stride + j];
+            if (mine < 0 || beats(v, highest)) mine = j, highest = v;
+        }
+        best[r * MAX_TEAM + t] = mine, top[r * MAX_TEAM + t] = highest;
+    }
+}
 
 /* This thread's groups of an ASTRAI_Q4X8 or ASTRAI_Q8X8 weight (astrai_team_dequant_matmul's
  * part for it): the threads split the outputs in whole groups of eight. */
@@ -753,31 +787,34 @@ static void team_x8(int type, const float *x, int64_t rows, int64_t x_stride, co
         for (int lane = 0; lane < 8; ++lane) e += xo[8 * i + lane];
         xe[i] = type == ASTRAI_Q8X8 ? 16 * e : e;  /* the lanes hold 8 times x's sums */
     }
-    int64_t mine[ASTRAI_MAX_DEQUANT_ROWS];
-    float highest[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int64_t r = 0; r < rows; ++r) mine[r] = -1, highest[r] = 0.0f;
-    for (int64_t g = first; g < last; ++g) {
+    /* one row of x reads the first two parts of the thread's groups side by side */
+    const int64_t part = rows == 1 ? (last - first) / 2 : 0, paired_end = first + part;
+    for (int64_t g = first; g < last; g = g + 1 == paired_end ? first + 2 * part : g + 1) {
         const uint8_t *wg = w + g * 8 * ld;
         const uint16_t *sg = scales + g * 8 * scale_ld;
+        const int paired = g < paired_end;
         /* a literal type and row count per case: each copy keeps its rows' sums in registers */
-        switch (rows + ASTRAI_MAX_DEQUANT_ROWS * (type == ASTRAI_Q8X8)) {
+        switch (paired ? 0 : rows + ASTRAI_MAX_DEQUANT_ROWS * (type == ASTRAI_Q8X8)) {
+        case 0:
+            if (type == ASTRAI_Q8X8)
+                dot_x8(ASTRAI_Q8X8, wg, sg, part * 8 * ld, part * 8 * scale_ld, 2, xq, xd, xe, 1, blocks, out, end);
+            else
+                dot_x8(ASTRAI_Q4X8, wg, sg, part * 8 * ld, part * 8 * scale_ld, 2, xq, xd, xe, 1, blocks, out, end);
+            break;
 #define ROWS_CASE(n) \
-        case n: dot_x8(ASTRAI_Q4X8, wg, sg, xq, xd, xe, n, blocks, out, end); break; \
-        case n + ASTRAI_MAX_DEQUANT_ROWS: dot_x8(ASTRAI_Q8X8, wg, sg, xq, xd, xe, n, blocks, out, end); break;
+        case n: dot_x8(ASTRAI_Q4X8, wg, sg, 0, 0, 1, xq, xd, xe, n, blocks, out, end); break; \
+        case n + ASTRAI_MAX_DEQUANT_ROWS: dot_x8(ASTRAI_Q8X8, wg, sg, 0, 0, 1, xq, xd, xe, n, blocks, out, end); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
         }
-        for (int i = 0; i < 8; ++i) {
-            const int64_t j = 8 * g + i;
-            const float b = bias ? bias[j] : 0.0f;
-            for (int64_t r = 0; r < rows; ++r) {
-                const float v = y[r * y_stride + j] = out[8 * r + i] + b;
-                if (best && (mine[r] < 0 || beats(v, highest[r]))) { mine[r] = j; highest[r] = v; }
+        for (int k = 0; k < 1 + paired; ++k)
+            for (int i = 0; i < 8; ++i) {
+                const int64_t j = 8 * (g + k * part) + i;
+                const float b = bias ? bias[j] : 0.0f;
+                for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[8 * (k * rows + r) + i] + b;
             }
-        }
     }
-    if (best)
-        for (int64_t r = 0; r < rows; ++r) best[r * MAX_TEAM + t] = mine[r], top[r * MAX_TEAM + t] = highest[r];
+    stretch_argmax(y, y_stride, rows, 8 * first, 8 * last, best, top, t);
 }
 
 #if BF16_QUARTERS
@@ -941,9 +978,7 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
     const int64_t first = t * per, last = first + per < n_out ? first + per : n_out;
     const uint8_t *w = (const uint8_t *)weight;
     const uint8_t *end = first < last ? w + (last - 1) * row_bytes(type, ld) + row_bytes(type, ld) : w;
-    int64_t mine[ASTRAI_MAX_DEQUANT_ROWS];
-    float highest[ASTRAI_MAX_DEQUANT_ROWS], out[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int64_t r = 0; r < rows; ++r) mine[r] = -1, highest[r] = 0.0f;
+    float out[ASTRAI_MAX_DEQUANT_ROWS];
     /* int8 and int4 quantize x, bf16 rounds it (below): each thread for itself (a few
      * microseconds), so no barrier is needed */
     const int64_t blocks = (type == ASTRAI_Q8 || type == ASTRAI_Q4 || type == ASTRAI_Q41) && first < last
@@ -983,14 +1018,7 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
         const float b = bias ? bias[j] : 0.0f;
         for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
     }
-    /* the argmax in y's order once the stretch is written (it may not be written in order) */
-    for (j = first; best && j < last; ++j)
-        for (int64_t r = 0; r < rows; ++r) {
-            const float v = y[r * y_stride + j];
-            if (mine[r] < 0 || beats(v, highest[r])) { mine[r] = j; highest[r] = v; }
-        }
-    if (best)
-        for (int64_t r = 0; r < rows; ++r) best[r * MAX_TEAM + t] = mine[r], top[r * MAX_TEAM + t] = highest[r];
+    stretch_argmax(y, y_stride, rows, first, last, best, top, t);
 }
 
 /* y [rows][y_stride] = x [rows][x_stride] W^T (+ bias), shared among `threads`; with
