@@ -53,9 +53,10 @@
  * their magnitudes multiply the activations carrying the weights' signs.
  *
  * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
- * stream (two: values and scales) front to back, prefetched non-temporally ahead; bf16 widened
- * by AVX2 reads its stretch as four (one row of x) or two (two rows) streams side by side
- * (bf16_stretch_streams), one stream leaving a core short of the memory's pace. With AVX2
+ * stream (two: values and scales) front to back, prefetched non-temporally ahead; with few
+ * rows of x, bf16 widened by AVX2, int8 and the interleaved groups read it as two to four
+ * streams side by side (weight_streams, team_x8), one stream leaving a core short of the
+ * memory's pace. With AVX2
  * and FMA (x86-64 builds for a CPU that has them), blocks are multiplied (bf16: widened to
  * fp32) in registers by intrinsics, and with AVX512-VNNI each four int8 products are summed
  * by one vpdpbusd (the same integers as maddubs gives); otherwise, or built with
@@ -96,7 +97,7 @@
 
 enum { ASTRAI_F32 = 0, ASTRAI_BF16 = 1, ASTRAI_Q8 = 2, ASTRAI_Q4 = 3, ASTRAI_Q41 = 4, ASTRAI_Q4X8 = 5,
        ASTRAI_Q8X8 = 6 };
-enum { ASTRAI_MAX_DEQUANT_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256 };
+enum { ASTRAI_MAX_DEQUANT_ROWS = 8, BLOCK = 32, AHEAD_BYTES = 1024, MAX_TEAM = 256, MAX_STREAMS = 4 };
 
 static inline float half_to_float(uint16_t h)
 {
@@ -352,50 +353,61 @@ static IN_SOURCE_ORDER float row_bf16(const uint16_t *w, const float *x, int64_t
 
 #endif
 
-/* out[r] = the row's int8 blocks against the quantized rows (values, scales) for r < rows: per
- * block an integer sum of products, times d_w d_x, as dot_q4 (below) does for int4. Every block
- * is whole (the weight's padding values and the activations' are 0). */
-static inline __attribute__((always_inline)) void dot_q8(const uint8_t *w, const uint16_t *scales, const int8_t *xq,
-                                                         const float *xd, int rows, int64_t blocks, float *out,
-                                                         const uint8_t *end)
+/* out[s * rows + r] = int8 weight row s (`gap` rows after the first, for s < streams) against
+ * the quantized rows of x (values, scales) for r < rows: per block an integer sum of products,
+ * times d_w d_x, as dot_q4 (below) does for int4. Every block is whole (the weight's padding
+ * values and the activations' are 0). Weight rows read side by side keep more cache lines in
+ * flight; each pair of rows sums alone, so the numbers do not depend on the streams. */
+static inline __attribute__((always_inline)) void dot_q8(const uint8_t *first_row, const uint16_t *first_scales,
+                                                         int64_t gap, int64_t scale_gap, int streams,
+                                                         const int8_t *xq, const float *xd, int rows, int64_t blocks,
+                                                         float *out, const uint8_t *end)
 {
-    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
 #if DEQUANT_AVX2
-    int64_t b = 0;
-    __m256 even[ASTRAI_MAX_DEQUANT_ROWS], odd[ASTRAI_MAX_DEQUANT_ROWS];
+    __m256 even[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS], odd[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS];
     float factor[ASTRAI_MAX_DEQUANT_ROWS][8] __attribute__((aligned(32)));
-    for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    for (; b + 8 <= blocks; b += 8) {
-        for (int line = 0; line < 4; ++line) prefetch_ahead(w + b * BLOCK + 64 * line, end);  /* eight blocks */
-        const __m256 d = scales8(scales + b);
-        for (int r = 0; r < rows; ++r) _mm256_store_ps(factor[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b)));
-        for (int k = 0; k < 8; k += 2) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + (b + k) * BLOCK));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + (b + k + 1) * BLOCK));
-            for (int r = 0; r < rows; ++r) {
-                const int64_t at = r * blocks + b + k;
-                even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k]), q8_block_products(w0, xq + at * BLOCK),
-                                          even[r]);
-                odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k + 1]),
-                                         q8_block_products(w1, xq + (at + 1) * BLOCK), odd[r]);
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r) even[s][r] = odd[s][r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8)
+        for (int s = 0; s < streams; ++s) {
+            const uint8_t *w = first_row + s * gap;
+            const uint16_t *scales = first_scales + s * scale_gap;
+            for (int line = 0; line < 4; ++line) prefetch_ahead(w + b * BLOCK + 64 * line, end);  /* eight blocks */
+            const __m256 d = scales8(scales + b);
+            for (int r = 0; r < rows; ++r)
+                _mm256_store_ps(factor[r], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b)));
+            for (int k = 0; k < 8; k += 2) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + (b + k) * BLOCK));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + (b + k + 1) * BLOCK));
+                for (int r = 0; r < rows; ++r) {
+                    const int64_t at = r * blocks + b + k;
+                    even[s][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k]),
+                                                 q8_block_products(w0, xq + at * BLOCK), even[s][r]);
+                    odd[s][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&factor[r][k + 1]),
+                                                q8_block_products(w1, xq + (at + 1) * BLOCK), odd[s][r]);
+                }
             }
         }
-    }
-    for (; b < blocks; ++b) {
-        const float d = half_to_float(scales[b]);
-        const __m256i wb = _mm256_loadu_si256((const __m256i *)(w + b * BLOCK));
-        for (int r = 0; r < rows; ++r) {
-            const int64_t at = r * blocks + b;
-            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q8_block_products(wb, xq + at * BLOCK), even[r]);
+    for (; b < blocks; ++b)
+        for (int s = 0; s < streams; ++s) {
+            const float d = half_to_float(first_scales[s * scale_gap + b]);
+            const __m256i wb = _mm256_loadu_si256((const __m256i *)(first_row + s * gap + b * BLOCK));
+            for (int r = 0; r < rows; ++r) {
+                const int64_t at = r * blocks + b;
+                even[s][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q8_block_products(wb, xq + at * BLOCK),
+                                             even[s][r]);
+            }
         }
-    }
-    for (int r = 0; r < rows; ++r) sum[r] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r) out[s * rows + r] = horizontal_sum(_mm256_add_ps(even[s][r], odd[s][r]));
 #else
     (void)end;
-    for (int r = 0; r < rows; ++r)
-        sum[r] = row_q8((const int8_t *)w, scales, xq + r * blocks * BLOCK, xd + r * blocks, blocks);
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r)
+            out[s * rows + r] = row_q8((const int8_t *)first_row + s * gap, first_scales + s * scale_gap,
+                                       xq + r * blocks * BLOCK, xd + r * blocks, blocks);
 #endif
-    for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
 /* One Q8_0 block of n values: returns its fp16-rounded d (NaN when the block holds an
@@ -836,7 +848,7 @@ static inline __attribute__((always_inline)) void dot_bf16_streams(const uint16_
                                                                    const float *x, int64_t x_stride, int rows,
                                                                    int64_t n_in, float *out, const uint8_t *end)
 {
-    __m256 lo[4][ASTRAI_MAX_DEQUANT_ROWS], hi[4][ASTRAI_MAX_DEQUANT_ROWS];
+    __m256 lo[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS], hi[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS];
     for (int s = 0; s < streams; ++s)
         for (int r = 0; r < rows; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
     int64_t i = 0;
@@ -858,53 +870,49 @@ static inline __attribute__((always_inline)) void dot_bf16_streams(const uint16_
                                           horizontal_sum(_mm256_add_ps(lo[s][r], hi[s][r])));
 }
 
-/* The first rows of a thread's stretch [first, last) of a bf16 weight, read several weight
- * rows side by side: one row of x takes the stretch in four parts, two rows in two, more rows
- * keep enough chains going with one weight row. Returns the first output row left undone. */
-static int64_t bf16_stretch_streams(const uint16_t *w, int64_t ld, const float *xr, int rows, int64_t n_in,
-                                    const float *bias, float *y, int64_t y_stride, int64_t first, int64_t last,
-                                    const uint8_t *end)
-{
-    const int streams = rows == 1 ? 4 : rows == 2 ? 2 : 1;
-    if (streams == 1) return first;
-    const int64_t part = (last - first) / streams;
-    float out[4 * ASTRAI_MAX_DEQUANT_ROWS];
-    for (int64_t j = first; j < first + part; ++j) {
-        if (rows == 1)
-            dot_bf16_streams(w + j * ld, part * ld, 4, xr, n_in, 1, n_in, out, end);
-        else
-            dot_bf16_streams(w + j * ld, part * ld, 2, xr, n_in, 2, n_in, out, end);
-        for (int s = 0; s < streams; ++s)
-            for (int r = 0; r < rows; ++r)
-                y[r * y_stride + j + s * part] = out[s * rows + r] + (bias ? bias[j + s * part] : 0.0f);
-    }
-    return first + streams * part;
-}
 #endif
 
 /* The bf16 weight row's products with the rows of x, rounded to bf16 (bf16_rounded_rows:
- * `rounded` holds bf16 bits with vdpbf16ps, else floats, rows x_stride elements apart). */
-static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const bf16_row_t *rounded,
-                                                           int64_t x_stride, int rows, int64_t n_in, float *out,
-                                                           const uint8_t *end)
+ * `rounded` holds bf16 bits with vdpbf16ps, else floats, rows x_stride elements apart), for
+ * `streams` weight rows `gap` elements apart: out[s * rows + r]. */
+static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, int64_t gap, int streams,
+                                                           const bf16_row_t *rounded, int64_t x_stride, int rows,
+                                                           int64_t n_in, float *out, const uint8_t *end)
 {
 #if BF16_PRODUCTS
-    __m512 acc[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS];
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r) acc[s][r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n_in; i += 32) {
         const __mmask32 live = n_in - i >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (n_in - i)) - 1u);
-        prefetch_ahead((const uint8_t *)(w + i), end);
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, w + i);
-        for (int r = 0; r < rows; ++r)
-            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(live, rounded + r * x_stride + i));
+        for (int s = 0; s < streams; ++s) {
+            prefetch_ahead((const uint8_t *)(w + s * gap + i), end);
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, w + s * gap + i);
+            for (int r = 0; r < rows; ++r)
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], wv,
+                                             (__m512bh)_mm512_maskz_loadu_epi16(live, rounded + r * x_stride + i));
+        }
     }
-    for (int r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r) out[s * rows + r] = _mm512_reduce_add_ps(acc[s][r]);
 #elif BF16_QUARTERS
-    dot_bf16_streams(w, 0, 1, rounded, x_stride, rows, n_in, out, end);
+    dot_bf16_streams(w, gap, streams, rounded, x_stride, rows, n_in, out, end);
 #else
     (void)end;
-    for (int r = 0; r < rows; ++r) out[r] = row_bf16(w, rounded + r * x_stride, n_in);
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r) out[s * rows + r] = row_bf16(w + s * gap, rounded + r * x_stride, n_in);
 #endif
+}
+
+/* How many weight rows a call of `rows` rows of x reads side by side (dot_q8, dot_bf16): one
+ * weight row at a time keeps too few cache lines in flight for a core to reach the memory's
+ * pace. Four bf16 rows widened by AVX2 for one row of x (on the 1B shape's weights 1.0 of a
+ * bare read against 0.86 for one), two for two; two int8 rows for one. */
+static inline int weight_streams(int type, int64_t rows)
+{
+    if (type == ASTRAI_BF16 && DEQUANT_AVX2) return rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    if (type == ASTRAI_Q8 && DEQUANT_AVX2) return rows == 1 ? 2 : 1;
+    return 1;
 }
 
 /* The fp32 weight row's products with several rows of x (one row takes row_matmul.c's kernel):
@@ -930,11 +938,12 @@ int64_t astrai_team_argmax(const int64_t *best, const float *top, int team);
 static inline __attribute__((always_inline)) void dequant_dot(int type, const uint8_t *w, int64_t j, int64_t ld, const uint16_t *scales,
                              int64_t scale_ld, const float *x, int64_t x_stride, int rows, int64_t n_in, float *out,
                              const uint8_t *end, const int8_t *xq, const float *xd, const int32_t *xo,
-                             const float *xs, const bf16_row_t *xr)
+                             const float *xs, const bf16_row_t *xr, int streams, int64_t gap)
 {
     switch (type) {
     case ASTRAI_Q8:
-        dot_q8(w + j * ld, scales + j * scale_ld, xq, xd, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
+        dot_q8(w + j * ld, scales + j * scale_ld, gap * ld, gap * scale_ld, streams, xq, xd, rows,
+               (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_Q4:
         dot_q4(w + j * ld, scales + j * scale_ld, NULL, xq, xd, xo, xs, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
@@ -947,7 +956,7 @@ static inline __attribute__((always_inline)) void dequant_dot(int type, const ui
         dot_f32((const float *)w + j * ld, x, x_stride, rows, n_in, out, end);
         break;
     default:
-        dot_bf16((const uint16_t *)w + j * ld, xr, n_in, rows, n_in, out, end);
+        dot_bf16((const uint16_t *)w + j * ld, gap * ld, streams, xr, n_in, rows, n_in, out, end);
         break;
     }
 }
@@ -1001,22 +1010,28 @@ void astrai_team_dequant_matmul(const float *x, int64_t rows, int64_t x_stride, 
             return;
         }
     }
-    int64_t j = first;
-#if BF16_QUARTERS
-    if (type == ASTRAI_BF16)
-        j = bf16_stretch_streams((const uint16_t *)weight, ld, xr, (int)rows, n_in, bias, y, y_stride, first, last, end);
-#endif
-    for (; j < last; ++j) {
-        /* a literal row count per case: each copy keeps its rows' sums in registers */
-        switch (rows) {
-#define ROWS_CASE(n) case n: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs, xr); break;
+    /* the first `streams` parts of the stretch side by side (weight_streams), then the rest */
+    const int streams = weight_streams(type, rows);
+    const int64_t part = streams > 1 ? (last - first) / streams : 0, side_by_side_end = first + part;
+    for (int64_t j = first; j < last; j = j + 1 == side_by_side_end ? first + streams * part : j + 1) {
+        const int side = j < side_by_side_end ? streams : 1;
+        /* a literal row count (and stream count) per case: each copy keeps its sums in registers */
+        switch (side == 1 ? rows : 16 * side + rows) {
+#define DOT(n, s) dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, n, n_in, out, end, xq, xd, xo, xs, xr, s, part)
+        case 16 * 4 + 1: DOT(1, 4); break;
+        case 16 * 2 + 1: DOT(1, 2); break;
+        case 16 * 2 + 2: DOT(2, 2); break;
+#define ROWS_CASE(n) case n: DOT(n, 1); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-        default: dequant_dot(type, w, j, ld, scales, scale_ld, x, x_stride, ASTRAI_MAX_DEQUANT_ROWS, n_in, out, end, xq, xd,
-                             xo, xs, xr);
+        default: DOT(ASTRAI_MAX_DEQUANT_ROWS, 1);
 #undef ROWS_CASE
+#undef DOT
         }
-        const float b = bias ? bias[j] : 0.0f;
-        for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] = out[r] + b;
+        for (int k = 0; k < side; ++k) {
+            const int64_t o = j + k * part;
+            const float b = bias ? bias[o] : 0.0f;
+            for (int64_t r = 0; r < rows; ++r) y[r * y_stride + o] = out[k * rows + r] + b;
+        }
     }
     stretch_argmax(y, y_stride, rows, first, last, best, top, t);
 }
