@@ -923,7 +923,7 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
                                                           int64_t n_in, float *out, const uint8_t *end)
 {
     for (int64_t i = 0; i < n_in; i += 32) prefetch_ahead((const uint8_t *)(w + i), end);
-    f32_dots(w, 0, 1, x, x_stride, rows, n_in, out, 0);
+    f32_dots(w, 0, 1, 0, 1, x, x_stride, rows, n_in, out, 0);
 }
 
 
