@@ -539,16 +539,18 @@ static void pair_blocks(int8_t *values, int32_t *offsets, int64_t rows, int64_t 
 }
 #endif
 
-/* out[r] = the row's int4 blocks against the quantized rows (values, scales) for r < rows:
- * per block an integer sum of products times d_w d_x, and for Q4_1 (`mins`, else NULL) the
- * block's minimum m_w times d_x times the sum of its values (`xs`). Every block is whole here
- * (Q4_0's padding nibbles are 8, the activations' padding 0). */
-static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const uint16_t *scales,
-                                                         const uint16_t *mins, const int8_t *xq, const float *xd,
+/* out[s * rows + r] = int4 weight row s (`gap` bytes after the first, its scales `scale_gap`
+ * values after, for s < streams) against the quantized rows of x (values, scales) for
+ * r < rows: per block an integer sum of products times d_w d_x, and for Q4_1 (`mins`, else
+ * NULL) the block's minimum m_w times d_x times the sum of its values (`xs`). Every block is
+ * whole here (Q4_0's padding nibbles are 8, the activations' padding 0). Weight rows read side
+ * by side keep more cache lines in flight; each pair of rows sums alone. */
+static inline __attribute__((always_inline)) void dot_q4(const uint8_t *first_row, const uint16_t *first_scales,
+                                                         const uint16_t *first_mins, int64_t gap, int64_t scale_gap,
+                                                         int streams, const int8_t *xq, const float *xd,
                                                          const int32_t *xo, const float *xs, int rows, int64_t blocks,
                                                          float *out, const uint8_t *end)
 {
-    float sum[ASTRAI_MAX_DEQUANT_ROWS] = {0.0f};
 #if DEQUANT_AVX2
     int64_t b = 0;
     /* two blocks at a time, against activations laid out by pair_blocks: one 32-byte load
@@ -558,66 +560,81 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *w, const
      * its minimum moved to the block's middle (m + 8 d): every float term is then the size of
      * the result, where u's sums and m's (m near -8 d) would be eight times larger and cancel.
      * The middles' terms of eight blocks gather in the lanes of `low`. */
-    __m256 acc0[ASTRAI_MAX_DEQUANT_ROWS], acc1[ASTRAI_MAX_DEQUANT_ROWS], low[ASTRAI_MAX_DEQUANT_ROWS];
-    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = low[r] = _mm256_setzero_ps();
+    __m256 acc0[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS], acc1[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS],
+        low[MAX_STREAMS][ASTRAI_MAX_DEQUANT_ROWS];
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r) acc0[s][r] = acc1[s][r] = low[s][r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    for (; b + 8 <= blocks; b += 8) {
-        prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
-        prefetch_ahead(w + b * (BLOCK / 2) + 64, end);
-        const __m256 d = scales8(scales + b);
-        __m256 factor[ASTRAI_MAX_DEQUANT_ROWS];
-        for (int r = 0; r < rows; ++r) factor[r] = _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b));
-        if (mins) {
-            const __m256 middle = _mm256_fmadd_ps(d, _mm256_set1_ps(8.0f), scales8(mins + b));
-            for (int r = 0; r < rows; ++r) low[r] = _mm256_fmadd_ps(middle, _mm256_loadu_ps(xs + r * blocks + b), low[r]);
-        }
-        for (int k = 0; k < 8; k += 2) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (b + k) * (BLOCK / 2)));
-            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            const __m256i pick = _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
-            for (int r = 0; r < rows; ++r) {
-                const int64_t at = r * blocks + b + k;
-                const __m256 products = q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8);
-                const __m256 f = _mm256_permutevar8x32_ps(factor[r], pick);
-                if (k & 2) acc1[r] = _mm256_fmadd_ps(f, products, acc1[r]);
-                else acc0[r] = _mm256_fmadd_ps(f, products, acc0[r]);
+    for (; b + 8 <= blocks; b += 8)
+        for (int s = 0; s < streams; ++s) {
+            const uint8_t *w = first_row + s * gap;
+            const uint16_t *scales = first_scales + s * scale_gap, *mins = first_mins ? first_mins + s * scale_gap : NULL;
+            prefetch_ahead(w + b * (BLOCK / 2), end);  /* eight blocks: two cache lines */
+            prefetch_ahead(w + b * (BLOCK / 2) + 64, end);
+            const __m256 d = scales8(scales + b);
+            __m256 factor[ASTRAI_MAX_DEQUANT_ROWS];
+            for (int r = 0; r < rows; ++r) factor[r] = _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * blocks + b));
+            if (mins) {
+                const __m256 middle = _mm256_fmadd_ps(d, _mm256_set1_ps(8.0f), scales8(mins + b));
+                for (int r = 0; r < rows; ++r)
+                    low[s][r] = _mm256_fmadd_ps(middle, _mm256_loadu_ps(xs + r * blocks + b), low[s][r]);
+            }
+            for (int k = 0; k < 8; k += 2) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (b + k) * (BLOCK / 2)));
+                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                const __m256i pick = _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
+                for (int r = 0; r < rows; ++r) {
+                    const int64_t at = r * blocks + b + k;
+                    const __m256 products = q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8);
+                    const __m256 f = _mm256_permutevar8x32_ps(factor[r], pick);
+                    if (k & 2) acc1[s][r] = _mm256_fmadd_ps(f, products, acc1[s][r]);
+                    else acc0[s][r] = _mm256_fmadd_ps(f, products, acc0[s][r]);
+                }
             }
         }
-    }
-    for (; b + 2 <= blocks; b += 2) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + b * (BLOCK / 2)));
-        const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        const float d0 = half_to_float(scales[b]), d1 = half_to_float(scales[b + 1]);
-        for (int r = 0; r < rows; ++r) {
-            const int64_t at = r * blocks + b;
-            const float f0 = d0 * xd[at], f1 = d1 * xd[at + 1];
-            const __m256 f = _mm256_setr_ps(f0, f0, f0, f0, f1, f1, f1, f1);
-            acc0[r] = _mm256_fmadd_ps(f, q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8), acc0[r]);
-            if (mins)  /* in low's lanes, as the eights' middles: scalar sums here were reordered per level */
-                low[r] = _mm256_fmadd_ps(_mm256_setr_ps(fmaf(8.0f, d0, half_to_float(mins[b])),
-                                                        fmaf(8.0f, d1, half_to_float(mins[b + 1])), 0, 0, 0, 0, 0, 0),
-                                         _mm256_setr_ps(xs[at], xs[at + 1], 0, 0, 0, 0, 0, 0), low[r]);
+    for (; b + 2 <= blocks; b += 2)
+        for (int s = 0; s < streams; ++s) {
+            const uint8_t *w = first_row + s * gap;
+            const uint16_t *scales = first_scales + s * scale_gap, *mins = first_mins ? first_mins + s * scale_gap : NULL;
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + b * (BLOCK / 2)));
+            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            const float d0 = half_to_float(scales[b]), d1 = half_to_float(scales[b + 1]);
+            for (int r = 0; r < rows; ++r) {
+                const int64_t at = r * blocks + b;
+                const float f0 = d0 * xd[at], f1 = d1 * xd[at + 1];
+                const __m256 f = _mm256_setr_ps(f0, f0, f0, f0, f1, f1, f1, f1);
+                acc0[s][r] = _mm256_fmadd_ps(f, q4_pair_products(lo, hi, xq + at * BLOCK, xo + at * 8), acc0[s][r]);
+                if (mins)  /* in low's lanes, as the eights' middles: scalar sums here were reordered per level */
+                    low[s][r] = _mm256_fmadd_ps(_mm256_setr_ps(fmaf(8.0f, d0, half_to_float(mins[b])),
+                                                               fmaf(8.0f, d1, half_to_float(mins[b + 1])), 0, 0, 0, 0, 0, 0),
+                                                _mm256_setr_ps(xs[at], xs[at + 1], 0, 0, 0, 0, 0, 0), low[s][r]);
+            }
         }
-    }
-    if (b < blocks) {  /* an odd last block keeps its own layout */
-        const float d = half_to_float(scales[b]);
-        const __m256i u = nibbles(w + b * (BLOCK / 2));
-        for (int r = 0; r < rows; ++r) {
-            const int64_t at = r * blocks + b;
-            acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q4_block_products(u, xq + at * BLOCK, xo + at * 8),
-                                      acc1[r]);
-            if (mins)
-                low[r] = _mm256_fmadd_ps(_mm256_setr_ps(fmaf(8.0f, d, half_to_float(mins[b])), 0, 0, 0, 0, 0, 0, 0),
-                                         _mm256_setr_ps(xs[at], 0, 0, 0, 0, 0, 0, 0), low[r]);
+    if (b < blocks)  /* an odd last block keeps its own layout */
+        for (int s = 0; s < streams; ++s) {
+            const uint16_t *mins = first_mins ? first_mins + s * scale_gap : NULL;
+            const float d = half_to_float(first_scales[s * scale_gap + b]);
+            const __m256i u = nibbles(first_row + s * gap + b * (BLOCK / 2));
+            for (int r = 0; r < rows; ++r) {
+                const int64_t at = r * blocks + b;
+                acc1[s][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), q4_block_products(u, xq + at * BLOCK, xo + at * 8),
+                                             acc1[s][r]);
+                if (mins)
+                    low[s][r] = _mm256_fmadd_ps(_mm256_setr_ps(fmaf(8.0f, d, half_to_float(mins[b])), 0, 0, 0, 0, 0, 0, 0),
+                                                _mm256_setr_ps(xs[at], 0, 0, 0, 0, 0, 0, 0), low[s][r]);
+            }
         }
-    }
-    for (int r = 0; r < rows; ++r) sum[r] += horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), low[r]));
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r)
+            out[s * rows + r] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0[s][r], acc1[s][r]), low[s][r]));
 #else
     (void)xo, (void)end;
-    for (int r = 0; r < rows; ++r)
-        sum[r] = row_q4(w, scales, mins, xq + r * blocks * BLOCK, xd + r * blocks, xs + r * blocks, blocks);
+    for (int s = 0; s < streams; ++s)
+        for (int r = 0; r < rows; ++r)
+            out[s * rows + r] = row_q4(first_row + s * gap, first_scales + s * scale_gap,
+                                       first_mins ? first_mins + s * scale_gap : NULL, xq + r * blocks * BLOCK,
+                                       xd + r * blocks, xs + r * blocks, blocks);
 #endif
-    for (int r = 0; r < rows; ++r) out[r] = sum[r];
 }
 
 #if !DEQUANT_AVX2
@@ -904,14 +921,14 @@ static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, in
 #endif
 }
 
-/* How many weight rows a call of `rows` rows of x reads side by side (dot_q8, dot_bf16): one
+/* How many weight rows a call of `rows` rows of x reads side by side (dot_q8, dot_q4, dot_bf16): one
  * weight row at a time keeps too few cache lines in flight for a core to reach the memory's
  * pace. Four bf16 rows widened by AVX2 for one row of x (on the 1B shape's weights 1.0 of a
- * bare read against 0.86 for one), two for two; two int8 rows for one. */
+ * bare read against 0.86 for one), two for two; two int8 or int4 rows (model layout) for one. */
 static inline int weight_streams(int type, int64_t rows)
 {
     if (type == ASTRAI_BF16 && DEQUANT_AVX2) return rows == 1 ? 4 : rows == 2 ? 2 : 1;
-    if (type == ASTRAI_Q8 && DEQUANT_AVX2) return rows == 1 ? 2 : 1;
+    if ((type == ASTRAI_Q8 || type == ASTRAI_Q4 || type == ASTRAI_Q41) && DEQUANT_AVX2) return rows == 1 ? 2 : 1;
     return 1;
 }
 
@@ -946,11 +963,12 @@ static inline __attribute__((always_inline)) void dequant_dot(int type, const ui
                (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_Q4:
-        dot_q4(w + j * ld, scales + j * scale_ld, NULL, xq, xd, xo, xs, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
+        dot_q4(w + j * ld, scales + j * scale_ld, NULL, gap * ld, gap * scale_ld, streams, xq, xd, xo, xs, rows,
+               (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_Q41:
-        dot_q4(w + j * ld, scales + j * scale_ld, scales + j * scale_ld + (n_in + BLOCK - 1) / BLOCK, xq, xd, xo, xs,
-               rows, (n_in + BLOCK - 1) / BLOCK, out, end);
+        dot_q4(w + j * ld, scales + j * scale_ld, scales + j * scale_ld + (n_in + BLOCK - 1) / BLOCK, gap * ld,
+               gap * scale_ld, streams, xq, xd, xo, xs, rows, (n_in + BLOCK - 1) / BLOCK, out, end);
         break;
     case ASTRAI_F32:
         dot_f32((const float *)w + j * ld, x, x_stride, rows, n_in, out, end);
