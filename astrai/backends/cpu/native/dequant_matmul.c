@@ -53,10 +53,9 @@
  * their magnitudes multiply the activations carrying the weights' signs.
  *
  * As row_matmul.c, each thread takes a contiguous stretch of the outputs, so each reads one
- * stream (two: values and scales) front to back, prefetched non-temporally ahead; with few
- * rows of x, bf16 widened by AVX2, int8 and the interleaved groups read it as two to four
- * streams side by side (weight_streams, team_x8), one stream leaving a core short of the
- * memory's pace. With AVX2
+ * stream (two: values and scales) front to back, prefetched non-temporally ahead; with one row
+ * of x (bf16: one or two), the vector paths read it as two to four streams side by side
+ * (weight_streams, team_x8), one stream leaving a core short of the memory's pace. With AVX2
  * and FMA (x86-64 builds for a CPU that has them), blocks are multiplied (bf16: widened to
  * fp32) in registers by intrinsics, and with AVX512-VNNI each four int8 products are summed
  * by one vpdpbusd (the same integers as maddubs gives); otherwise, or built with
