@@ -857,9 +857,8 @@ static IN_SOURCE_ORDER float bf16_tail(const uint16_t *w, const float *x, int64_
 /* `streams` bf16 weight rows, `gap` elements apart, against the rows of x rounded to bf16 (as
  * floats, each sixteen in BF16_QUARTERS order), into out[s * rows + r]. Each (weight row, row
  * of x) pair adds into two chains, one per unpack of the widened sixteen, then its tail in
- * order: the same numbers however many streams and rows share the loop. One weight row read
- * at a time keeps too few cache lines in flight for a core to reach the memory's pace (on the
- * 1B shape's weights, 0.86 of a bare read against 0.97 for four rows read side by side). */
+ * order: the same numbers however many streams and rows share the loop (how many streams:
+ * weight_streams). */
 static inline __attribute__((always_inline)) void dot_bf16_streams(const uint16_t *w, int64_t gap, int streams,
                                                                    const float *x, int64_t x_stride, int rows,
                                                                    int64_t n_in, float *out, const uint8_t *end)
