@@ -65,10 +65,14 @@ STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 SFT_MAX_PASSES = 1.5
 # Share of SFT batches drawn from the pre-training text (replay, every token counted). On the
 # small bundled conversations SFT alone wears the plain-text skill away (held-out perplexity
-# five- to six-fold); a quarter replayed holds the rise to about a third to a half, where half
-# or a lower learning rate cost much of the arithmetic accuracy SFT is there to teach
+# five- to six-fold); half replayed keeps held-out bits per byte within 1% of pre-training's
 # (docs/benchmarks.md).
-SFT_REPLAY = 0.4
+SFT_REPLAY = 0.5
+# Worked arithmetic conversations in SFT: enough to carry the task into the chat format, few
+# enough that SFT's 1.5 passes end soon and GRPO's reward, with the steps left, teaches the
+# rest. 4000 take SFT to 0.92-0.94 and leave GRPO 8-10 points; 2000 stop SFT at 0.83-0.93 and
+# GRPO adds 11-12; 1000 lose the phrasing pre-training taught (docs/benchmarks.md).
+SFT_ARITHMETIC = 2000
 # Share of pre-training windows that are worked problems ("23+45= 3+5=8, 2+4=6, so 68", one per
 # line). The 4M-parameter model needs tens of thousands of them before it adds held-out pairs: as a
 # few per cent of the text it never did (held-out accuracy 0.00-0.02 after every stage).
@@ -128,7 +132,7 @@ class Settings:
     grpo_max_new_tokens: int = 32          # the longest working ("12-5=7, 7-4-1=2, so 27") and the stop token
     grpo_temperature: float = 0.7
     dpo_rpo_alpha: float = 1.0            # weight of the chosen answers' NLL beside DPO's loss (RPO)
-    sft_arithmetic: int = 4000            # task conversations for SFT, from the training pool
+    sft_arithmetic: int = SFT_ARITHMETIC  # task conversations for SFT, from the training pool
     dpo_arithmetic: int = 1000            # task preference pairs for DPO, from the training pool
     grpo_problems: int = 2000             # GRPO prompts, from the training pool
     pretrain_arithmetic: int = 100_000    # worked problems from the training pool, a dataset of their own for pre-training

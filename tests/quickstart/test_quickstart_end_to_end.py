@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from astrai.quickstart.from_scratch import run_quickstart
+from astrai.quickstart.from_scratch import SFT_REPLAY, run_quickstart
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MINI = dict(
     minutes=5, seed=0, vocab_size=512, window_size=128, batch_size=8,
     model_overrides=dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, dim_ffn=192, max_len=256),
-    steps={"pretrain": 300, "sft": 450, "dpo": 16, "grpo": 24},  # SFT: two fifths of its batches replay pre-training text
+    steps={"pretrain": 300, "sft": 450, "dpo": 16, "grpo": 24},  # SFT: half of its batches replay pre-training text
     lr={"pretrain": 3e-3, "sft": 3e-3, "dpo": 5e-5, "grpo": 1e-5},
     sft_arithmetic=6000, eval_problems=100, ppl_max_tokens=3000, sample_max_new_tokens=12, progress=False,
     corpus="bundled",  # whether or not this machine has built the large corpus
@@ -62,13 +62,13 @@ def test_pretraining_beats_the_unigram_baseline(run):
 
 
 def test_sft_replay_keeps_the_plain_text_perplexity(run):
-    """Two fifths of the SFT batches replay pre-training text. Without it this run's SFT took
+    """Half of the SFT batches replay pre-training text. Without it this run's SFT took
     held-out perplexity from 43 / 35 (en / zh) to 116 / 71 (at 300 SFT steps), the full
     quick start's from 32 / 72 to about 180 / 450."""
     out, summary = run
     config = json.loads((out / "stages" / "sft" / "train_config.json").read_text())
     assert [(Path(d["path"]).name, d["rate"], d.get("type")) for d in config["datasets"]] == \
-        [("sft", 0.6, None), ("pretrain", 0.4, "seq")]
+        [("sft", 1 - SFT_REPLAY, None), ("pretrain", SFT_REPLAY, "seq")]
     before, after = (stage(summary, name)["eval"]["perplexity"] for name in ("pretrain", "sft"))
     for language in ("en", "zh"):
         print(f"{language}: perplexity {before[language]['perplexity']:.1f} -> {after[language]['perplexity']:.1f}")
