@@ -65,13 +65,13 @@ STAGE_SHARES = {"pretrain": 0.7, "sft": 0.12, "dpo": 0.06, "grpo": 0.12}
 SFT_MAX_PASSES = 1.5
 # Share of SFT batches drawn from the pre-training text (replay, every token counted). On the
 # small bundled conversations SFT alone wears the plain-text skill away (held-out perplexity
-# five- to six-fold); half replayed keeps held-out bits per byte within 1% of pre-training's
+# five- to six-fold); half replayed keeps held-out bits per byte within 1.5% of pre-training's
 # (docs/benchmarks.md).
 SFT_REPLAY = 0.5
 # Worked arithmetic conversations in SFT: enough to carry the task into the chat format, few
 # enough that SFT's 1.5 passes end soon and GRPO's reward, with the steps left, teaches the
-# rest. 4000 take SFT to 0.92-0.94 and leave GRPO 8-10 points; 2000 stop SFT at 0.83-0.93 and
-# GRPO adds 11-12; 1000 lose the phrasing pre-training taught (docs/benchmarks.md).
+# rest. 4000 take SFT to 0.92-0.94 and leave GRPO 8-10 points; 2000 stop SFT at 0.81-0.93 and
+# GRPO adds 9-12; 1000 lose the phrasing pre-training taught (docs/benchmarks.md).
 SFT_ARITHMETIC = 2000
 # Share of pre-training windows that are worked problems ("23+45= 3+5=8, 2+4=6, so 68", one per
 # line). The 4M-parameter model needs tens of thousands of them before it adds held-out pairs: as a
