@@ -28,7 +28,7 @@ ISA_LIMITS = ("ASTRAI_KERNEL_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", 
 def describe_machine() -> dict:
     """The CPU model, logical cores, memory, the vector features found at run time, the
     instruction-set level of the C kernels the process served with (None without them) and
-    PyTorch's, and the ``ISA_LIMITS`` settings in force."""
+    PyTorch's, the ``ISA_LIMITS`` settings in force, and the GPU when one is visible."""
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,7 +47,10 @@ def describe_machine() -> dict:
             "features": [f for f in FEATURES if f in flags], "kernel_isa": kernel_isa(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "isa_limits": {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}}
+            "isa_limits": {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)},
+            **({"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,
+                "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+               if torch.cuda.is_available() else {})}
 
 
 def write_result(name: str, results: dict, out: str | os.PathLike | None = None) -> Path:

@@ -7,11 +7,13 @@ side is the full Trainer: strategy, exact-accumulation weighting, callbacks (cli
 JSONL metric logging, checkpoint bookkeeping), scheduler. Each side runs its steps in
 alternating rounds; since contention from other processes only adds time, the ratio
 uses each side's fastest step and reports the median ratio beside it. The achieved
-FLOP/s (6·N·tokens + attention) is compared with this machine's measured matmul peak.
-``--compile`` compiles astrai's model (``+c`` in the output; ``--compile bf16`` only for the
+FLOP/s (6·N·tokens + attention) is compared with this machine's measured matmul peak and, on a
+GPU (``--device cuda``), with its dense bf16 peak from the data sheet: the model FLOPs
+utilisation (MFU) that torchtitan and nanochat report. ``--compile`` compiles astrai's model (``+c`` in the output; ``--compile bf16`` only for the
 bf16 rows), which pays on a CPU at both precisions (docs/training.md).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/train.py --presets tiny small --steps 3 --rounds 3 --compile
+    python bench/train.py --device cuda --presets small 1b --precisions bf16 --batch 8 --seq 2048 --compile
 """
 
 from __future__ import annotations
@@ -38,26 +40,45 @@ class RandomTokens(Dataset):
         return {"input_ids": self.tokens[i, :-1], "target_ids": self.tokens[i, 1:]}
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 20) -> float:
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, FLOP/s: the MFU denominator.
+GPU_BF16_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12}
+
+
+def gpu_bf16_peak(device: torch.device):
+    """The data-sheet dense bf16 peak of ``device``'s GPU, or None for a GPU not listed."""
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_BF16_PEAKS.items() if key in name), None)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a host clock reads what it ran (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device = torch.device("cpu"), size: int = 1024,
+                repeats: int = 20) -> float:
     """This machine's best FLOP/s for a size² matmul: PyTorch's own (MKL for fp32, oneDNN for
-    bf16) or, for fp32, oneDNN's, which astrai trains with where it is faster (on some CPUs
-    about twice MKL's), so the fraction of peak stays below one."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    bf16, cuBLAS on a GPU) or, for fp32 on a CPU, oneDNN's, which astrai trains with where it is
+    faster (on some CPUs about twice MKL's), so the fraction of peak stays below one."""
+    a, b = torch.randn(size, size, dtype=dtype, device=device), torch.randn(size, size, dtype=dtype, device=device)
     kernels = [lambda: a @ b]
-    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         from astrai.backends.cpu.training import onednn_matmul
 
         kernels.append(lambda: onednn_matmul(a, b))
     best = float("inf")
     for kernel in kernels:
         kernel()
-        best = min(best, min(_timed(kernel) for _ in range(repeats)))
+        best = min(best, min(_timed(kernel, device) for _ in range(repeats)))
     return 2 * size ** 3 / best
 
 
-def _timed(fn) -> float:
+def _timed(fn, device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -78,28 +99,37 @@ class AstraiSide:
         steps = args.warmup + args.steps * args.rounds
         train_config = TrainConfig(train_type="seq", batch_per_device=args.batch, window_size=args.seq, max_steps=steps,
                                    precision=precision, ckpt_dir=tmp, ckpt_interval=10 ** 9, progress_bar=False,
-                                   save_final_model=False, compile=precision in args.compile, warmup_ratio=0.0)
+                                   save_final_model=False, compile=precision in args.compile, warmup_ratio=0.0,
+                                   device=str(args.device), gradient_checkpointing=args.checkpointing)
         torch.manual_seed(0)
         model = AutoModel.from_config(config)
         self.trainer = Trainer(train_config, model=model,
                                train_dataset=RandomTokens(args.batch * (steps + 1), args.seq, config.vocab_size))
         self.context = self.trainer._build_context(None)
-        self.callback_base = TrainCallback
+        self.callback_base, self.device = TrainCallback, args.device
 
     def run(self, steps: int) -> list[float]:
         """Run ``steps`` more optimizer steps through the Trainer's own loop; return their durations."""
         times: list[float] = []
+        device = self.device
 
         class Timer(self.callback_base):
             def on_step_begin(self, context):
+                synchronize(device)
                 self.start = time.perf_counter()
 
             def on_step_end(self, context):
+                synchronize(device)
                 times.append(time.perf_counter() - self.start)
 
-        self.context.total_steps = self.context.step + steps
+        context, before = self.context, self.context.step
+        context.total_steps = before + steps
         self.trainer.callbacks = [Timer()]
-        self.trainer._run(self.context)
+        self.trainer._run(context)
+        if context.step - before != steps or len(times) != steps:
+            raise RuntimeError(f"astrai's trainer ran {context.step - before} of {steps} steps ({len(times)} timed): "
+                               f"epoch {context.epoch}, batch {context.batch_in_epoch} of {context.steps_per_epoch}, "
+                               f"stop requested {context.stop_requested}, error {context.error!r}")
         return times
 
 
@@ -113,9 +143,14 @@ class ReferenceSide:
                                          max_position_embeddings=config.max_len, rope_theta=config.rope_theta,
                                          rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_weight)
         torch.manual_seed(0)
-        self.model = transformers.LlamaForCausalLM(llama).train()
+        self.device = args.device
+        self.model = transformers.LlamaForCausalLM(llama).to(self.device).train()
         self.model.config._attn_implementation = "sdpa"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+        if args.checkpointing:
+            self.model.gradient_checkpointing_enable()
+        # fused on a GPU, as astrai's own AdamW is there
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01,
+                                           fused=self.device.type == "cuda" or None)
         self.data = RandomTokens(args.batch * 4, args.seq, config.vocab_size)
         self.batch, self.bf16 = args.batch, precision == "bf16"
 
@@ -123,16 +158,18 @@ class ReferenceSide:
         times = []
         for i in range(steps):
             batch = [self.data[(i * self.batch + j) % len(self.data)] for j in range(self.batch)]
-            ids = torch.stack([b["input_ids"] for b in batch])
-            labels = torch.stack([b["target_ids"] for b in batch])
+            ids = torch.stack([b["input_ids"] for b in batch]).to(self.device)
+            labels = torch.stack([b["target_ids"] for b in batch]).to(self.device)
+            synchronize(self.device)
             start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 logits = self.model(input_ids=ids).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            synchronize(self.device)
             times.append(time.perf_counter() - start)
         return times
 
@@ -154,16 +191,20 @@ def bench_one(preset_name: str, precision: str, args, peaks: dict) -> dict:
     median = {k: tokens / statistics.median(v) for k, v in times.items()}
     flops = flops_per_token(config, args.seq)
     peak = peaks[precision]
+    sheet = peaks.get("data_sheet_bf16")
     result = {"preset": preset_name, "precision": precision, "compiled": precision in args.compile,
               "parameters": sum(p.numel() for p in ours.context.model.parameters()),
               "astrai_tokens_per_s": rate["astrai"], "transformers_tokens_per_s": rate["transformers"],
               "ratio": rate["astrai"] / rate["transformers"], "median_ratio": median["astrai"] / median["transformers"],
               "astrai_fraction_of_matmul_peak": rate["astrai"] * flops / peak,
               "transformers_fraction_of_matmul_peak": rate["transformers"] * flops / peak, "step_seconds": times}
+    if sheet:
+        result.update(astrai_mfu=rate["astrai"] * flops / sheet, transformers_mfu=rate["transformers"] * flops / sheet,
+                      astrai_median_mfu=median["astrai"] * flops / sheet)
     print(f"{preset_name:6s} {precision + ('+c' if result['compiled'] else ''):7s} astrai {rate['astrai']:9.1f} tok/s  transformers {rate['transformers']:9.1f} tok/s"
           f"  ratio {result['ratio']:.2f} (median {result['median_ratio']:.2f})"
-          f"  peak fraction {result['astrai_fraction_of_matmul_peak']:.1%} vs {result['transformers_fraction_of_matmul_peak']:.1%}",
-          flush=True)
+          f"  peak fraction {result['astrai_fraction_of_matmul_peak']:.1%} vs {result['transformers_fraction_of_matmul_peak']:.1%}"
+          + (f"  MFU {result['astrai_mfu']:.1%} vs {result['transformers_mfu']:.1%}" if sheet else ""), flush=True)
     return result
 
 
@@ -180,21 +221,33 @@ def main() -> int:
     parser.add_argument("--compile", nargs="*", choices=["fp32", "bf16"], default=None, metavar="PRECISION",
                         help="torch.compile astrai's model at these precisions (all when none is named); "
                              "see docs/training.md")
+    parser.add_argument("--device", default="cpu", type=torch.device, help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on both sides")
     parser.add_argument("--out", default=None, help="JSON path (default: a dated file in bench/results/)")
     args = parser.parse_args()
     args.compile = [] if args.compile is None else args.compile or args.precisions
     torch.set_num_threads(args.threads)
-    from astrai.backends.cpu import tune_process
+    if args.device.type == "cpu":
+        from astrai.backends.cpu import tune_process
 
-    tune_process()  # as the CLI verbs do; it applies to both sides of every comparison
-    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
-    print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s", flush=True)
-    results = [bench_one(p, prec, args, peaks) for p in args.presets for prec in args.precisions]
+        tune_process()  # as the CLI verbs do; it applies to both sides of every comparison
+    size = 8192 if args.device.type == "cuda" else 1024
+    peaks = {"fp32": matmul_peak(torch.float32, args.device, size), "bf16": matmul_peak(torch.bfloat16, args.device, size)}
+    if args.device.type == "cuda":
+        peaks["data_sheet_bf16"] = gpu_bf16_peak(args.device)
+    print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s"
+          + (f", data sheet bf16 {peaks['data_sheet_bf16'] / 1e12:.0f} TFLOP/s" if peaks.get("data_sheet_bf16") else ""),
+          flush=True)
     import transformers
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
-           "batch": args.batch, "seq": args.seq, "matmul_peak_flops": peaks, "results": results}
-    write_result("train", out, args.out)
+           "device": str(args.device), "checkpointing": args.checkpointing,
+           "batch": args.batch, "seq": args.seq, "matmul_peak_flops": peaks, "results": []}
+    path = args.out
+    for p in args.presets:
+        for prec in args.precisions:
+            out["results"].append(bench_one(p, prec, args, peaks))
+            path = write_result("train", out, path)  # after each row: a run stopped partway keeps its rows
     return 0
 
 

@@ -69,3 +69,19 @@ def killed_save():
         return proc.pid
 
     return kill
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="device for the tests under tests/device (cpu, cuda, cuda:1, ...): the paths a GPU takes")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The torch.device of ``--device``; a GPU asked for must be visible (it is never skipped)."""
+    import torch
+
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}: no CUDA device is visible")
+    return device

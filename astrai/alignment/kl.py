@@ -48,7 +48,8 @@ class KLStrategy(SEQStrategy):
             raise ConfigError(f"beta must be >= 0 for the KL stage, got {beta!r}")
         if estimate not in KL_ESTIMATES:
             raise ConfigError(f"estimate must be one of {', '.join(KL_ESTIMATES)} for the KL stage, got {estimate!r}")
-        self.beta, self.reference, self.stage, self.estimate = float(beta), reference, int(stage), estimate
+        self.beta, self.stage, self.estimate = float(beta), int(stage), estimate
+        self.reference = None if reference is None else reference.to(self.device)
 
     @property
     def effective_beta(self) -> float:

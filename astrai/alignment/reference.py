@@ -65,6 +65,13 @@ class ReferenceModel:
         else:
             self.model = frozen(copy.deepcopy(self.policy))
 
+    def to(self, device: torch.device) -> "ReferenceModel":
+        """Hold a separate reference on ``device``, where the policy trains (a snapshot taken
+        before the trainer moved the policy there, as a resumed KL stage's is, stays behind)."""
+        if self.model is not None:
+            self.model.to(device)
+        return self
+
     @property
     def is_lora_base(self) -> bool:
         return self.model is None

@@ -120,7 +120,7 @@ class DraftHead(nn.Module):
                                  draft_vocab_size=int(draft_ids.numel()),
                                  hidden_dim=hidden_dim or 2 * target_config.dim, norm_eps=target_config.norm_eps,
                                  target_fingerprint=target_fingerprint(target))
-        head = cls(config)
+        head = cls(config).to(target.embed_tokens.weight.device)  # beside the target it drafts for
         with torch.no_grad():
             head.draft_ids.copy_(draft_ids)
             lm_head = getattr(target.lm_head, "weight", None)
@@ -161,8 +161,9 @@ class DraftHead(nn.Module):
         return self.out_proj(self.out_norm(hidden))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.out_norm.weight
-        return self.target.embed_tokens(token_ids.to(weight.device)).to(weight.dtype)
+        """The target's embedding of ``token_ids``, on this head's device and in its dtype."""
+        table = self.target.embed_tokens
+        return table(token_ids.to(table.weight.device)).to(self.out_norm.weight)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step over any batch shape: (next hidden state, draft-vocabulary logits)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import asynccontextmanager
-from importlib.metadata import version
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
@@ -23,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
+from astrai import __version__
 from astrai.errors import AstraiError
 
 from .accesslog import AccessLogMiddleware
@@ -62,7 +62,7 @@ def create_app(engine=None, *, load_engine: Optional[Callable[[], object]] = Non
                      max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
     if engine is not None:
         ctx.install(engine)
-    app = FastAPI(title="astrai", version=version("astrai"), docs_url="/docs", redoc_url=None,
+    app = FastAPI(title="astrai", version=__version__, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", lifespan=engine_lifespan(ctx, load_engine, on_load_error),
                   description="OpenAI- and Anthropic-compatible API of an astrai model (see docs/serving.md).")
     app.state.metrics = ctx.metrics

@@ -40,7 +40,7 @@ class Record(TrainCallback):
         ref = strategy.ref_model
         self.steps.append({"stage": context.metrics["stage"], "beta": context.metrics["beta"],
                            "penalty": context.metrics["kl_penalty"], "strategy": strategy,
-                           "ref_state": None if ref is None else {k: v.clone() for k, v in ref.state_dict().items()}})
+                           "ref_state": None if ref is None else {k: v.cpu().clone() for k, v in ref.state_dict().items()}})
 
 
 def test_kl_stages_switch_beta_and_freeze_the_boundary_reference(tmp_path):
@@ -63,7 +63,7 @@ def test_kl_stages_switch_beta_and_freeze_the_boundary_reference(tmp_path):
     for s in stage1:
         for name, tensor in s["ref_state"].items():
             assert torch.equal(tensor, saved[name]), name
-    assert any(not torch.equal(v, saved[k]) for k, v in final.state_dict().items())
+    assert any(not torch.equal(v.cpu(), saved[k]) for k, v in final.state_dict().items())
     assert not any(p.requires_grad for p in stage1[-1]["strategy"].ref_model.parameters())
     log = [json.loads(line) for line in (tmp_path / "run" / "boundaries.jsonl").read_text().splitlines()]
     assert log[0]["boundary"] == "boundary_0_1" and log[0]["tokens_seen"] == 3 * tokens_per_step

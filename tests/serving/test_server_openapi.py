@@ -34,6 +34,16 @@ def api_schema(app):
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
+def test_the_documents_version_is_the_packages_from_one_source(app):
+    """astrai.__version__ names the API's version and, through pyproject's dynamic version, the
+    installed package's (a checkout run without installing has no package metadata to read)."""
+    from importlib.metadata import version
+
+    import astrai
+
+    assert app.openapi()["info"]["version"] == astrai.__version__ == version("astrai")
+
+
 def test_document_lists_every_route_with_request_and_response_schemas(app):
     from starlette.testclient import TestClient
 

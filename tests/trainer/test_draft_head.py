@@ -83,7 +83,7 @@ def test_an_int8_head_drafts_as_well_as_the_fp32_one(trained):
 
 def test_target_stays_frozen_and_only_the_head_is_checkpointed(trained):
     tmp, target = trained
-    assert torch.equal(target.lm_head.weight, tiny_model(**TARGET).lm_head.weight)
+    assert torch.equal(target.lm_head.weight.cpu(), tiny_model(**TARGET).lm_head.weight)
     state = Checkpoint.load(list_checkpoints(Path(tmp) / "ckpt")[-1]).state_dict
     head = load_draft_head(Path(tmp) / "ckpt" / "final", target)
     assert set(state) == set(DraftHead(head.config).state_dict()) and "draft_ids" in state
@@ -92,7 +92,8 @@ def test_target_stays_frozen_and_only_the_head_is_checkpointed(trained):
 def test_draft_returns_k_target_ids(trained):
     tmp, target = trained
     head = load_draft_head(Path(tmp) / "ckpt" / "final", target)
-    hidden = target(torch.tensor([[3, 17, 42]]), compute_logits=False)["hidden_states"][0]
+    ids = torch.tensor([[3, 17, 42]], device=target.embed_tokens.weight.device)  # where the trainer put it
+    hidden = target(ids, compute_logits=False)["hidden_states"][0]
     guesses = head.draft(hidden[-1], 5, k=4)
     assert len(guesses) == 4 and all(isinstance(t, int) and 0 <= t < VOCAB for t in guesses)
     assert set(guesses) <= set(head.draft_ids.tolist())
@@ -110,8 +111,8 @@ def test_reduced_vocabulary_maps_back_to_target_ids(tmp_path):
     head = context.model
     counts = torch.bincount(data.tokens[:, 1:].flatten(), minlength=VOCAB)
     assert head.draft_ids.numel() == 16 and head.out_proj.weight.shape == (16, 32)
-    assert counts[head.draft_ids].min() >= counts.sort(descending=True).values[15]
-    hidden = torch.randn(2, 32)
+    assert counts[head.draft_ids.cpu()].min() >= counts.sort(descending=True).values[15]
+    hidden = torch.randn(2, 32, device=head.draft_ids.device)
     rows = head.draft_batch(hidden, torch.tensor([1, 2]), 3)
     assert all(t in set(head.draft_ids.tolist()) for row in rows for t in row)
 

@@ -1,4 +1,5 @@
-"""Gradient accumulation is exactly the larger batch: 4 micro-batches of 2 == one batch of 8."""
+"""Gradient accumulation is exactly the larger batch: 4 micro-batches of 2 == one batch of 8 (on the
+CPU, whose sums repeat; on a GPU, Adam turns the rounding of near-zero gradients into whole steps)."""
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ class GradCapture(TrainCallback):
 def first_step_grads(tmp_path, train_type, batch, accum):
     capture = GradCapture()
     cfg = config(tmp_path / f"{batch}x{accum}", train_type=train_type, batch_per_device=batch, grad_accum_steps=accum,
-                 max_steps=2, max_grad_norm=0.0, save_final_model=False)
+                 max_steps=2, max_grad_norm=0.0, save_final_model=False, device="cpu")
     Trainer(cfg, callbacks=[capture], model=tiny_model(), train_dataset=TokenWindows(n=32, sft=train_type == "sft")).train()
     return capture
 

@@ -17,7 +17,8 @@ class Losses(TrainCallback):
 
 def train(tmp_path, compile: bool):
     losses = Losses()
-    cfg = config(tmp_path / str(compile), precision="bf16", max_steps=3, save_final_model=False, compile=compile)
+    cfg = config(tmp_path / str(compile), precision="bf16", max_steps=3, save_final_model=False, compile=compile,
+                 device="cpu")  # the GPU's compiled training: tests/device
     context = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows(), callbacks=[losses]).train()
     return context, losses.values
 

@@ -1,6 +1,7 @@
 """The trainer opts into the CPU's faster fp32 matmuls for its run only: during training the
 model's plain linears run as OneDnnLinear (where oneDNN pays here), and afterwards the model is
-given back with its own classes and the same parameters. The decision is the run's: every rank
+given back with its own classes and the same parameters (the CPU backend's: these runs train on the
+CPU even where a GPU is visible). The decision is the run's: every rank
 takes rank 0's, and a resumed run keeps the one its checkpoint records."""
 
 import json
@@ -27,7 +28,7 @@ def test_the_run_swaps_in_fast_matmuls_and_gives_the_model_back(tmp_path, monkey
     model = tiny_model()
     params = dict(model.named_parameters())
     seen = ClassesSeen()
-    run = config(tmp_path, save_final_model=False)
+    run = config(tmp_path, save_final_model=False, device="cpu")
     Trainer(run, callbacks=[seen], model=model, train_dataset=TokenWindows(n=4)).train()
     assert seen.heads and set(seen.heads) == {OneDnnLinear}
     assert type(model.lm_head) is Linear and all(type(m) is not OneDnnLinear for m in model.modules())
@@ -40,7 +41,7 @@ def _measures(monkeypatch, pays: bool) -> None:
     monkeypatch.setattr(training, "_weight_grad_layout_pays", lambda: pays)
 
 
-RUN = dict(save_final_model=False, ckpt_interval=1)
+RUN = dict(save_final_model=False, ckpt_interval=1, device="cpu")
 
 
 def _first_step_saved(tmp_path, monkeypatch):
@@ -78,7 +79,7 @@ def test_ranks_whose_measurements_disagree_take_rank_zeros_decision(tmp_path, mo
     monkeypatch.delenv("ASTRAI_ONEDNN_LINEAR", raising=False)
     out = tmp_path / "heads"
     out.mkdir()
-    cfg = config(tmp_path, nprocs=2, max_steps=1, save_final_model=False, master_port=0, ckpt_interval=1)
+    cfg = config(tmp_path, nprocs=2, max_steps=1, save_final_model=False, master_port=0, ckpt_interval=1, device="cpu")
     Trainer(cfg, callbacks=[MatmulsByRank(out)], model=tiny_model(), train_dataset=TokenWindows(n=8)).train()
     assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [["OneDnnLinear"]] * 2
     meta = Checkpoint.read_meta(tmp_path / "ckpt" / "step_00000001")["meta"]

@@ -13,7 +13,7 @@ from astrai.trainer import Trainer
 def test_ranks_keep_identical_weights_when_the_model_is_given(tmp_path):
     out = tmp_path / "sums"
     out.mkdir()
-    cfg = config(tmp_path, nprocs=2, max_steps=3, save_final_model=False, master_port=0)
+    cfg = config(tmp_path, nprocs=2, max_steps=3, save_final_model=False, master_port=0, device="cpu")  # 2 gloo ranks
     Trainer(cfg, callbacks=[WeightSums(out)], model=tiny_model(), train_dataset=TokenWindows(n=16)).train()
     for step in (1, 2, 3):
         rank0, rank1 = (json.loads((out / f"r{r}_s{step}.json").read_text()) for r in (0, 1))
