@@ -31,7 +31,7 @@ case "$isa" in
     native) build="$src/build"; isa_flags=(-DGGML_NATIVE=ON) ;;
     avx2)
         build="$src/build-avx2"
-        targets=(llama-bench llama-quantize)
+        targets=(llama-bench llama-quantize llama-server)  # the AVX2-held decode, prefill and chat parts
         isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
                    -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
                    -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
