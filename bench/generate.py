@@ -61,10 +61,11 @@ def build_pair(cfg):
 
 
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, streamer=None) -> tuple[list[list[int]], float]:
-    """Greedy ``generate`` on a left-padded batch; returns the new tokens and seconds taken."""
+    """Greedy ``generate`` on a left-padded batch, on the model's device; returns the new tokens
+    and seconds taken (reading the tokens back waits for a GPU's queued work)."""
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

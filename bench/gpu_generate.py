@@ -33,6 +33,7 @@ from astrai.config import preset  # noqa: E402
 from astrai.inference import InferenceEngine, SamplingParams  # noqa: E402
 from astrai.model import AutoModel  # noqa: E402
 from astrai.model.hf import export_hf  # noqa: E402
+from generate import hf_generate  # noqa: E402  (bench/generate.py: the same generate call on the CPU)
 from results_file import write_result  # noqa: E402
 
 
@@ -63,21 +64,6 @@ def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> flo
         torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * a.numel() / best
-
-
-def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
-    """Greedy ``generate`` on a left-padded batch; the new tokens and the seconds taken."""
-    device = hf.device
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False)
-    tokens = out[:, width:].tolist()  # waits for the GPU
-    return tokens, time.perf_counter() - start
 
 
 def engine_generate(engine, prompts: list[list[int]], counts: list[int]) -> tuple[list[list[int]], float]:
