@@ -168,7 +168,8 @@ def astrai_pretrain(qs, seconds: float) -> dict:
     elapsed = time.perf_counter() - start
     return {"steps": context.step, "planned_steps": config.max_steps, "tokens": context.tokens_seen,
             "seconds": elapsed, "tokens_per_s": context.tokens_seen / elapsed, "lr": config.max_lr,
-            "schedule": config.schedule, "warmup_ratio": config.warmup_ratio, "replanned": replanned}
+            "schedule": config.schedule, "warmup_ratio": config.warmup_ratio, "replanned": replanned,
+            "mixture": config.datasets}
 
 
 def heldout_bits(model, tokenizer, window: int) -> dict:
@@ -220,8 +221,8 @@ def main() -> int:
 
         print(f"baseline: transformers LlamaForCausalLM for {args.minutes:g} min", flush=True)
         sources = [(token_windows(qs.tokenizer, qs.corpus["train"], settings.window_size), 1.0)]
-        mixture = qs.pretrain_data().get("datasets")
-        if mixture:  # the worked problems beside the text, at the quick start's share
+        mixture = astrai["mixture"]
+        if mixture:  # the worked problems beside the text, at the share astrai's stage took
             problems = token_windows(qs.tokenizer, [str(qs.arithmetic_text())], settings.window_size)
             sources = [(sources[0][0], mixture[0]["rate"]), (problems, mixture[1]["rate"])]
         baseline_side = Baseline(model_config, sources, settings.batch_size, args.baseline_lr, args.seed)

@@ -10,11 +10,11 @@ import pytest
 import astrai.quickstart.from_scratch as quickstart
 from astrai.cli import main
 from astrai.errors import ConfigError
-from astrai.quickstart.from_scratch import (ARITHMETIC_SHARE, GRPO_WARMUP, PACE_CHECK_STEPS, PACE_TOLERANCE,
+from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_SHARE, ARITHMETIC_TOKENS, GRPO_WARMUP, PACE_CHECK_STEPS, PACE_TOLERANCE,
                                             PRETRAIN_EMBEDDING_LR_SCALE, run_quickstart,
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
-                                            make_stage_deadline_callback, write_json)
+                                            arithmetic_share_for, make_stage_deadline_callback, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -240,12 +240,31 @@ def test_grpo_plans_again_from_its_own_timed_steps():
     assert context.total_steps == 6 and replan.planned is None
 
 
+def test_the_worked_problems_share_buys_enough_of_them_on_a_slow_machine():
+    assert 0 < ARITHMETIC_SHARE < ARITHMETIC_MAX_SHARE < 1
+    assert arithmetic_share_for(10 * ARITHMETIC_TOKENS) == ARITHMETIC_SHARE  # a fast machine: the floor
+    assert arithmetic_share_for(ARITHMETIC_TOKENS // 10) == ARITHMETIC_MAX_SHARE  # a very slow one: the cap
+    middle = int(ARITHMETIC_TOKENS / 0.6)
+    assert arithmetic_share_for(middle) == pytest.approx(0.6, rel=1e-6)  # exactly ARITHMETIC_TOKENS of them
+
+
 def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_keep_their_guards(tmp_path):
     qs = planner(tmp_path)
-    config = qs.train_config(0, "pretrain", seconds=100.0)
-    assert [(Path(d["path"]).name, d["rate"], d["type"]) for d in config.datasets] == \
-        [("pretrain", 1 - ARITHMETIC_SHARE, "seq"), ("arithmetic", ARITHMETIC_SHARE, "seq")]
-    assert config.data_root_path is None and 0 < ARITHMETIC_SHARE < 1
+    for seconds in (100.0, 700.0, 2000.0):  # the share follows the stage's planned tokens
+        config = qs.train_config(0, "pretrain", seconds=seconds)
+        share = arithmetic_share_for(config.max_steps * config.batch_per_device * config.window_size)
+        assert [(Path(d["path"]).name, d["rate"], d["type"]) for d in config.datasets] == \
+            [("pretrain", 1 - share, "seq"), ("arithmetic", share, "seq")]
+        assert config.data_root_path is None
+    assert qs.train_config(0, "pretrain", seconds=100.0).datasets[1]["rate"] == ARITHMETIC_MAX_SHARE
+    assert qs.train_config(0, "pretrain", seconds=2000.0).datasets[1]["rate"] == ARITHMETIC_SHARE
+    pinned = planner(tmp_path / "pinned")
+    pinned.s.steps = {"pretrain": 1000}  # a pinned plan's steps decide the share, not the clock
+    assert pinned.train_config(0, "pretrain", seconds=1.0).datasets[1]["rate"] == \
+        pytest.approx(arithmetic_share_for(1000 * pinned.s.batch_size * pinned.s.window_size))
+    fixed = planner(tmp_path / "fixed")
+    fixed.s.arithmetic_share = 0.25  # a share set by hand is taken as it is
+    assert fixed.train_config(0, "pretrain", seconds=100.0).datasets[1]["rate"] == 0.25
     assert qs.train_config(2, "dpo", seconds=100.0).strategy_kwargs["rpo_alpha"] == qs.s.dpo_rpo_alpha > 0
     grpo = qs.train_config(3, "grpo", seconds=100.0)
     assert grpo.warmup_ratio == GRPO_WARMUP > 0 and grpo.strategy_kwargs["max_new_tokens"] >= 24
