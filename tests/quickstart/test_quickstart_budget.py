@@ -10,8 +10,8 @@ import pytest
 import astrai.quickstart.from_scratch as quickstart
 from astrai.cli import main
 from astrai.errors import ConfigError
-from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_SHARE, ARITHMETIC_TOKENS, GRPO_WARMUP, PACE_CHECK_STEPS, PACE_TOLERANCE,
-                                            PRETRAIN_EMBEDDING_LR_SCALE, run_quickstart,
+from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_SHARE, ARITHMETIC_TOKENS, GRPO_WARMUP,
+                                            PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE, run_quickstart,
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
                                             arithmetic_share_for, make_stage_deadline_callback, write_json)
