@@ -537,9 +537,8 @@ class Quickstart:
             # The probe times a few steady steps only; the stage also saves 9 checkpoints and
             # validates, which the probe does not see. Planning 10% fewer steps keeps that time
             # from being taken out of the later stages.
-            steps = max(2, int(s.steps[name] if s.steps else PRETRAIN_STEP_SHARE * seconds * tps
-                               / (s.batch_size * s.window_size)))
-            kw = dict(train_type="seq", **self.pretrain_data(steps * s.batch_size * s.window_size), model_preset=s.preset,
+            steps = PRETRAIN_STEP_SHARE * seconds * tps / (s.batch_size * s.window_size)
+            kw = dict(train_type="seq", model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
                       window_size=s.window_size, max_lr=s.lr["pretrain"], embedding_lr_scale=PRETRAIN_EMBEDDING_LR_SCALE,
                       precision=self.precision, **PRETRAIN_SCHEDULE)
@@ -564,6 +563,8 @@ class Quickstart:
                                        "max_new_tokens": s.grpo_max_new_tokens, "temperature": s.grpo_temperature,
                                        "sync_interval": 0, "seed": s.seed})
         steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
+        if name == "pretrain":  # the mixture follows the steps planned (or pinned)
+            kw.update(self.pretrain_data(steps * s.batch_size * s.window_size))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
 
     def pretrain_data(self, tokens: int) -> dict:
