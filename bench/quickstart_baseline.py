@@ -9,8 +9,8 @@ windows of the same length, AdamW (betas 0.9/0.95, weight decay 0.1), linear war
 probe, gradient clipping at 1.0, and bf16 autocast when a probe shows it is faster than
 fp32. astrai's side is the quick start's own pre-training stage (``Quickstart.train_config``:
 its preset, learning rate, schedule, window and batch), sized from its throughput probe
-and planned again when its own steps 5-25 run more than 20% off the probe's pace, as in a
-real run. Each side gets ``--minutes`` of training wall-clock; then both are scored on the
+and planned again from its own steps 5-25 as in a real run: started over when they run more
+than 20% off the probe's pace, else fitted in place to the time left. Each side gets ``--minutes`` of training wall-clock; then both are scored on the
 same held-out documents in bits per byte (the same likelihood code for
 both, so the numbers compare exactly). The target is astrai ≤ 0.85 × the baseline.
 
@@ -150,16 +150,18 @@ class Baseline:
 # --- astrai's side ------------------------------------------------------------------------
 def astrai_pretrain(qs, seconds: float) -> dict:
     """The quick start's pre-training stage, sized for ``seconds`` from its throughput probe and,
-    as in a real run, planned again when its own steps 5-25 run off the probe's pace by more
-    than the quick start's tolerance."""
+    as in a real run, planned again from its own steps 5-25: started over when they run off the
+    probe's pace by more than the quick start's tolerance, else fitted in place to the time left."""
     from astrai.quickstart.from_scratch import make_pace_check_callback, make_stage_deadline_callback
     from astrai.trainer import Trainer
 
     config = qs.train_config(0, "pretrain", seconds)
     start = time.perf_counter()
-    pace = make_pace_check_callback(qs.tps, config.batch_per_device * config.window_size)
+    replanned = {}
+    pace = make_pace_check_callback(qs.tps, config.batch_per_device * config.window_size, seconds,
+                                    on_replan=lambda step, first, total: replanned.update(
+                                        in_place_at_step=step, first_plan_steps=first, steps=total))
     context = Trainer(config, callbacks=[make_stage_deadline_callback(seconds), pace]).train()
-    replanned = None
     if pace.measured is not None:
         replanned = {"probed_tokens_per_s": qs.tps, "measured_tokens_per_s": pace.measured,
                      "first_plan_steps": config.max_steps}
@@ -169,7 +171,7 @@ def astrai_pretrain(qs, seconds: float) -> dict:
         config = qs.train_config(0, "pretrain", left)
         context = Trainer(config, callbacks=[make_stage_deadline_callback(left)]).train()
     elapsed = time.perf_counter() - start
-    return {"steps": context.step, "planned_steps": config.max_steps, "tokens": context.tokens_seen,
+    return {"steps": context.step, "planned_steps": replanned.get("steps", config.max_steps), "tokens": context.tokens_seen,
             "seconds": elapsed, "tokens_per_s": context.tokens_seen / elapsed, "lr": config.max_lr,
             "schedule": config.schedule, "warmup_ratio": config.warmup_ratio, "replanned": replanned,
             "mixture": config.datasets}

@@ -97,8 +97,13 @@ PRETRAIN_EMBEDDING_LR_SCALE = 12.0
 # Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
 # by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured: a probe
 # taken while another program holds a core can read half the real rate and halve pre-training.
+# Within the tolerance the stage keeps going and plans its length again in place: the steps that
+# fit in PACE_STEP_SHARE of its time left at the measured rate. The probe's short run reads a few
+# per cent off the stage's own pace, and the first plan keeps PRETRAIN_STEP_SHARE in reserve, so
+# without this a stage ended 3-16% early (measured on two AVX2 machines).
 PACE_CHECK_STEPS = (5, 25)
 PACE_TOLERANCE = 0.2
+PACE_STEP_SHARE = 0.95
 # GRPO times this many of its steps, then plans the steps that fit in its share: its rollouts
 # run the inference engine, whose pace under contention the training throughput does not tell.
 GRPO_TIMED_STEPS = 3
@@ -150,6 +155,7 @@ class Settings:
     eval_max_new_tokens: int = 32         # the task's answers: the working, the number and the stop token
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
     stop_at: Optional[dict] = None        # pinned stages the planning run's deadline guard ended early: the step it stopped at
+    replanned: Optional[dict] = None      # pinned stages the planning run re-planned in place: {"at_step", "first_steps"}
     cpu_matmuls: Optional[dict] = None    # pinned: the planning run's fp32 CPU matmuls decision (else measured)
     precision: str = "auto"               # pre-training's and SFT's: fp32, bf16 (autocast), or auto (the probe's faster)
     lr: dict = field(default_factory=lambda: {"pretrain": 7e-4, "sft": 3e-4, "dpo": 1e-5, "grpo": 1e-5})
@@ -222,10 +228,15 @@ def make_stop_at_step_callback(step: int):
     return StopAtStep()
 
 
-def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int, clock=time.perf_counter):
-    """A TrainCallback timing steps PACE_CHECK_STEPS; when their rate is off ``expected`` by
-    more than PACE_TOLERANCE it records the rate in ``measured`` and ends the stage there."""
+def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int, seconds: Optional[float] = None,
+                             on_replan=None, clock=time.perf_counter):
+    """A TrainCallback timing steps PACE_CHECK_STEPS of a stage given ``seconds`` from its
+    creation. When their rate is off ``expected`` by more than PACE_TOLERANCE it records the
+    rate in ``measured`` and ends the stage there (the caller starts it over). Otherwise, with
+    ``seconds`` given, it sets the stage's length to the steps that fit in PACE_STEP_SHARE of
+    the time left at that rate and calls ``on_replan(step, first_steps, total_steps)``."""
     first, last = PACE_CHECK_STEPS
+    created = clock()
 
     class PaceCheck(TrainCallback):
         measured: Optional[float] = None
@@ -235,12 +246,35 @@ def make_pace_check_callback(expected_tokens_per_s: float, tokens_per_step: int,
             if context.step == first:
                 self.started = clock()
             elif context.step == last and self.started is not None:
-                rate = (last - first) * tokens_per_step / max(clock() - self.started, 1e-9)
+                now = clock()
+                rate = (last - first) * tokens_per_step / max(now - self.started, 1e-9)
                 if abs(rate / expected_tokens_per_s - 1) > PACE_TOLERANCE:
                     self.measured = rate
                     context.total_steps = context.step
+                elif seconds is not None:
+                    left = seconds - (now - created)
+                    total = max(last + 1, last + int(PACE_STEP_SHARE * left * rate / tokens_per_step))
+                    if total != context.total_steps:
+                        planned = context.total_steps
+                        context.resize(total)
+                        if on_replan is not None:
+                            on_replan(context.step, planned, total)
 
     return PaceCheck()
+
+
+def make_resize_at_step_callback(step: int, total_steps: int, on_replan=None):
+    """A TrainCallback re-planning the stage to ``total_steps`` at ``step``, as the planning
+    run's pace check did there (a pinned run repeats it); ``on_replan`` as the pace check's."""
+    class ResizeAtStep(TrainCallback):
+        def on_step_end(self, context) -> None:
+            if context.step == step and context.total_steps != total_steps:
+                planned = context.total_steps
+                context.resize(total_steps)
+                if on_replan is not None:
+                    on_replan(context.step, planned, total_steps)
+
+    return ResizeAtStep()
 
 
 def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, clock=time.perf_counter):
@@ -562,7 +596,9 @@ class Quickstart:
                       strategy_kwargs={"group_size": s.grpo_group_size, "reward": "arithmetic", "kl_coef": 0.01,
                                        "max_new_tokens": s.grpo_max_new_tokens, "temperature": s.grpo_temperature,
                                        "sync_interval": 0, "seed": s.seed})
-        steps = max(2, int(self.s.steps[name] if self.s.steps else steps))
+        if self.s.steps:  # pinned: the length the stage started with (a recorded re-plan changes it later)
+            steps = (self.s.replanned or {}).get(name, {}).get("first_steps", self.s.steps[name])
+        steps = max(2, int(steps))
         if name == "pretrain":  # the mixture follows the steps planned (or pinned)
             kw.update(self.pretrain_data(steps * s.batch_size * s.window_size))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
@@ -629,9 +665,23 @@ class Quickstart:
                 f"({self.deadline.left / 60:.1f} min left in the run)")
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
+        budget_path = self.stage_dir(name) / "budget.json"
+
+        def record_replan(at_step: int, first_steps: int, total_steps: int) -> None:
+            # the plan keeps both lengths (a pinned run repeats the change); a resumed stage continues the second
+            log(f"{name}: planned again at step {at_step} from its own pace: {total_steps} steps, not {first_steps}")
+            write_json(budget_path, {**read_json(budget_path), "replanned": {
+                "at_step": at_step, "first_steps": first_steps, "steps": total_steps}})
+            config.max_steps = total_steps
+            config.save(config_path)
+
         if self.s.steps:
             stop = (self.s.stop_at or {}).get(name)
             callbacks = [make_stop_at_step_callback(stop)] if stop else []
+            replanned = (self.s.replanned or {}).get(name)
+            if replanned:
+                callbacks.insert(0, make_resize_at_step_callback(replanned["at_step"], self.s.steps[name],
+                                                                 on_replan=record_replan))
         else:
             callbacks = [make_stage_deadline_callback(self.stage_time_limit(name, seconds))]
         replan = None
@@ -640,8 +690,10 @@ class Quickstart:
             callbacks.append(replan)
         pace = None
         # only a fresh, time-sized pre-training whose checkpoints all come after the timed steps
-        if check_pace and name == "pretrain" and callbacks and checkpoint is None and config.ckpt_interval > PACE_CHECK_STEPS[1]:
-            pace = make_pace_check_callback(self.tps, config.batch_per_device * config.window_size)
+        if (check_pace and name == "pretrain" and not self.s.steps and checkpoint is None
+                and config.ckpt_interval > PACE_CHECK_STEPS[1]):
+            pace = make_pace_check_callback(self.tps, config.batch_per_device * config.window_size, seconds,
+                                            on_replan=record_replan)
             callbacks.append(pace)
         context = self.trainer(config, callbacks, extra).train(checkpoint=checkpoint)
         if context is None or context.stop_requested:
@@ -659,10 +711,13 @@ class Quickstart:
             return self.train_stage(index, name, check_pace=False)
         train_seconds = time.perf_counter() - start
         metrics = _metrics(self.stage_dir(name) / "ckpt")
+        replanned = read_json(budget_path).get("replanned")
         record = {
             "name": name, "steps": context.step, "tokens": context.tokens_seen,
-            "planned_steps": replan.planned if replan is not None and replan.planned else config.max_steps,
+            "planned_steps": replan.planned if replan is not None and replan.planned else
+            replanned["steps"] if replanned else config.max_steps,
             "cpu_matmuls": context.backend_state, "precision": config.precision,
+            **({"replanned": {"at_step": replanned["at_step"], "first_steps": replanned["first_steps"]}} if replanned else {}),
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
         }
@@ -870,13 +925,17 @@ def resumed_settings(s: Settings) -> Settings:
 def plan_of(records: list[dict], pinned: bool) -> dict:
     """The stage plan a run followed, as ``plan.json`` keeps it: each stage's planned steps
     (the length of its learning-rate schedule), for stages the deadline guard ended early
-    the step where they stopped, the fp32 CPU matmuls the run measured to be faster
+    the step where they stopped, for stages re-planned in place the step and the length they
+    started with (which sized pre-training's mixture), the fp32 CPU matmuls the run measured to be faster
     (oneDNN's or the BLAS's, which round differently) and the precision pre-training took, so
     that ``--plan`` repeats the run exactly."""
     plan = {"steps": {r["name"]: r["planned_steps"] for r in records}}
     stopped = {r["name"]: r["steps"] for r in records if r["steps"] < r["planned_steps"]}
     if stopped:
         plan["stop_at"] = stopped
+    replanned = {r["name"]: r["replanned"] for r in records if r.get("replanned")}
+    if replanned:
+        plan["replanned"] = replanned
     matmuls = next(filter(None, (r.get("cpu_matmuls") or r.get(OLD_MATMULS_KEY) for r in records)), None)
     if matmuls:
         plan["cpu_matmuls"] = matmuls
@@ -890,12 +949,13 @@ def plan_of(records: list[dict], pinned: bool) -> dict:
 def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
     """A plan file (``plan.json`` of an earlier run, or ``{"steps": {"pretrain": 300, "sft":
     100, "dpo": 10, "grpo": 20}}``) as Settings fields: ``steps`` (optimizer steps per stage),
-    ``stop_at`` (where stages ended early, optional), ``cpu_matmuls`` (the fp32 matmuls
+    ``stop_at`` (where stages ended early, optional), ``replanned`` (stages re-planned in
+    place: ``{"at_step": 25, "first_steps": 300}``, optional), ``cpu_matmuls`` (the fp32 matmuls
     decision, optional; read under its older name ``cpu_products`` too) and ``precision``
     (pre-training's and SFT's, optional); ``stages`` are the run's training stages."""
     try:
         plan = read_json(Path(path))
-        steps, stop_at = plan["steps"], plan.get("stop_at", {})
+        steps, stop_at, replanned = plan["steps"], plan.get("stop_at", {}), plan.get("replanned", {})
         matmuls = plan.get("cpu_matmuls", plan.get(OLD_MATMULS_KEY))
         precision = plan.get("precision", "auto")
     except FileNotFoundError:
@@ -911,13 +971,21 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
             for name, n in stop_at.items()):
         raise ConfigError(f"--plan {path}: 'stop_at' must give, for stages of the plan, a positive step no later "
                           f"than the stage's planned steps, got {stop_at!r}")
+    if not isinstance(replanned, dict) or not all(
+            name in steps and isinstance(r, dict) and set(r) == {"at_step", "first_steps"}
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in r.values())
+            and r["at_step"] < min(r["first_steps"], steps[name]) for name, r in replanned.items()):
+        raise ConfigError(f"--plan {path}: 'replanned' must give, for stages of the plan, "
+                          f"{{\"at_step\": N, \"first_steps\": M}} with N before both M and the stage's planned steps, "
+                          f"got {replanned!r}")
     if matmuls is not None and not (isinstance(matmuls, dict) and set(matmuls) == {"forward", "weight_grad"}
                                     and all(isinstance(v, bool) for v in matmuls.values())):
         raise ConfigError(f"--plan {path}: 'cpu_matmuls' must be {{\"forward\": true|false, \"weight_grad\": "
                           f"true|false}}, got {matmuls!r}")
     if precision not in PRECISIONS:
         raise ConfigError(f"--plan {path}: 'precision' must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return {"steps": dict(steps), "stop_at": dict(stop_at), "cpu_matmuls": matmuls, "precision": precision}
+    return {"steps": dict(steps), "stop_at": dict(stop_at), "replanned": dict(replanned), "cpu_matmuls": matmuls,
+            "precision": precision}
 
 
 def print_outcome(summary: dict, out: str) -> None:

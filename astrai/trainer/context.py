@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from astrai.config import TrainConfig
 from astrai.serialization import Checkpoint
+from astrai.trainer.lr_schedules import resize_schedule
 from astrai.trainer.mixture import MixtureSampler
 from astrai.trainer.strategies import BaseStrategy
 
@@ -78,3 +79,9 @@ class TrainContext:
     @property
     def done(self) -> bool:
         return self.step >= self.total_steps
+
+    def resize(self, total_steps: int) -> None:
+        """End the run after ``total_steps`` optimizer steps, its learning-rate schedule
+        stretched or shrunk to that length from the current step on."""
+        resize_schedule(self.scheduler, self.config, total_steps)
+        self.total_steps = total_steps

@@ -119,3 +119,16 @@ def scheduler_kwargs(config, total_steps: int) -> dict:
     return {"warmup_steps": warmup, "lr_decay_steps": after, "min_rate": config.min_rate, "total_steps": total_steps,
             "decay_steps": int(round(config.decay_ratio * total_steps)), "t_mult": config.sgdr_t_mult,
             "cycle_length": max(1, int(round(config.sgdr_cycle_ratio * after)))}
+
+
+def resize_schedule(scheduler: BaseScheduler, config, total_steps: int) -> None:
+    """Give a running schedule the lengths it would have had if built for ``total_steps``,
+    keeping its step count: a run that times its first steps can stretch or shrink its plan
+    in place instead of starting over. The optimizer's rate follows at once."""
+    for name, value in scheduler_kwargs(config, total_steps).items():
+        if name not in ("min_rate", "t_mult") and hasattr(scheduler, name):
+            setattr(scheduler, name, max(1, value) if name in ("lr_decay_steps", "cycle_length") else value)
+    rates = scheduler.get_lr()
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)

@@ -11,7 +11,8 @@ import astrai.quickstart.from_scratch as quickstart
 from astrai.cli import main
 from astrai.errors import ConfigError
 from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_SHARE, ARITHMETIC_TOKENS, GRPO_WARMUP,
-                                            PACE_CHECK_STEPS, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE, run_quickstart,
+                                            PACE_CHECK_STEPS, PACE_STEP_SHARE, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE,
+                                            load_plan, plan_of, run_quickstart,
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
                                             arithmetic_share_for, make_stage_deadline_callback, write_json)
@@ -162,8 +163,10 @@ class StandInTrainer:
         self.config, self.callbacks, self.backend_state = config, list(callbacks), backend_state
 
     def train(self, checkpoint=None):
-        context = SimpleNamespace(step=0, total_steps=self.config.max_steps, done=False, stop_requested=False,
+        planned = self.config.max_steps
+        context = SimpleNamespace(step=0, total_steps=planned, done=False, stop_requested=False,
                                   tokens_seen=0, backend_state=self.backend_state)
+        context.resize = lambda total: setattr(context, "total_steps", total)
         for callback in self.callbacks:
             callback.on_train_begin(context)
         tokens_per_step = self.config.batch_per_device * self.config.window_size
@@ -174,36 +177,87 @@ class StandInTrainer:
             for callback in self.callbacks:
                 callback.on_step_end(context)
         Path(self.config.ckpt_dir).mkdir(parents=True, exist_ok=True)
-        StandInTrainer.runs.append({"planned": self.config.max_steps, "ran": context.step,
+        StandInTrainer.runs.append({"planned": planned, "ran": context.step,
                                     "callbacks": [type(c).__name__ for c in self.callbacks]})
         return context
 
 
-@pytest.mark.parametrize("real_rate,restarts", [(8000.0, True), (4400.0, False)])
-def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, monkeypatch, real_rate, restarts):
-    qs = planner(tmp_path, tokens_per_s=4000.0)
-    qs.s.steps = None
+def test_pace_check_within_tolerance_fits_the_stage_to_its_time_left():
+    first, last = PACE_CHECK_STEPS
+    for seconds_per_step in (0.9, 1.1):  # within the tolerance of the expected second a step
+        clock = FakeClock()
+        seen = []
+        check = make_pace_check_callback(1000.0, 1000, seconds=300.0, clock=clock,
+                                         on_replan=lambda *args: seen.append(args))
+        context = SimpleNamespace(step=0, total_steps=270)
+        context.resize = lambda total: setattr(context, "total_steps", total)
+        while context.step < context.total_steps:
+            context.step += 1
+            clock.now += seconds_per_step
+            check.on_step_end(context)
+        fits = last + int(PACE_STEP_SHARE * (300.0 - last * seconds_per_step) / seconds_per_step)
+        assert check.measured is None and context.step == fits != 270
+        assert seen == [(last, 270, fits)]
+        assert context.step * seconds_per_step == pytest.approx(PACE_STEP_SHARE * 300.0, rel=0.01)
+
+
+def pace_driven(qs, monkeypatch, real_rate):
+    """``qs``'s pre-training stage under the stand-in trainer at ``real_rate`` tokens/s."""
     qs.evaluate = lambda name: {}
     write_json(qs.out / "throughput.json", {"tokens_per_s": 4000.0})
     StandInTrainer.rate, StandInTrainer.runs = real_rate, []
     monkeypatch.setattr(quickstart, "Trainer", StandInTrainer)
     real_check = quickstart.make_pace_check_callback
     monkeypatch.setattr(quickstart, "make_pace_check_callback",
-                        lambda tps, tokens: real_check(tps, tokens, clock=StandInTrainer.clock))
-    record = qs.train_stage(0, "pretrain")
-    runs = StandInTrainer.runs
-    if not restarts:  # within the tolerance: the plan stands
-        assert len(runs) == 1 and runs[0]["ran"] == runs[0]["planned"] and "PaceCheck" in runs[0]["callbacks"]
-        assert qs.tps == 4000.0
-        return
+                        lambda *args, **kw: real_check(*args, **kw, clock=StandInTrainer.clock))
+    return qs.train_stage(0, "pretrain"), StandInTrainer.runs
+
+
+def test_pretraining_within_its_pace_tolerance_is_planned_again_in_place_and_the_plan_repeats_it(tmp_path, monkeypatch):
+    qs = planner(tmp_path / "a", tokens_per_s=4000.0)
+    qs.s.steps = None
+    first_config = qs.train_config(0, "pretrain", qs.stage_seconds("pretrain"))
+    record, runs = pace_driven(qs, monkeypatch, 4400.0)
+    tokens_per_step = qs.s.batch_size * qs.s.window_size
+    seconds = json.loads((qs.stage_dir("pretrain") / "budget.json").read_text())["seconds"]
+    last = PACE_CHECK_STEPS[1]
+    fits = last + int(PACE_STEP_SHARE * (seconds - last * tokens_per_step / 4400.0) * 4400.0 / tokens_per_step)
+    assert len(runs) == 1 and "PaceCheck" in runs[0]["callbacks"] and qs.tps == 4000.0  # no start over
+    assert runs[0] == {**runs[0], "planned": first_config.max_steps, "ran": fits}
+    assert fits > first_config.max_steps * 1.05  # the probe's rate with PRETRAIN_STEP_SHARE left time unused
+    assert record["planned_steps"] == record["steps"] == fits
+    assert record["replanned"] == {"at_step": last, "first_steps": first_config.max_steps}
+    saved = json.loads((qs.stage_dir("pretrain") / "train_config.json").read_text())
+    assert saved["max_steps"] == fits  # a resumed run continues the second plan
+    plan = plan_of([record], pinned=False)
+    assert plan["replanned"] == {"pretrain": record["replanned"]} and plan["steps"] == {"pretrain": fits}
+
+    # pinned by that plan, a run starts with the first length (and the mixture it sized) and
+    # changes to the second at the same step, with no pace check of its own
+    path = tmp_path / "plan.json"
+    write_json(path, {**plan, "steps": {"pretrain": fits, "sft": 5, "dpo": 5, "grpo": 5}})
+    pinned = planner(tmp_path / "b", tokens_per_s=4000.0)
+    pinned.s.steps, pinned.s.stop_at, pinned.s.replanned = (load_plan(path)[k] for k in ("steps", "stop_at", "replanned"))
+    share = pinned.train_config(0, "pretrain", 1.0).datasets[1]["rate"]
+    assert share == first_config.datasets[1]["rate"] != arithmetic_share_for(fits * tokens_per_step)
+    again, runs = pace_driven(pinned, monkeypatch, 9000.0)
+    assert runs[0] == {**runs[0], "planned": first_config.max_steps, "ran": fits}
+    assert "ResizeAtStep" in runs[0]["callbacks"] and "PaceCheck" not in runs[0]["callbacks"]
+    assert plan_of([again], pinned=True)["replanned"] == plan["replanned"]
+
+
+@pytest.mark.parametrize("real_rate,restarts", [(8000.0, True), (3000.0, True)])
+def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, monkeypatch, real_rate, restarts):
+    qs = planner(tmp_path, tokens_per_s=4000.0)
+    qs.s.steps = None
+    record, runs = pace_driven(qs, monkeypatch, real_rate)
     assert len(runs) == 2
     assert runs[0]["ran"] == PACE_CHECK_STEPS[1] and "PaceCheck" in runs[0]["callbacks"]
     assert "PaceCheck" not in runs[1]["callbacks"]  # checked once: a second plan is never thrown away
-    # planned again at the measured rate: about twice the steps (the faster rate also shrinks
-    # the reserve for evaluations a little)
+    # planned again at the measured rate (the rate also changes the reserve for evaluations a little)
     seconds = json.loads((qs.stage_dir("pretrain") / "budget.json").read_text())["seconds"]
     assert runs[1]["planned"] == int(PRETRAIN_STEP_SHARE * seconds * real_rate / (qs.s.batch_size * qs.s.window_size))
-    assert runs[1]["planned"] == pytest.approx(2 * runs[0]["planned"], rel=0.05)
+    assert runs[1]["planned"] == pytest.approx(real_rate / 4000.0 * runs[0]["planned"], rel=0.05)
     assert record["steps"] == runs[1]["planned"] and qs.tps == pytest.approx(real_rate)
     saved = json.loads((qs.out / "throughput.json").read_text())
     assert saved == {"tokens_per_s": pytest.approx(real_rate), "probed_tokens_per_s": 4000.0}

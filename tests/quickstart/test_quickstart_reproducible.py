@@ -21,6 +21,7 @@ SMALL = dict(
 )
 PLAN = {"pretrain": 6, "sft": 4, "dpo": 2, "grpo": 2}
 STOP_AT = {"pretrain": 4}
+REPLANNED = {"pretrain": {"at_step": 2, "first_steps": 5}}  # started as 5 steps, made 6 at step 2
 
 
 def numbers(summary: dict) -> list:
@@ -32,17 +33,19 @@ def numbers(summary: dict) -> list:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run's promise: where a GPU is visible the run trains there, "
                     "whose atomic adds (an embedding's gradient) sum in no fixed order, and its plan pins no CPU matmuls")
 def test_same_seed_and_plan_give_identical_numbers(tmp_path, monkeypatch):
-    """Pre-training stops at step 4 of its 6 (as when the deadline guard ends a stage): the
-    plan keeps both, and the rerun stops there too with the 6-step schedule. The first run
+    """Pre-training starts as 5 steps, is made 6 at step 2 (as its pace check does) and stops
+    at step 4 (as when the deadline guard ends a stage): the plan keeps all three, and the rerun
+    does the same. The first run
     measures oneDNN's fp32 matmuls to be faster, the second would measure the BLAS's (a
     busier machine): the plan pins the first's, whose rounding the numbers depend on."""
     from astrai.backends.cpu import training
 
     measured = {"forward": True, "weight_grad": False}
     monkeypatch.setattr(training, "measured_choice", lambda: dict(measured))
-    first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, stop_at=STOP_AT, **SMALL)
+    first = run_quickstart(out=str(tmp_path / "a"), seed=3, steps=PLAN, stop_at=STOP_AT, replanned=REPLANNED, **SMALL)
     written = json.loads((tmp_path / "a" / PLAN_FILE).read_text())
     assert written["steps"] == PLAN and written["stop_at"] == STOP_AT and written["source"] == "pinned (--plan)"
+    assert written["replanned"] == REPLANNED
     assert written["cpu_matmuls"] == measured and first["plan"] == written
     assert (first["stages"][0]["steps"], first["stages"][0]["planned_steps"]) == (4, 6)
     assert f"--seed 3 --plan {(tmp_path / 'a' / PLAN_FILE).resolve()} --minutes 5 --corpus bundled" in \
@@ -87,6 +90,10 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
     (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"pretrain": 6}}),
      "'stop_at' must give"),
     (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "stop_at": {"rm": 1}}), "'stop_at' must give"),
+    (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1},
+                 "replanned": {"pretrain": {"at_step": 5, "first_steps": 9}}}), "'replanned' must give"),
+    (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1},
+                 "replanned": {"pretrain": {"at_step": 2}}}), "'replanned' must give"),
     (json.dumps({"steps": {"pretrain": 5, "sft": 1, "dpo": 1, "grpo": 1}, "cpu_matmuls": {"forward": 1}}),
      "'cpu_matmuls' must be"),
 ])

@@ -63,3 +63,49 @@ def test_scheduler_state_round_trips():
     sched2.load_state_dict(sched.state_dict())
     opt.step(), sched.step(), opt2.step(), sched2.step()
     assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "cosine", "sgdr", "constant"])
+@pytest.mark.parametrize("first,then", [(200, 260), (200, 150)])
+def test_a_resized_schedule_continues_as_one_built_for_the_new_length(schedule, first, then):
+    """Stretched or shrunk after step 25, a schedule gives from there on the rates of one
+    built for the new length from the start, and the optimizer's rate follows at once."""
+    from astrai.config import TrainConfig
+    from astrai.trainer.lr_schedules import resize_schedule, scheduler_kwargs
+
+    config = TrainConfig(schedule=schedule, warmup_ratio=0.05, decay_ratio=0.5, min_rate=0.1, sgdr_cycle_ratio=0.2)
+
+    def build(total):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return opt, SchedulerFactory.create(opt, schedule, **scheduler_kwargs(config, total))
+
+    opt, sched = build(first)
+    for _ in range(25):
+        opt.step()
+        sched.step()
+    before = opt.param_groups[0]["lr"]
+    resize_schedule(sched, config, then)
+    ref_opt, ref = build(then)
+    for _ in range(25):
+        ref_opt.step()
+        ref.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    assert sched.get_last_lr() == pytest.approx(ref.get_last_lr())
+    rates, expected = [], []
+    for _ in range(then - 25):
+        opt.step(), ref_opt.step()
+        sched.step(), ref.step()
+        rates.append(opt.param_groups[0]["lr"])
+        expected.append(ref_opt.param_groups[0]["lr"])
+    assert rates == pytest.approx(expected)
+    if schedule != "constant":  # the length changed what the run does
+        plain_opt, plain = build(first)
+        plain_rates = []
+        for step in range(then):
+            plain_opt.step()
+            plain.step()
+            if step >= 25:
+                plain_rates.append(plain_opt.param_groups[0]["lr"])
+        assert plain_rates != pytest.approx(rates)
+    else:
+        assert before == rates[-1] == 1.0
