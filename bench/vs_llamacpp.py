@@ -300,6 +300,8 @@ def run_depths(model: str, precision: str, llamacpp, args, bandwidth: float) -> 
         astrai_decode(engine, 8, seed=99, depth=64)  # warm-up
         for depth in args.depths:
             ours, theirs, errors = [], [], []
+            # llama-bench warms up each of its runs; astrai's first decode at a new depth grows its decode buffers
+            astrai_decode(engine, 4, seed=98, depth=depth)
             for r in range(args.repeats):
                 ours.append(astrai_decode(engine, args.new_tokens, seed=r, depth=depth)["tok_s"])
                 row = llama_bench(bench, gguf, args.threads, ["-p", "0", "-n", str(args.new_tokens), "-d", str(depth),

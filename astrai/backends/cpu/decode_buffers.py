@@ -28,7 +28,7 @@ import torch
 from astrai.inference.cache.storage import Storage
 
 HEADROOM = 256  # tokens of growth before the buffers must be rebuilt
-ROW_STEP = 8  # rows are added in groups, so tasks joining one by one do not reallocate each time
+ROW_STEP = 8  # a batch's rows are added in groups, so tasks joining one by one do not reallocate each time
 BUDGET_BYTES = 1024**3  # both sets together; above this the view falls back to gathering every step
 
 
@@ -58,7 +58,10 @@ class DecodeBuffers:
         st = self._storage
         if len(ids) > self.rows or needed > self.capacity:
             capacity = max(-(-(needed + HEADROOM) // st.page_size) * st.page_size, self.capacity)
-            rows = max(-(-len(ids) // ROW_STEP) * ROW_STEP, self.rows)
+            # a single stream takes one row: a spare row of a long context is tens of megabytes
+            # zeroed before use (seven spare rows took its first step at 2,048 tokens from 74 to
+            # 250-990 ms); a second task brings a group
+            rows = max(1 if len(ids) == 1 else -(-len(ids) // ROW_STEP) * ROW_STEP, self.rows)
             if len(ids) > self.rows and self._fits(2 * self.rows, capacity):
                 rows = max(rows, 2 * self.rows)  # doubling: a batch filling up reallocates log(n) times, not n/8
             if not self._fits(rows, capacity):

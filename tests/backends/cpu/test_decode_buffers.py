@@ -124,7 +124,7 @@ def test_decode_buffers_grow_by_doubling_within_their_budget():
     of times (each growth copies every held row), and never past the memory budget."""
     cache = KVCache(n_layers=1, cache_shapes=((1, 2), (1, 2)), num_pages=8, page_size=4)
     bytes_per_row = 2 * 260 * cache.storage.bytes_per_token()  # both sets, capacity of 3 tokens + headroom, in pages
-    for budget, expected in ((10**9, [8, 16, 32, 64]), (40 * bytes_per_row, [8, 16, 32, 40])):
+    for budget, expected in ((10**9, [1, 8, 16, 32, 64]), (40 * bytes_per_row, [1, 8, 16, 32, 40])):
         buffers = decode_buffers.DecodeBuffers(cache.storage, budget_bytes=budget)
         sizes = []
         for n in range(1, 34):
@@ -136,14 +136,17 @@ def test_decode_buffers_grow_by_doubling_within_their_budget():
 
 def test_a_long_context_takes_the_buffers_with_no_spare_rows():
     """A row whose context is too long for the rounded-up group of rows within the budget
-    still gets buffers of its own: rows for the batch only, the held row carried over (a
-    long context must not fall back to gathering its whole context every step)."""
-    cache = KVCache(n_layers=1, cache_shapes=((1, 2), (1, 2)), num_pages=300, page_size=4)
+    still gets buffers of its own: rows for the batch only, the held rows carried over (a
+    long context must not fall back to gathering its whole context every step). A single
+    stream holds no spare rows at all: each would be zeroed before use."""
+    cache = KVCache(n_layers=1, cache_shapes=((1, 2), (1, 2)), num_pages=600, page_size=4)
     per_row = 2 * cache.storage.bytes_per_token()  # both sets, per token of capacity
     buffers = decode_buffers.DecodeBuffers(cache.storage, budget_bytes=3 * 1000 * per_row)
     assert buffers.plan(["a"], [3]) == [0]
+    assert buffers.rows == 1
+    assert buffers.plan(["a", "b"], [4, 3]) == [1]
     assert buffers.rows == decode_buffers.ROW_STEP
     buffers.k[0][0, 0, :3] = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    assert buffers.plan(["a"], [900]) is not None  # 900 tokens + headroom: eight rows would not fit
-    assert buffers.rows == 1 and buffers.capacity >= 901
+    assert buffers.plan(["a", "b"], [900, 4]) is not None  # 900 tokens + headroom: eight rows would not fit
+    assert buffers.rows == 2 and buffers.capacity >= 901
     assert buffers.k[0][0, 0, :3].tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
