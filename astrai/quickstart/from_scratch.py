@@ -100,7 +100,7 @@ PRETRAIN_EMBEDDING_LR_SCALE = 12.0
 # Within the tolerance the stage keeps going and plans its length again in place: the steps that
 # fit in PACE_STEP_SHARE of its time left at the measured rate. The probe's short run reads a few
 # per cent off the stage's own pace, and the first plan keeps PRETRAIN_STEP_SHARE in reserve, so
-# without this a stage ended 3-16% early (measured on two AVX2 machines).
+# without this a stage ended 3-16% early (an AVX2 machine, docs/benchmarks.md).
 PACE_CHECK_STEPS = (5, 25)
 PACE_TOLERANCE = 0.2
 PACE_STEP_SHARE = 0.95
@@ -714,8 +714,7 @@ class Quickstart:
         replanned = read_json(budget_path).get("replanned")
         record = {
             "name": name, "steps": context.step, "tokens": context.tokens_seen,
-            "planned_steps": replan.planned if replan is not None and replan.planned else
-            replanned["steps"] if replanned else config.max_steps,
+            "planned_steps": replan.planned if replan is not None and replan.planned else config.max_steps,
             "cpu_matmuls": context.backend_state, "precision": config.precision,
             **({"replanned": {"at_step": replanned["at_step"], "first_steps": replanned["first_steps"]}} if replanned else {}),
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
