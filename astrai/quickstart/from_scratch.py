@@ -646,12 +646,13 @@ class Quickstart:
             self.follow_throughput(record)
             return record
         config_path = self.stage_dir(name) / "train_config.json"
+        budget_path = self.stage_dir(name) / "budget.json"
         checkpoint = latest_checkpoint(self.stage_dir(name) / "ckpt") if config_path.is_file() else None
         if checkpoint is not None:
             # The step budget (and with it the schedule) is the one the stage started with; paths
             # are rebuilt here so a run directory that was moved still resumes into itself.
             started = TrainConfig.load(config_path)
-            seconds = read_json(self.stage_dir(name) / "budget.json")["seconds"]
+            seconds = read_json(budget_path)["seconds"]
             config = self.train_config(index, name, seconds)
             config.max_steps, config.ckpt_interval = started.max_steps, started.ckpt_interval
             log(f"[{index + self.first_stage_number}/7] {name}: resuming from {checkpoint}")
@@ -660,12 +661,11 @@ class Quickstart:
             config = self.train_config(index, name, seconds)
             config_path.parent.mkdir(parents=True, exist_ok=True)
             config.save(config_path)
-            write_json(self.stage_dir(name) / "budget.json", {"seconds": seconds})
+            write_json(budget_path, {"seconds": seconds})
             log(f"[{index + self.first_stage_number}/7] {name}: {config.max_steps} steps in about {seconds:.0f}s "
                 f"({self.deadline.left / 60:.1f} min left in the run)")
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
-        budget_path = self.stage_dir(name) / "budget.json"
 
         def record_replan(at_step: int, first_steps: int, total_steps: int) -> None:
             # the plan keeps both lengths (a pinned run repeats the change); a resumed stage continues the second
