@@ -77,7 +77,9 @@ class BaseSettings(Settings):
     dpo_seq_len: int = 128
     grpo_seq_len: int = 96
     grpo_prompts_per_step: int = 4
-    grpo_group_size: int = 4
+    # Eight answers a prompt: packed behind their shared prompt (GRPOStrategy) they cost little more
+    # to update than four, and fewer groups come back all right or all wrong, with nothing to learn.
+    grpo_group_size: int = 8
     grpo_max_new_tokens: int = 10
     grpo_temperature: float = 0.8
     dpo_rpo_alpha: float = 0.0            # DPO alone (RPO untried on a pretrained base)
