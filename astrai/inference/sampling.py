@@ -22,10 +22,11 @@ NEG_INF = float("-inf")
 
 
 def _per_row(value: Param, logits: torch.Tensor) -> torch.Tensor:
-    """Broadcast a scalar or [B] parameter to a [B, 1] tensor on the logits' device."""
+    """Broadcast a scalar, a one-row or a [B] parameter to a [B, 1] tensor on the logits' device
+    (one row's settings apply to every row: a verify step's positions of one request)."""
     t = torch.as_tensor(value, device=logits.device)
-    if t.dim() == 0:
-        t = t.expand(logits.shape[0])
+    if t.numel() == 1:
+        t = t.reshape(()).expand(logits.shape[0])
     return t.view(-1, 1)
 
 

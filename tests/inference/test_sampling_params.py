@@ -49,6 +49,18 @@ def test_per_row_parameters_in_one_batch():
     assert finite == [1, 3, 40]
 
 
+def test_one_rows_settings_filter_every_row_by_its_own_values():
+    """A verify step applies one request's settings to each of its positions: every row is
+    filtered by its own k-th logit and its own mass, as if it were alone."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 30) * 3
+    one_row = SamplingPipeline.for_rows([0.9], [8], [0.8], [0.05], logits.device)
+    together = one_row.apply(logits.clone())
+    for i in range(3):
+        assert torch.equal(together[i], one_row.apply(logits[i:i + 1].clone())[0])
+        assert int(torch.isfinite(together[i]).sum()) <= 8
+
+
 def test_unused_strategies_are_left_out_and_change_no_draw():
     """for_rows keeps only the strategies some row uses; a row that leaves a strategy at its neutral value
     gets exactly the logits it would get through it, so a request's draws do not depend on its batch."""
