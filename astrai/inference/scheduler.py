@@ -27,6 +27,12 @@ fuses, prompt lookup) takes runs of verify steps, drafting between them in the r
 (``speculative_run``), up to ``greedy_run_steps`` x (draft_tokens + 1) tokens and
 ``greedy_run_seconds`` a run.
 
+A task computes only the prompt tokens no running task has: its leading full pages come from
+the prefix cache (waiting, if another task is still prefilling them), and the rest of what a
+running task has computed of the same tokens (its last page, not yet full, which the prefix
+cache does not share) is copied into the task's own page when it is admitted. So the samples of
+one prompt (a GRPO group, ``n`` completions) compute it once.
+
 When decoding needs a page and none is left, the newest running task is preempted:
 its pages are released (full ones stay in the prefix cache) and it goes back to the
 front of the queue to be recomputed from prompt + output later. Results are
@@ -432,7 +438,7 @@ class InferenceScheduler:
                 return
             if self._should_wait_for_shared_prefix(task):
                 continue
-            if not cache.task_alloc(task.task_id, task.context, reserve=len(mgr.running)):
+            if not cache.task_alloc(task.task_id, task.context, reserve=len(mgr.running), donor=self._donor(task)):
                 return
             task.num_computed = task.cached_tokens = cache.task_cached(task.task_id)
             if task.preemptions == 0:
@@ -440,25 +446,42 @@ class InferenceScheduler:
                 self._stats["cached_tokens"] += task.cached_tokens
             mgr.start(task)
 
-    def _should_wait_for_shared_prefix(self, task: Task) -> bool:
-        """Hold a task whose leading full pages another running task is still prefilling:
-        waiting for them to reach the prefix cache is cheaper than computing them twice."""
-        if not self._page_cache.pool.prefix_enabled:
-            return False
+    def _sharers(self, task: Task):
+        """``(other, shared)`` for each running task whose context starts with the same page as
+        ``task``'s, ``shared`` being how many leading tokens the two have in common (at most all
+        but ``task``'s last, whose logits it must compute itself)."""
         ps = self.page_size
         head = task.context[:ps]
         if len(head) < ps:
-            return False
+            return
         for other in self._task_mgr.running:
-            if other.remaining <= 1 or other.context[:ps] != head:
-                continue
-            shared = 0
-            limit = min(len(task.context), len(other.context)) - 1
-            while shared < limit and task.context[shared] == other.context[shared]:
-                shared += 1
-            if shared // ps * ps > other.num_computed:
+            if other.context[:ps] == head:
+                yield other, common_prefix(task.context, other.context, len(task.context) - 1)
+
+    def _should_wait_for_shared_prefix(self, task: Task) -> bool:
+        """Hold a task whose leading full pages another running task is still prefilling, or
+        whose whole prompt is another's (a group of samples of one prompt): waiting for them to
+        be computed is cheaper than computing them twice."""
+        if not self._page_cache.pool.prefix_enabled:
+            return False
+        ps = self.page_size
+        for other, shared in self._sharers(task):
+            if other.remaining > 1 and (shared // ps * ps > other.num_computed
+                                        or shared == len(task.context) - 1 > other.num_computed):
                 return True
         return False
+
+    def _donor(self, task: Task) -> Optional[tuple[str, int]]:
+        """The running task that has computed most of ``task``'s leading tokens, and how many
+        (for ``KVCache.task_alloc`` to copy what the prefix cache does not share), or None."""
+        if not self._page_cache.pool.prefix_enabled:
+            return None
+        best = None
+        for other, shared in self._sharers(task):
+            usable = min(shared, other.num_computed)
+            if usable > (best[1] if best else 0):
+                best = (other.task_id, usable)
+        return best
 
     def _plan_step(self) -> tuple[str, list[Task], list[int], Optional[list[list[int]]]]:
         """The next step: its kind, tasks, tokens each feeds, and (a verify step) each one's drafts."""
@@ -608,6 +631,19 @@ class InferenceScheduler:
         self._stats["requests_aborted"] += 1
         task.emit(StreamEvent(finished=True, finish_reason="abort", error=error, prompt_tokens=len(task.prompt_ids),
                               completion_tokens=len(task.output_ids)))
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common, at most ``limit`` (a binary search
+    over slice comparisons, which run in C: contexts are thousands of tokens long)."""
+    lo, hi = 0, max(0, min(limit, len(a), len(b)))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _speculation(method: Optional[str], draft_tokens: int,

@@ -91,3 +91,24 @@ def test_concurrent_shared_prefix_waits_for_cache(gqa_model, monkeypatch):
     assert got == expected
     assert hit > 0.6
     assert any(rows > 1 and shared >= 28 for rows, shared in split_rows), split_rows
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["tiny", "tiny-mla"])
+def test_samples_of_one_prompt_compute_it_once(kind):
+    """Requests with one prompt (a GRPO group, n completions) copy the first one's last page,
+    which is not full, and compute only their last token; their output is unchanged."""
+    model = make_model(kind, seed=4)
+    prompt = _prompts(6, [14])[0]  # page 0 shared, positions 8-12 copied, 13 computed
+    expected = greedy_reference(model, prompt, 6)
+    with InferenceEngine(model, None, page_size=8, num_pages=64) as engine:
+        handles = [engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY)) for _ in range(5)]
+        got = [h.result(timeout=60).token_ids for h in handles]
+        assert engine.get_stats()["prefix_hit_rate"] == pytest.approx(4 * 13 / (5 * 14))
+        # one that arrives while another decodes copies from the decoding task
+        events = iter(engine.submit(prompt, SamplingParams(max_tokens=12, **GREEDY)))
+        next(events)
+        late = engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY)).result(timeout=60).token_ids
+        list(events)
+        assert engine.get_stats()["prefix_hit_rate"] == pytest.approx((4 * 13 + 8 + 13) / (7 * 14))
+    assert got == [expected] * 5 and late == expected

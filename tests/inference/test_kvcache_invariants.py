@@ -21,11 +21,20 @@ op_st = st.one_of(
     st.tuples(st.just("alloc"), tokens_st),
     st.tuples(st.just("grow"), st.lists(st.integers(0, 3), min_size=1, max_size=4)),
     st.tuples(st.just("free"), st.integers(0, 7)),
+    st.tuples(st.just("fork"), tokens_st),  # alloc with the task sharing most of its tokens as donor
 )
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _compute(cache: KVCache, tasks: dict, computed: dict, ids: list[str]) -> None:
-    """Write every task's uncomputed tokens in one multi-row view and read the contexts back."""
+    """Write every task's uncomputed tokens in one multi-row view and read the contexts back
+    (tokens a task took from the prefix cache or copied from a donor included)."""
     if not ids:
         return
     starts = [computed[t] for t in ids]
@@ -74,6 +83,16 @@ def test_random_operations_keep_cache_consistent(ops):
                 tasks[tid], computed[tid] = list(arg), cache.task_cached(tid)
                 assert computed[tid] < len(arg) and computed[tid] % PAGE == 0
                 _compute(cache, tasks, computed, [tid])
+        elif op == "fork":
+            tid = f"t{counter}"
+            counter += 1
+            donor = max(((t, _common(tasks[t], arg)) for t in tasks), key=lambda d: d[1], default=None)
+            if cache.task_alloc(tid, arg, donor=donor):
+                tasks[tid], computed[tid] = list(arg), cache.task_cached(tid)
+                assert computed[tid] < len(arg)
+                if donor is not None:
+                    assert computed[tid] >= min(donor[1], len(arg) - 1), "the donor's tokens were not taken"
+                _compute(cache, tasks, computed, [tid])
         elif op == "grow":
             grown = []
             for tid in list(tasks):
@@ -101,6 +120,24 @@ def test_prefix_match_needs_exact_tokens_under_same_parent():
     assert cache.task_alloc("c", [7, 7, 3, 4, 9]) and cache.task_cached("c") == 0
     # a prompt that is entirely cached still recomputes its last page
     assert cache.task_alloc("d", [1, 2, 3, 4]) and cache.task_cached("d") == 2
+
+
+def test_a_donor_gives_the_tokens_of_its_partial_page_by_copy():
+    cache = KVCache(n_layers=1, cache_shapes=((1, 1), (1, 1)), num_pages=8, page_size=4)
+    a = [1, 2, 3, 4, 5, 6, 7]
+    tasks, computed = {"a": a}, {}
+    assert cache.task_alloc("a", a)
+    computed["a"] = cache.task_cached("a")
+    _compute(cache, tasks, computed, ["a"])
+    # the same prompt: page 0 from the prefix cache, positions 4 and 5 copied, the last computed
+    assert cache.task_alloc("b", a, donor=("a", 7)) and cache.task_cached("b") == 6
+    pages_a, pages_b = cache.task_pages("a"), cache.task_pages("b")
+    assert pages_b[0] == pages_a[0] and pages_b[1] != pages_a[1], "a page not yet full is copied, not shared"
+    tasks["b"], computed["b"] = a, 6
+    _compute(cache, tasks, computed, ["b"])
+    # a donor that holds fewer tokens gives only those; an unknown donor gives nothing
+    assert cache.task_alloc("c", a + [8], donor=("a", 5)) and cache.task_cached("c") == 5
+    assert cache.task_alloc("d", a, donor=("gone", 7)) and cache.task_cached("d") == 4
 
 
 def test_eviction_only_when_nothing_is_free_and_forgets_descendants():

@@ -124,12 +124,17 @@ class KVCache:
     def pages_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.page_size)
 
-    def task_alloc(self, task_id: str, token_ids: Sequence[int], reserve: int = 0) -> bool:
+    def task_alloc(self, task_id: str, token_ids: Sequence[int], reserve: int = 0,
+                   donor: Optional[tuple[str, int]] = None) -> bool:
         """Give a task pages for ``token_ids``, reusing cached full pages of its prefix.
 
         At least one token is always left to compute (its logits are needed), so a
-        prompt made entirely of cached pages recomputes its last page. Fails (False,
-        nothing held) unless ``reserve`` pages would remain available afterwards.
+        prompt made entirely of cached pages recomputes its last page. ``donor`` is
+        ``(task_id, n)``: a task holding pages whose first ``n`` tokens equal these and
+        are computed. What it holds past the shared full pages (a page not yet full, which
+        the prefix cache cannot share) is copied into this task's own pages: a group of
+        samples of one prompt then computes the prompt once. Fails (False, nothing held)
+        unless ``reserve`` pages would remain available afterwards.
         """
         if task_id in self._table:
             raise RuntimeError(f"task {task_id} already holds pages")
@@ -143,8 +148,26 @@ class KVCache:
                 self._pool.free(page)
             return False
         pages = shared + [self._pool.alloc() for _ in range(need)]
-        self._table.set(task_id, pages, cached=len(shared))
+        copied = 0
+        if donor is not None and donor[0] in self._table:
+            first, end = len(shared) * self.page_size, min(donor[1], n - 1)
+            if end > first:
+                self._copy_positions(self._table.get(donor[0]), pages, first, end)
+                copied = end - first
+        self._table.set(task_id, pages, cached=len(shared), copied=copied)
         return True
+
+    def _copy_positions(self, src_pages: list[int], dst_pages: list[int], first: int, end: int) -> None:
+        """Copy positions ``first..end-1`` of one task's pages into the same positions of another's."""
+        ps = self.page_size
+        positions = torch.arange(first, end)
+        offsets = positions % ps
+
+        def slots(pages: list[int]) -> torch.Tensor:
+            return torch.tensor(pages, dtype=torch.long)[positions // ps] * ps + offsets
+
+        device = self._storage.device
+        self._storage.copy_slots(slots(src_pages).to(device), slots(dst_pages).to(device))
 
     def task_extend(self, task_id: str, pos: int) -> bool:
         """Make the task's pages cover positions < ``pos``; False if no page is left."""
@@ -165,8 +188,8 @@ class KVCache:
             self._pool.free(page)
 
     def task_cached(self, task_id: str) -> int:
-        """Tokens of the task's prompt that came from the prefix cache."""
-        return self._table.get_cached(task_id) * self.page_size
+        """Tokens of the task's prompt it did not have to compute: from the prefix cache or its donor."""
+        return self._table.get_cached(task_id) * self.page_size + self._table.get_copied(task_id)
 
     def task_record_hashes(self, task_id: str, token_ids: Sequence[int], n_computed: int) -> None:
         """Register the task's newly completed full pages for prefix sharing.

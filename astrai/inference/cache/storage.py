@@ -63,3 +63,9 @@ class Storage:
         k = self.k_cache[layer_id].index_select(0, slots).view(batch, -1, self.k_heads, self.k_width)
         v = self.v_cache[layer_id].index_select(0, slots).view(batch, -1, self.v_heads, self.v_width)
         return k, v
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at slots ``src`` to slots ``dst`` (a task taking tokens another
+        task computed in a page that is not full, so not shared)."""
+        for cache in (self.k_cache, self.v_cache):
+            cache.index_copy_(1, dst, cache.index_select(1, src))

@@ -10,8 +10,9 @@ import torch
 @dataclass
 class _Entry:
     pages: list[int] = field(default_factory=list)
-    cached: int = 0
+    cached: int = 0      # leading pages shared from the prefix cache
     recorded: int = 0
+    copied: int = 0      # tokens after those copied from another task's pages
 
 
 class TaskTable:
@@ -25,14 +26,17 @@ class TaskTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def set(self, task_id: str, page_table: list[int], cached: int) -> None:
-        self._entries[task_id] = _Entry(list(page_table), cached, recorded=cached)
+    def set(self, task_id: str, page_table: list[int], cached: int, copied: int = 0) -> None:
+        self._entries[task_id] = _Entry(list(page_table), cached, recorded=cached, copied=copied)
 
     def get(self, task_id: str) -> list[int]:
         return self._entries[task_id].pages
 
     def get_cached(self, task_id: str) -> int:
         return self._entries[task_id].cached
+
+    def get_copied(self, task_id: str) -> int:
+        return self._entries[task_id].copied
 
     def get_recorded(self, task_id: str) -> int:
         return self._entries[task_id].recorded
