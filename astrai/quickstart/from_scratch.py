@@ -284,9 +284,10 @@ def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, cl
     """A TrainCallback for a stage at a constant learning rate (GRPO): it times steps 2 to
     ``timed_steps + 1`` (the first one also starts the inference engine) and, when fewer
     steps than planned fit in ``seconds``, plans that many instead (kept in ``planned``), so
-    that the stage completes the steps it reports as planned. It never plans more: the
-    estimate it replaces may be pessimistic, and the stage's data and checkpoints are sized
-    by the first plan."""
+    that the stage completes the steps it reports as planned. Its pace is checked again every
+    tenth of the stage (steps slow down as answers grow, and on a shared machine), from the
+    mean of every step since the first. It never plans more: the estimate it replaces may be
+    pessimistic, and the stage's data and checkpoints are sized by the first plan."""
     class Replan(TrainCallback):
         planned: Optional[int] = None
 
@@ -296,11 +297,14 @@ def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, cl
         def on_step_end(self, context) -> None:
             if context.step == 1:
                 self.first = clock()
-            elif context.step == timed_steps + 1 and not context.done:
-                now = clock()
-                fit = context.step + int((seconds - (now - self.began)) / ((now - self.first) / timed_steps))
-                if fit < context.total_steps:
-                    context.total_steps = self.planned = max(context.step, fit)
+                return
+            after_timed = context.step - (timed_steps + 1)
+            if context.done or after_timed < 0 or after_timed % max(timed_steps, context.total_steps // 10):
+                return
+            now = clock()
+            fit = context.step + int((seconds - (now - self.began)) / ((now - self.first) / (context.step - 1)))
+            if fit < context.total_steps:
+                context.total_steps = self.planned = max(context.step, fit)
 
     return Replan()
 

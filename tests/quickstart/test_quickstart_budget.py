@@ -294,6 +294,20 @@ def test_grpo_plans_again_from_its_own_timed_steps():
     assert context.total_steps == 6 and replan.planned is None
 
 
+def test_grpo_checks_its_pace_again_as_steps_slow_down():
+    """Steps of 2 s while timed, 3 s afterwards (longer answers): the later checks shorten the
+    plan again, and the stage ends within its time having run every step it planned."""
+    now = [0.0]
+    replan = make_replan_callback(40.0, timed_steps=3, clock=lambda: now[0])
+    context = _Context(100)
+    replan.on_train_begin(context)
+    while not context.done:
+        context.step += 1
+        now[0] = 5.0 if context.step == 1 else now[0] + (2.0 if context.step <= 4 else 3.0)
+        replan.on_step_end(context)
+    assert now[0] <= 40.0 and context.step == context.total_steps == replan.planned < 18  # 18: the first plan
+
+
 def test_the_worked_problems_share_buys_enough_of_them_on_a_slow_machine():
     assert 0 < ARITHMETIC_SHARE < ARITHMETIC_MAX_SHARE < 1
     assert arithmetic_share_for(10 * ARITHMETIC_TOKENS) == ARITHMETIC_SHARE  # a fast machine: the floor

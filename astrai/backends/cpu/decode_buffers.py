@@ -15,7 +15,9 @@ hole left by a finished task takes the task from the last row (one row copied), 
 newcomers take the remaining rows, their contexts gathered from the pages. Any other
 order still works: the rows that stay are then moved into it with one copy into a
 second set of buffers (the two sets swap). Growth past the capacity or the row count
-copies the held rows into bigger buffers; the row count at least doubles each time.
+copies the held rows into bigger buffers; the row count at least doubles each time. A
+batch whose own rows exceed the memory budget reads its contexts from the pages, and the
+buffers are freed until a batch fits again.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class DecodeBuffers:
             if not self._fits(rows, capacity):
                 rows = len(ids)  # long contexts: rows for this batch only, none spare
             if not self._fits(rows, capacity):
-                self.valid, self.task_ids = False, ()
+                self.release()
                 return None
             self._allocate(rows, capacity)
         source = self._held_rows(ids, start)
@@ -80,6 +82,15 @@ class DecodeBuffers:
             self._move_rows([source[i] if i in kept else 0 for i in range(len(ids))])
         self.task_ids, self.lens, self.valid = ids, [s + steps for s in start], True
         return refill
+
+    def release(self) -> None:
+        """Drop the buffers (a batch past the budget gathers from the pages instead): memory
+        they no longer serve is not held while the contexts are long; smaller ones allocate again."""
+        self.valid, self.task_ids, self.lens = False, (), []
+        self.k = self.v = []
+        self._spare = ([], [])
+        self.rows = self.capacity = 0
+        self.generation += 1
 
     def shorten(self, row: int, length: int) -> None:
         """Row ``row`` holds ``length`` tokens, not the count its ``plan`` gave it: a run of

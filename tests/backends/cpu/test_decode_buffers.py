@@ -134,6 +134,19 @@ def test_decode_buffers_grow_by_doubling_within_their_budget():
         assert sizes == expected
 
 
+def test_a_batch_past_the_budget_releases_the_buffers():
+    """When even the batch's own rows do not fit, the step gathers from the pages and the
+    buffers are freed, not kept beside a cache that is now full of long contexts; a batch that
+    fits again gets new ones."""
+    cache = KVCache(n_layers=1, cache_shapes=((1, 2), (1, 2)), num_pages=600, page_size=4)
+    per_row = 2 * cache.storage.bytes_per_token()
+    buffers = decode_buffers.DecodeBuffers(cache.storage, budget_bytes=3 * 1000 * per_row)
+    assert buffers.plan(["a", "b"], [4, 3]) is not None and buffers.k
+    assert buffers.plan(["a", "b", "c", "d"], [900, 900, 900, 900]) is None
+    assert buffers.k == [] and buffers.v == [] and buffers.rows == buffers.capacity == 0 and not buffers.valid
+    assert buffers.plan(["e"], [5]) == [0] and buffers.rows == 1 and buffers.k
+
+
 def test_a_long_context_takes_the_buffers_with_no_spare_rows():
     """A row whose context is too long for the rounded-up group of rows within the budget
     still gets buffers of its own: rows for the batch only, the held rows carried over (a
