@@ -102,13 +102,18 @@ def test_samples_of_one_prompt_compute_it_once(kind):
     prompt = _prompts(6, [14])[0]  # page 0 shared, positions 8-12 copied, 13 computed
     expected = greedy_reference(model, prompt, 6)
     with InferenceEngine(model, None, page_size=8, num_pages=64) as engine:
-        handles = [engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY)) for _ in range(5)]
+        with engine.scheduler._lock:  # all five queued before the loop plans: none finds the first gone
+            handles = [engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY)) for _ in range(5)]
         got = [h.result(timeout=60).token_ids for h in handles]
         assert engine.get_stats()["prefix_hit_rate"] == pytest.approx(4 * 13 / (5 * 14))
         # one that arrives while another decodes copies from the decoding task
-        events = iter(engine.submit(prompt, SamplingParams(max_tokens=12, **GREEDY)))
+        donor = engine.submit(prompt, SamplingParams(max_tokens=200, **GREEDY))
+        events = iter(donor)
         next(events)
-        late = engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY)).result(timeout=60).token_ids
+        with engine.scheduler._lock:  # the loop stands still: the donor still holds its pages
+            assert not donor.finished
+            late = engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY))
+        late = late.result(timeout=60).token_ids
         list(events)
         assert engine.get_stats()["prefix_hit_rate"] == pytest.approx((4 * 13 + 8 + 13) / (7 * 14))
     assert got == [expected] * 5 and late == expected
