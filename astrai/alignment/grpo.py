@@ -68,7 +68,8 @@ class GRPOStrategy(BaseStrategy):
         self.group_size, self.clip_eps, self.kl_coef = group_size, float(clip_eps), float(kl_coef)
         self.sync_interval, self.weight_sync_interval, self.reduction = sync_interval, weight_sync_interval, reduction
         self.share_prompts = bool(share_prompts)
-        self.reference = ReferenceModel(model, ref_model, ref_path)
+        # kl_coef 0 (DAPO, Dr. GRPO) needs no reference: none is built, and no step runs one
+        self.reference = ReferenceModel(model, ref_model, ref_path) if self.kl_coef > 0 else None
         self.reward = None if reward is None else resolve_reward(reward, device=self.device)
         self.tokenizer = tokenizer
         self._rollout = rollout
@@ -81,7 +82,7 @@ class GRPOStrategy(BaseStrategy):
 
     @property
     def ref_model(self) -> Optional[nn.Module]:
-        return self.reference.model
+        return None if self.reference is None else self.reference.model
 
     @property
     def rollout(self) -> EngineRollout:
@@ -123,8 +124,10 @@ class GRPOStrategy(BaseStrategy):
         else:
             with torch.no_grad():
                 old_logp = score(self.behaviour)[0]
-        with self.reference.active() as ref:
-            ref_logp = score(ref)[0]
+        ref_logp = None
+        if self.reference is not None:
+            with self.reference.active() as ref:
+                ref_logp = score(ref)[0]
         loss, metrics = grpo_loss(logp, old_logp, ref_logp, advantages, mask, self.clip_eps, self.kl_coef,
                                   self.reduction)
         self.metrics = {
@@ -189,7 +192,7 @@ class GRPOStrategy(BaseStrategy):
                 self._rollout.update_weights(self.model)
             if self.behaviour is not None:
                 load_weights(self.behaviour, unwrap(self.model).state_dict())
-        if self.sync_interval and self.steps % self.sync_interval == 0:
+        if self.reference is not None and self.sync_interval and self.steps % self.sync_interval == 0:
             self.reference.sync()
 
     def callbacks(self) -> list:
@@ -198,7 +201,8 @@ class GRPOStrategy(BaseStrategy):
     def state_dict(self) -> dict[str, Any]:
         """The schedule position, the sampling seeds used, the reference and the behaviour weights."""
         requests = self._rollout.requests if self._rollout is not None else self._requests_done
-        state: dict[str, Any] = {"steps": self.steps, "requests": requests, "reference": self.reference.state_dict()}
+        reference = self.reference.state_dict() if self.reference is not None else {}
+        state: dict[str, Any] = {"steps": self.steps, "requests": requests, "reference": reference}
         if self.behaviour is not None:
             state["behaviour"] = cpu_weights(self.behaviour)
         return state
@@ -206,7 +210,8 @@ class GRPOStrategy(BaseStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state.get("steps", 0))
         self._requests_done = int(state.get("requests", 0))
-        self.reference.load_state_dict(state.get("reference", {}))
+        if self.reference is not None:
+            self.reference.load_state_dict(state.get("reference", {}))
         if self.behaviour is not None and "behaviour" in state:
             load_weights(self.behaviour, state["behaviour"])
         if self._rollout is not None:

@@ -8,6 +8,8 @@ real token, and prompts differ in length.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -142,14 +144,14 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Ten
     return (values * mask).sum(dim) / mask.sum(dim).clamp_min(1)
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor], advantages: torch.Tensor,
               mask: torch.Tensor, clip_eps: float = 0.2, kl_coef: float = 0.01,
               reduction: str = "mean") -> tuple[torch.Tensor, dict]:
     """Clipped surrogate with a squared-log-ratio KL penalty, per response token.
 
     ``logp``, ``old_logp`` (the behaviour policy that sampled the responses) and
-    ``ref_logp`` (the frozen reference) are [N, T] token log-probs, ``advantages``
-    is [N] and ``mask`` [N, T] marks response tokens. Each response's tokens are
+    ``ref_logp`` (the frozen reference; None without the KL term) are [N, T] token log-probs,
+    ``advantages`` is [N] and ``mask`` [N, T] marks response tokens. Each response's tokens are
     averaged first, so a long answer counts as much as a short one; the responses
     are then averaged ("mean") or summed ("sum").
     """
@@ -158,17 +160,17 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     policy_term = -torch.minimum(unclipped, clipped)
-    log_ratio_ref = logp - ref_logp.detach()
-    kl_term = log_ratio_ref.pow(2)
-    per_token = policy_term + kl_coef * kl_term
+    per_token = policy_term
+    kl_term = None
+    if ref_logp is not None:
+        kl_term = (logp - ref_logp.detach()).pow(2)
+        per_token = policy_term + kl_coef * kl_term
     loss = reduce(masked_mean(per_token, mask, dim=1), reduction)
     with torch.no_grad():
         clipped_tokens = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).float()
-        metrics = {
-            "policy_loss": masked_mean(policy_term, mask),
-            "kl": masked_mean(kl_term, mask),
-            "clip_fraction": masked_mean(clipped_tokens, mask),
-        }
+        metrics = {"policy_loss": masked_mean(policy_term, mask), "clip_fraction": masked_mean(clipped_tokens, mask)}
+        if kl_term is not None:
+            metrics["kl"] = masked_mean(kl_term, mask)
     return loss, metrics
 
 

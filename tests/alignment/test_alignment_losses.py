@@ -89,6 +89,16 @@ def test_grpo_clipping_follows_the_formula():
         assert [g != 0 for g in logp.grad[0].tolist()] == active
 
 
+def test_grpo_without_a_reference_is_the_policy_term_alone():
+    logp = torch.randn(2, 4, requires_grad=True)
+    old = logp.detach() + 0.1
+    adv, mask = torch.tensor([1.0, -0.5]), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    loss, metrics = grpo_loss(logp, old, None, adv, mask, kl_coef=0.5)
+    with_reference, _ = grpo_loss(logp, old, torch.randn(2, 4), adv, mask, kl_coef=0.0)
+    assert loss.item() == pytest.approx(with_reference.item(), rel=1e-6) and loss.item() != 0.0
+    assert "kl" not in metrics and set(metrics) == {"policy_loss", "clip_fraction"}
+
+
 def test_grpo_masks_padding_and_weighs_kl():
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0, 9.0]])

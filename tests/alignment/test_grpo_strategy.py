@@ -117,7 +117,7 @@ def test_rollout_engine_follows_the_runs_autocast_dtype_on_gpus(tokenizer):
 
 def test_offline_grpo_groups_rows_by_prompt():
     model = tiny_lm(64)
-    strategy = GRPOStrategy(model, group_size=2, kl_coef=0.0)
+    strategy = GRPOStrategy(model, group_size=2, kl_coef=0.01)
     batch = {"prompts": torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]]),
              "prompt_mask": torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]]),
              "responses": torch.tensor([[1, 2, 0], [3, 0, 0], [4, 4, 4]]),
@@ -134,6 +134,34 @@ def test_offline_grpo_groups_rows_by_prompt():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     with pytest.raises(DataError, match=r"row\(s\) \[1\]"):
         strategy.compute_loss(dict(batch, rewards=torch.tensor([1.0, float("nan"), 0.0])))
+
+
+def test_grpo_without_kl_builds_and_runs_no_reference():
+    """kl_coef 0: no reference copy is held and no step runs one; the loss is the policy term."""
+    torch.manual_seed(0)
+    model = tiny_lm(64)
+    batch = {"prompts": torch.tensor([[5, 6], [5, 6]]), "responses": torch.tensor([[1, 2], [3, 0]]),
+             "masks": torch.tensor([[1, 1], [1, 0]]), "rewards": torch.tensor([1.0, 0.0])}
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    strategy = GRPOStrategy(model, group_size=2, kl_coef=0.0)
+    assert strategy.reference is None and strategy.ref_model is None
+    strategy.compute_loss(batch).backward()
+    assert len(calls) == 1 and "kl" not in strategy.metrics
+    grads = [p.grad.clone() for p in model.parameters()]
+    # the same gradient as with a reference equal to the policy, whose KL term's gradient is zero
+    model.zero_grad()
+    with_kl = GRPOStrategy(model, group_size=2, kl_coef=0.01)
+    calls.clear()
+    with_kl.compute_loss(batch).backward()
+    # the reference copy carries the hook: a policy and a reference pass
+    assert len(calls) == 2 and with_kl.ref_model is not None and "kl" in with_kl.metrics
+    assert any(g.abs().sum() > 0 for g in grads)
+    assert all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(grads, model.parameters()))
+    strategy.after_optimizer_step()
+    resumed = GRPOStrategy(tiny_lm(64), group_size=2, kl_coef=0.0)
+    resumed.load_state_dict(strategy.state_dict())
+    assert resumed.steps == 1 and resumed.reference is None
 
 
 def test_grpo_bad_settings_and_rewards(tokenizer):
