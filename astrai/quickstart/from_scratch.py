@@ -285,14 +285,16 @@ def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, cl
     ``timed_steps + 1`` (the first one also starts the inference engine) and, when fewer
     steps than planned fit in ``seconds``, plans that many instead (kept in ``planned``), so
     that the stage completes the steps it reports as planned. Its pace is checked again every
-    tenth of the stage (steps slow down as answers grow, and on a shared machine), from the
-    mean of every step since the first. It never plans more: the estimate it replaces may be
-    pessimistic, and the stage's data and checkpoints are sized by the first plan."""
+    tenth of the stage (steps slow down as answers grow, and on a shared machine, and speed up
+    when the machine's load goes), from the mean of every step since the first, so a plan cut
+    by slow early steps grows back. Never past the first plan: the estimate it replaces may
+    be pessimistic, and the stage's data and checkpoints are sized by that plan."""
     class Replan(TrainCallback):
         planned: Optional[int] = None
 
         def on_train_begin(self, context) -> None:
             self.began = clock()
+            self.first_plan = context.total_steps
 
         def on_step_end(self, context) -> None:
             if context.step == 1:
@@ -303,8 +305,9 @@ def make_replan_callback(seconds: float, timed_steps: int = GRPO_TIMED_STEPS, cl
                 return
             now = clock()
             fit = context.step + int((seconds - (now - self.began)) / ((now - self.first) / (context.step - 1)))
-            if fit < context.total_steps:
-                context.total_steps = self.planned = max(context.step, fit)
+            fit = max(context.step, min(fit, self.first_plan))
+            if fit != context.total_steps:
+                context.total_steps = self.planned = fit
 
     return Replan()
 

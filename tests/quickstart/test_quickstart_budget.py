@@ -308,6 +308,29 @@ def test_grpo_checks_its_pace_again_as_steps_slow_down():
     assert now[0] <= 40.0 and context.step == context.total_steps == replan.planned < 18  # 18: the first plan
 
 
+def test_grpo_plans_back_the_steps_that_slow_early_steps_cut():
+    """Steps of 4 s while timed (another job's load), 2 s afterwards: the first check cuts the
+    plan, the later ones give the steps back, never past the first plan, and the stage ends
+    within its time with less than a step of it unused."""
+    for first_plan, seconds in ((100, 60.0), (20, 200.0)):
+        now = [0.0]
+        replan = make_replan_callback(seconds, timed_steps=3, clock=lambda: now[0])
+        context = _Context(first_plan)
+        replan.on_train_begin(context)
+        plans = []
+        while not context.done:
+            context.step += 1
+            now[0] = 5.0 if context.step == 1 else now[0] + (4.0 if context.step <= 4 else 2.0)
+            replan.on_step_end(context)
+            plans.append(context.total_steps)
+        assert now[0] <= seconds and context.step == context.total_steps <= first_plan
+        if first_plan == 100:
+            assert min(plans) < context.step  # cut, then grown back
+            assert seconds - now[0] < 2.0 * 2  # the time left at the end: under two steps
+        else:
+            assert context.step == first_plan  # time to spare: the first plan stands
+
+
 def test_the_worked_problems_share_buys_enough_of_them_on_a_slow_machine():
     assert 0 < ARITHMETIC_SHARE < ARITHMETIC_MAX_SHARE < 1
     assert arithmetic_share_for(10 * ARITHMETIC_TOKENS) == ARITHMETIC_SHARE  # a fast machine: the floor
