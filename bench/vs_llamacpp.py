@@ -616,24 +616,29 @@ def main() -> None:
     bandwidths = [read_bandwidth(args.threads)]
     print(f"streaming-read bandwidth ({args.threads} threads): {bandwidths[0] / 1e9:.1f} GB/s", flush=True)
     pairs, servers, depths, chats = [], [], [], []
-    for model in args.models:
-        saved_repeats = args.repeats
-        if args.repeats is None:
-            args.repeats = 3 if model == "smollm2" else 1
-        for precision in args.precisions:
-            if args.parts & {"decode", "prefill"}:
-                pairs.append(run_pair(model, precision, llamacpp, args, bandwidths[0]))
-            if "depth" in args.parts:
-                depths += run_depths(model, precision, llamacpp, args, bandwidths[0])
-        args.repeats = saved_repeats
-        if "server" in args.parts and model == "smollm2":
-            servers += [run_server(model, precision, llamacpp, args) for precision in args.server_precisions]
-        if "chat" in args.parts and model == "smollm2":
-            chats += [run_chat(model, precision, llamacpp, args) for precision in args.server_precisions]
-    bandwidths.append(read_bandwidth(args.threads))
-    print(f"streaming-read bandwidth after the run: {bandwidths[1] / 1e9:.1f} GB/s", flush=True)
+    interrupted = False
+    try:
+        for model in args.models:
+            saved_repeats = args.repeats
+            if args.repeats is None:
+                args.repeats = 3 if model == "smollm2" else 1
+            for precision in args.precisions:
+                if args.parts & {"decode", "prefill"}:
+                    pairs.append(run_pair(model, precision, llamacpp, args, bandwidths[0]))
+                if "depth" in args.parts:
+                    depths += run_depths(model, precision, llamacpp, args, bandwidths[0])
+            args.repeats = saved_repeats
+            if "server" in args.parts and model == "smollm2":
+                servers += [run_server(model, precision, llamacpp, args) for precision in args.server_precisions]
+            if "chat" in args.parts and model == "smollm2":
+                chats += [run_chat(model, precision, llamacpp, args) for precision in args.server_precisions]
+        bandwidths.append(read_bandwidth(args.threads))
+        print(f"streaming-read bandwidth after the run: {bandwidths[1] / 1e9:.1f} GB/s", flush=True)
+    except KeyboardInterrupt:  # a grid runs for hours: Ctrl-C keeps the cells already measured
+        interrupted = True
+        print("interrupted: writing the cells measured so far", flush=True)
     print_table(pairs, servers, chats)
-    results = {"threads": args.threads, "quick": args.quick, "new_tokens": args.new_tokens,
+    results = {"threads": args.threads, "quick": args.quick, "interrupted": interrupted, "new_tokens": args.new_tokens,
                "prompt_tokens": PROMPT_TOKENS, "prefill_tokens": args.prefill_tokens,
                "read_bandwidth_gb_s": [b / 1e9 for b in bandwidths],
                "bound_note": "bound_tok_s = streaming-read bandwidth before the run / weight_bytes_per_token",
