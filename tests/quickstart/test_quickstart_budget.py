@@ -311,7 +311,7 @@ def test_grpo_checks_its_pace_again_as_steps_slow_down():
 def test_grpo_plans_back_the_steps_that_slow_early_steps_cut():
     """Steps of 4 s while timed (another job's load), 2 s afterwards: the first check cuts the
     plan, the later ones give the steps back, never past the first plan, and the stage ends
-    within its time with less than a step of it unused."""
+    within its time with under two steps of it unused."""
     for first_plan, seconds in ((100, 60.0), (20, 200.0)):
         now = [0.0]
         replan = make_replan_callback(seconds, timed_steps=3, clock=lambda: now[0])
