@@ -60,6 +60,9 @@ class GRPOStrategy(BaseStrategy):
             raise ConfigError(f"clip_eps must be in (0, 1), got {clip_eps!r}")
         if kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0, got {kl_coef!r}")
+        if kl_coef == 0 and (ref_path or ref_model is not None):
+            raise ConfigError(f"a reference model ({'ref_path ' + repr(ref_path) if ref_path else 'ref_model'}) is only "
+                              "used by the KL term, and kl_coef is 0: set kl_coef > 0 or drop the reference")
         if sync_interval < 0 or weight_sync_interval < 1:
             raise ConfigError(f"sync_interval must be >= 0 (0 = never) and weight_sync_interval >= 1, got "
                               f"{sync_interval!r} and {weight_sync_interval!r}")

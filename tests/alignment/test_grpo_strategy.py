@@ -162,6 +162,11 @@ def test_grpo_without_kl_builds_and_runs_no_reference():
     resumed = GRPOStrategy(tiny_lm(64), group_size=2, kl_coef=0.0)
     resumed.load_state_dict(strategy.state_dict())
     assert resumed.steps == 1 and resumed.reference is None
+    # a reference given with kl_coef 0 would be ignored: the contradiction is an error, not silence
+    with pytest.raises(ConfigError, match=r"ref_path 'ref-dir'\) is only used by the KL term"):
+        GRPOStrategy(model, group_size=2, kl_coef=0.0, ref_path="ref-dir")
+    with pytest.raises(ConfigError, match="ref_model"):
+        GRPOStrategy(model, group_size=2, kl_coef=0.0, ref_model=tiny_lm(64))
 
 
 def test_grpo_bad_settings_and_rewards(tokenizer):
