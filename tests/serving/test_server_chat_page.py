@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -30,13 +31,15 @@ new MutationObserver((mutations) => {
 
 
 @pytest.fixture
-def browser():
+def browser(tmp_path):
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-dev-shm-usage", "--window-size=1100,750"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    # Chromium puts its profile and singleton-socket directories under TMPDIR: the test's own, so none are left
+    service = Service(CHROMEDRIVER, env={**os.environ, "TMPDIR": str(tmp_path)})
+    driver = webdriver.Chrome(service=service, options=options)
     driver.set_page_load_timeout(30)
     yield driver
     driver.quit()
