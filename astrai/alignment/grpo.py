@@ -119,6 +119,17 @@ class GRPOStrategy(BaseStrategy):
         """The GRPO objective on scored sequences (consecutive groups unless ``advantages`` is given)."""
         if advantages is None:
             advantages = group_advantages(rewards, self.group_size)
+        response_length = response_mask.sum(dim=1).float().mean()
+        total_rows = len(advantages)
+        if self.reference is None:
+            # Without the KL term a row of advantage 0 adds exactly nothing to the loss or its
+            # gradient (a group whose answers all scored alike): it is not run. One row is kept
+            # when none is left, so every rank still runs a forward and a backward.
+            keep = advantages != 0
+            if not keep.any():
+                keep[0] = True
+            if not keep.all():
+                input_ids, response_mask, advantages = input_ids[keep], response_mask[keep], advantages[keep]
         advantages = advantages.to(self.device)
         score, mask = self.token_scorer(input_ids, response_mask)
         logp, aux = score(self.model)
@@ -133,11 +144,14 @@ class GRPOStrategy(BaseStrategy):
                 ref_logp = score(ref)[0]
         loss, metrics = grpo_loss(logp, old_logp, ref_logp, advantages, mask, self.clip_eps, self.kl_coef,
                                   self.reduction)
+        if self.reduction == "mean" and len(advantages) < total_rows:
+            loss = loss * (len(advantages) / total_rows)  # the mean over every row, the left-out ones being 0
         self.metrics = {
             "grpo_loss": loss.detach(),
             "reward_mean": rewards.float().mean().item(),
             "reward_std": rewards.float().std(unbiased=False).item(),
-            "response_length": mask.sum(dim=1).float().mean(),
+            "response_length": response_length,
+            "rows_scored": len(advantages) / total_rows,
             **metrics,
         }
         return self.add_aux_loss(loss, {"aux_loss": aux})

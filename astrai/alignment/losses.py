@@ -116,7 +116,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     grouped = rewards.float().view(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, unbiased=False, keepdim=True)
-    return ((grouped - mean) / (std + eps)).view(-1)
+    # a mean of equal floats can miss them by a rounding step (eight 0.1s), and that step over
+    # σ + ε is a spurious advantage of about 1%: a group whose rewards are all equal gets zeros
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return torch.where(constant, 0.0, (grouped - mean) / (std + eps)).view(-1)
 
 
 def keyed_group_advantages(rewards: torch.Tensor, keys: list, eps: float = 1e-6) -> torch.Tensor:
@@ -131,8 +134,8 @@ def keyed_group_advantages(rewards: torch.Tensor, keys: list, eps: float = 1e-6)
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     for rows in groups.values():
-        if len(rows) > 1:
-            group = rewards[rows]
+        group = rewards[rows]
+        if len(rows) > 1 and group.amax() > group.amin():  # equal rewards: zeros, as in group_advantages
             advantages[rows] = (group - group.mean()) / (group.std(unbiased=False) + eps)
     return advantages
 

@@ -258,14 +258,16 @@ class BaseQuickstart(Quickstart):
             # an update (the policy's forward and backward passes) over each prompt once with its
             # group's answers behind it (GRPOStrategy packs them) plus one decoding step of all
             # sequences per answer token, a forward costing about a third of a training token;
-            # planned at twice that many steps, the stage then keeps what its timed steps say fits.
-            # No KL term (kl_coef 0, as DAPO and Dr. GRPO): in the fifty-odd steps two cores give,
-            # the reference pass cost a seventh of each step, while the penalty's pull on a token
-            # (2 · 0.02 · a log-ratio of about 0.7) was a few per cent of the advantages' (about 1)
+            # planned at three times that many steps, the stage then keeps what its timed steps say
+            # fits. No KL term (kl_coef 0, as DAPO and Dr. GRPO): in the fifty-odd steps two cores
+            # give, the reference pass cost a seventh of each step, while the penalty's pull on a
+            # token (2 · 0.02 · a log-ratio of about 0.7) was a few per cent of the advantages'
+            # (about 1). Without it the update runs only the answers of groups that scored apart,
+            # about two in five here, so steps often take half the update this estimate counts.
             sequences = s.grpo_prompts_per_step * s.grpo_group_size
             packed_tokens = s.grpo_prompts_per_step * (s.grpo_seq_len + s.grpo_group_size * s.grpo_max_new_tokens)
             step_seconds = 1.5 * packed_tokens / tps + s.grpo_max_new_tokens * sequences / (3 * tps)
-            steps_planned = 2 * seconds / step_seconds
+            steps_planned = 3 * seconds / step_seconds
             kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
                       batch_per_device=s.grpo_prompts_per_step, window_size=s.grpo_seq_len + s.grpo_max_new_tokens,
                       max_lr=s.lr["grpo"], warmup_ratio=0.0, schedule="constant", max_grad_norm=1.0,

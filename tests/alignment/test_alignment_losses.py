@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from astrai.alignment.losses import (dpo_loss, group_advantages, grpo_loss, kl_stage_loss,
+from astrai.alignment.losses import (dpo_loss, group_advantages, grpo_loss, keyed_group_advantages, kl_stage_loss,
                                      pairwise_reward_loss, token_logprobs)
 from astrai.errors import ConfigError
 
@@ -50,6 +50,9 @@ def test_group_advantages_normalise_within_groups():
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.5]), group_size=4)
     assert adv[:4].tolist() == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
     assert adv[4:].tolist() == [0.0, 0.0, 0.0, 0.0]
+    # equal rewards whose float mean misses them by a rounding step (eight 0.1s) still get zeros
+    assert group_advantages(torch.full((8,), 0.1), group_size=8).tolist() == [0.0] * 8
+    assert keyed_group_advantages(torch.full((8,), 0.1), [0] * 8).tolist() == [0.0] * 8
     with pytest.raises(ConfigError, match="group_size"):
         group_advantages(torch.ones(4), group_size=1)
     with pytest.raises(ConfigError, match="group_size=4"):

@@ -169,6 +169,42 @@ def test_grpo_without_kl_builds_and_runs_no_reference():
         GRPOStrategy(model, group_size=2, kl_coef=0.0, ref_model=tiny_lm(64))
 
 
+def test_grpo_without_kl_runs_only_the_rows_with_an_advantage():
+    """kl_coef 0: rows of advantage 0 (a group whose answers scored alike) are left out of the
+    forward and backward passes, and the loss and gradient are those of every row."""
+    torch.manual_seed(0)
+    prompts = [[5, 6, 7]] * 2 + [[8, 9]] * 2 + [[10, 11, 12]] * 2
+    responses = [[1, 2], [3, 4], [2, 2], [4, 1], [6, 7], [7]]
+    rewards = torch.tensor([1.0, 0.0, 0.1, 0.1, 0.5, 0.0])  # the middle group scored alike
+    model = tiny_lm(64)
+    rows_seen = []
+    model.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[0]))
+    strategy = GRPOStrategy(model, group_size=2, kl_coef=0.0, share_prompts=False)
+    ids, mask = pack_sequences(prompts, responses)
+    loss = strategy.policy_loss(ids, mask, rewards)
+    loss.backward()
+    assert rows_seen == [4] and strategy.metrics["rows_scored"] == pytest.approx(4 / 6)
+    assert strategy.metrics["response_length"].item() == pytest.approx(11 / 6)
+    grads = [p.grad.clone() for p in model.parameters()]
+    # every row run: the same loss and gradient (the left-out rows' terms are exactly zero)
+    model.zero_grad()
+    logp = shifted_token_logprobs(model, ids)
+    advantages = torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, -1.0])
+    expected = -(advantages.unsqueeze(1) * torch.exp(logp - logp.detach()) * mask[:, 1:]).sum(1) / mask[:, 1:].sum(1)
+    expected.mean().backward()
+    assert loss.item() == pytest.approx(expected.mean().item(), abs=1e-6)
+    assert all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(grads, model.parameters()))
+    # nothing to learn from: one row still runs (a rank with no forward would stall the others)
+    rows_seen.clear()
+    model.zero_grad()
+    strategy.policy_loss(ids, mask, torch.full((6,), 0.1)).backward()
+    assert rows_seen == [1] and all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())
+    # with the KL term every row counts and runs
+    rows_seen.clear()
+    GRPOStrategy(model, group_size=2, kl_coef=0.01, share_prompts=False).policy_loss(ids, mask, rewards)
+    assert rows_seen[0] == 6
+
+
 def test_grpo_bad_settings_and_rewards(tokenizer):
     model = tiny_lm(tokenizer.vocab_size)
     with pytest.raises(ConfigError, match="group_size must be an integer >= 2"):
