@@ -129,7 +129,8 @@ class GRPOStrategy(BaseStrategy):
             if not keep.any():
                 keep[0] = True
             if not keep.all():
-                input_ids, response_mask, advantages = input_ids[keep], response_mask[keep], advantages[keep]
+                rows = keep.to(input_ids.device)
+                input_ids, response_mask, advantages = input_ids[rows], response_mask[rows], advantages[keep]
         advantages = advantages.to(self.device)
         score, mask = self.token_scorer(input_ids, response_mask)
         logp, aux = score(self.model)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 
 import httpx
@@ -31,18 +33,23 @@ new MutationObserver((mutations) => {
 
 
 @pytest.fixture
-def browser(tmp_path):
+def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-dev-shm-usage", "--window-size=1100,750"):
         options.add_argument(flag)
-    # Chromium puts its profile and singleton-socket directories under TMPDIR: the test's own, so none are left
-    service = Service(CHROMEDRIVER, env={**os.environ, "TMPDIR": str(tmp_path)})
-    driver = webdriver.Chrome(service=service, options=options)
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
+    # Chromium puts its profile and singleton-socket directories under TMPDIR: one of the test's own,
+    # removed after, so none are left behind. Short, since a socket's path holds at most 107 bytes.
+    scratch = tempfile.mkdtemp(prefix="astrai-chromium-")
+    service = Service(CHROMEDRIVER, env={**os.environ, "TMPDIR": scratch})
+    try:
+        driver = webdriver.Chrome(service=service, options=options)
+        driver.set_page_load_timeout(30)
+        yield driver
+        driver.quit()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def set_field(driver, element_id: str, value: str) -> None:
