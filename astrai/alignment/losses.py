@@ -134,9 +134,8 @@ def keyed_group_advantages(rewards: torch.Tensor, keys: list, eps: float = 1e-6)
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     for rows in groups.values():
-        group = rewards[rows]
-        if len(rows) > 1 and group.amax() > group.amin():  # equal rewards: zeros, as in group_advantages
-            advantages[rows] = (group - group.mean()) / (group.std(unbiased=False) + eps)
+        if len(rows) > 1:
+            advantages[rows] = group_advantages(rewards[rows], len(rows), eps)
     return advantages
 
 
