@@ -10,10 +10,14 @@ held-out pool, so the report shows what the recipe added to the model it started
 Everything else (the time budget, the stage plan, resuming, the report) is the default
 run's (astrai/quickstart/from_scratch.py).
 
-A pretrained chat model restates the problem or writes a sentence around its answer,
-so the task is asked with a plain instruction ("Answer with just the number.") and an
-answer counts when the last integer it states is right: the same prompt and the same
-checker for the base model and every stage, and the GRPO reward is that checker.
+The task is taught as the default run teaches it: the column sum written out, units
+first ("7+5=12, 2+4+1=7, so 72"), each question followed by an instruction to work it
+out that way. A 135M model's mistakes are then slips in one column that its sampled
+answers sometimes avoid, and GRPO learns the same working across problems; asked for the
+bare number, its wrong answers had no right sample to learn from and GRPO moved the
+greedy accuracy a few points. An answer counts when the last integer it states is
+right (a base model writes sentences around it): the same prompt and the same checker
+for the base model and every stage, and the GRPO reward is that checker.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from astrai.alignment.lora_callback import LoraSaveCallback
 from astrai.alignment.rewards import OPS, PROBLEM_RE
 from astrai.alignment.run import prepare_model
 from astrai.config import TrainConfig
-from astrai.dataset.arithmetic import check_answer, heldout_problems, preference_pair
+from astrai.dataset.arithmetic import check_answer, heldout_problems, worked_preference_pair, worked_solution
 from astrai.errors import ConfigError
 from astrai.eval.generation import engine_generator
 from astrai.eval.recorded import save_eval_config
@@ -58,9 +62,9 @@ SFT_TOKENS_PER_S_BOUND = 400.0
 EVAL_MAX_SEQ_LEN = 512  # prompt + answer in the evaluation's engine
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type values astrai opens
 DEFAULT_OUT = "runs/quickstart-base"
-# Appended to every arithmetic question, in the question's language.
-ANSWER_INSTRUCTION = {"short": " Answer with just the number.", "en": " Answer with just the number.",
-                      "zh": " 只回答数字。"}
+# Appended to every arithmetic question, in the question's language: the working SFT teaches.
+ANSWER_INSTRUCTION = {"short": " Work it out column by column, units first.",
+                      "en": " Work it out column by column, units first.", "zh": " 从个位起逐位计算。"}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"]
 
 
@@ -75,19 +79,20 @@ class BaseSettings(Settings):
     window_size: int = 128
     batch_size: int = 4
     dpo_seq_len: int = 128
+    # a prompt of up to 72 tokens (SmolLM2's system prompt and a question take 45-63) and its answer
     grpo_seq_len: int = 96
     grpo_prompts_per_step: int = 4
     # Eight answers a prompt: packed behind their shared prompt (GRPOStrategy) they cost little more
     # to update than four, and fewer groups come back all right or all wrong, with nothing to learn.
     grpo_group_size: int = 8
-    grpo_max_new_tokens: int = 10
+    grpo_max_new_tokens: int = 24         # the longest working (22 SmolLM2 tokens) and the stop token
     grpo_temperature: float = 0.8
     dpo_rpo_alpha: float = 0.0            # DPO alone (RPO untried on a pretrained base)
     sft_arithmetic: int = 3000
     dpo_arithmetic: int = 600
     grpo_problems: int = 1000
-    eval_problems: Optional[int] = None   # the whole held-out pool (450; about 18 s a stage through the engine)
-    eval_max_new_tokens: int = 16         # room for "23 + 45 = 68." from the base model
+    eval_problems: Optional[int] = None   # the whole held-out pool (450 problems)
+    eval_max_new_tokens: int = 32         # the working, or a base model's sentence around its number
     lr: dict = field(default_factory=lambda: {"sft": 5e-5, "dpo": 5e-6, "grpo": 5e-6})
     lora_lr: float = 1e-3                 # SFT's learning rate when training adapters
     ppl_max_tokens: Optional[int] = 600
@@ -146,11 +151,13 @@ def heldout_task(n: Optional[int]) -> tuple[list[dict], object, object]:
 
 
 def _conversation(problem: dict) -> dict:
-    return {"messages": [{"role": "user", "content": ask(problem)}, {"role": "assistant", "content": problem["answer"]}]}
+    return {"messages": [{"role": "user", "content": ask(problem)},
+                         {"role": "assistant", "content": worked_solution(problem)}]}
 
 
 def _pair(problem: dict, rng) -> dict:
-    return {**preference_pair(problem, rng), "prompt": [{"role": "user", "content": ask(problem)}]}
+    """The right working chosen over the near miss's (the slip is the problem's own; ``rng`` unused)."""
+    return {**worked_preference_pair(problem), "prompt": [{"role": "user", "content": ask(problem)}]}
 
 
 def _grpo(problem: dict) -> dict:
@@ -204,7 +211,8 @@ class BaseQuickstart(Quickstart):
             "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", task_files["sft"]], train_type="sft"),
             "dpo": dict(inputs=[DATA_DIR / "dpo" / "train.jsonl", task_files["dpo"]], train_type="dpo",
                         seq_len=self.s.dpo_seq_len, packing="none"),
-            "grpo": dict(inputs=[task_files["grpo"]], train_type="grpo", seq_len=self.s.grpo_seq_len, packing="none"),
+            "grpo": dict(inputs=[task_files["grpo"]], train_type="grpo", seq_len=self.s.grpo_seq_len, packing="none",
+                         max_prompt_len=self.s.grpo_seq_len - self.s.grpo_max_new_tokens),
         }
 
     def arithmetic_sets(self, conversation, pair, grpo) -> dict[str, list[dict]]:
@@ -265,11 +273,12 @@ class BaseQuickstart(Quickstart):
             # (about 1). Without it the update runs only the answers of groups that scored apart,
             # about two in five here, so steps often take half the update this estimate counts.
             sequences = s.grpo_prompts_per_step * s.grpo_group_size
-            packed_tokens = s.grpo_prompts_per_step * (s.grpo_seq_len + s.grpo_group_size * s.grpo_max_new_tokens)
+            prompt_len = s.grpo_seq_len - s.grpo_max_new_tokens
+            packed_tokens = s.grpo_prompts_per_step * (prompt_len + s.grpo_group_size * s.grpo_max_new_tokens)
             step_seconds = 1.5 * packed_tokens / tps + s.grpo_max_new_tokens * sequences / (3 * tps)
             steps_planned = 3 * seconds / step_seconds
             kw = dict(train_type="grpo", data_root_path=str(self.data_dir("grpo")), param_path=str(self.model_dir("dpo")),
-                      batch_per_device=s.grpo_prompts_per_step, window_size=s.grpo_seq_len + s.grpo_max_new_tokens,
+                      batch_per_device=s.grpo_prompts_per_step, window_size=s.grpo_seq_len,
                       max_lr=s.lr["grpo"], warmup_ratio=0.0, schedule="constant", max_grad_norm=1.0,
                       strategy_kwargs={"group_size": s.grpo_group_size, "reward": f"{__name__}:arithmetic_reward",
                                        "kl_coef": 0.0, "max_new_tokens": s.grpo_max_new_tokens,
@@ -355,7 +364,7 @@ class BaseQuickstart(Quickstart):
             "likelihood per UTF-8 byte (comparable across tokenizers). The task accuracy is on the first "
             f"{base['eval']['task']['n']} problems of the arithmetic task's held-out pool (two-digit addition and "
             "subtraction asked as `23+45=`, `What is 23+45?` and `23+45等于多少？`, each followed by an instruction to "
-            "answer with just the number; no stage trains on these problems), greedy answers; an answer counts when "
+            "work it out column by column; no stage trains on these problems), greedy answers; an answer counts when "
             "the last integer it states is right, the same rule for every row, with its 95% Wilson interval.")
         summary["samples_note"] = "Greedy answers to fixed prompts through the base model's chat template."
         return summary

@@ -6,6 +6,7 @@ The stage plan is pinned (a few steps each) so nothing depends on how busy the m
 """
 
 import json
+import re
 
 import gguf
 import numpy as np
@@ -16,7 +17,8 @@ import transformers
 from safetensors.torch import load_file
 
 from astrai.cli import main as astrai_main
-from astrai.dataset.arithmetic import check_answer, task_pools
+from astrai.dataset import arithmetic
+from astrai.dataset.arithmetic import check_answer, task_pools, worked_solution
 from astrai.errors import ConfigError
 from astrai.eval.recorded import load_eval_config
 from astrai.inference import InferenceEngine
@@ -28,7 +30,7 @@ from astrai.tokenize import AutoTokenizer
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, rms_norm_eps=1e-5)
 STEPS = {"sft": 3, "dpo": 2, "grpo": 2}
-MINI = dict(minutes=5, seed=0, steps=STEPS, batch_size=2, window_size=64, dpo_seq_len=64, grpo_seq_len=64,
+MINI = dict(minutes=5, seed=0, steps=STEPS, batch_size=2, window_size=64, dpo_seq_len=64, grpo_seq_len=128,
             grpo_prompts_per_step=2, grpo_group_size=2, grpo_max_new_tokens=4, sft_arithmetic=40, dpo_arithmetic=20,
             grpo_problems=20, eval_problems=6, eval_max_new_tokens=4, ppl_max_tokens=200, ppl_window=64,
             sample_max_new_tokens=4, progress=False)
@@ -36,7 +38,8 @@ MINI = dict(minutes=5, seed=0, steps=STEPS, batch_size=2, window_size=64, dpo_se
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    corpus = ["What is 23+45? Answer with just the number. 68", "The sea is wide and blue.", "中国的首都是北京。"] * 20
+    corpus = ["What is 23+45? Work it out column by column, units first. 3+5=8, 2+4=6, so 68",
+              "The sea is wide and blue.", "中国的首都是北京。"] * 20
     return AutoTokenizer.train(corpus, vocab_size=300, show_progress=False, min_frequency=1)
 
 
@@ -96,6 +99,39 @@ def write_gguf(path, tokenizer, arch="llama", with_tensors=True):
     return path
 
 
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def assert_teaches_the_working(out):
+    """SFT answers with the column working, DPO prefers it to the near miss's, and every
+    question carries the instruction to work it out, as the evaluation asks it."""
+    conversations = read_jsonl(out / "data" / "arithmetic_sft.jsonl")
+    pairs = read_jsonl(out / "data" / "arithmetic_dpo.jsonl")
+    prompts = read_jsonl(out / "data" / "arithmetic_grpo.jsonl")
+    assert len(conversations) == MINI["sft_arithmetic"] and len(pairs) == MINI["dpo_arithmetic"]
+    for record in conversations:
+        user, assistant = record["messages"]
+        problem = problem_asked(user["content"])
+        assert user["content"] == ask(problem) and assistant["content"] == worked_solution(problem)
+    for pair in pairs:
+        problem = problem_asked(pair["prompt"][0]["content"])
+        assert pair["prompt"][0]["content"] == ask(problem)
+        assert (pair["chosen"], pair["rejected"]) == (worked_solution(problem), worked_solution(problem, slip=True))
+    for record in prompts:
+        assert record["prompt"][0]["content"] == ask(problem_asked(record["prompt"][0]["content"]))
+    # GRPO's rows hold each whole prompt, as the evaluation asks it (none cut from the left)
+    grpo_data = json.loads((out / "stages" / "data" / "done.json").read_text())["grpo"]
+    assert grpo_data["prompts"] == MINI["grpo_problems"] and grpo_data.get("truncated", 0) == 0
+
+
+def problem_asked(question: str) -> dict:
+    """The task's problem behind a question, in the phrasing it was asked in."""
+    a, op, b = re.search(r"(\d+)([+-])(\d+)", question).groups()
+    style = "en" if question.startswith("What is") else "zh" if "等于多少" in question else "short"
+    return arithmetic._problem(int(a), op, int(b), style)
+
+
 def assert_complete_run(out, summary, base_weights=None):
     names = [s["name"] for s in summary["stages"]]
     assert names == ["base", "sft", "dpo", "grpo"]
@@ -109,6 +145,7 @@ def assert_complete_run(out, summary, base_weights=None):
         record = next(s for s in summary["stages"] if s["name"] == name)
         assert record["steps"] == steps and (out / "stages" / name / "done.json").is_file()
     assert set(summary["gain_over_base"]) == {"sft", "dpo", "grpo"}
+    assert_teaches_the_working(out)
     report = (out / "report.md").read_text(encoding="utf-8")
     assert "Base model:" in report and "| base |" in report and "| GRPO |" in report
     assert json.loads((out / "plan.json").read_text())["steps"] == STEPS
@@ -150,7 +187,7 @@ def test_the_checker_reads_the_last_integer_for_every_stage_alike():
     assert check_answer(problem, "23 + 45 = 68.") == 1.0
     assert check_answer(problem, "The answer is 23.", format_reward=0.1) == 0.1
     assert check_answer(problem, "I do not know.") == 0.0
-    assert arithmetic_reward("<|im_start|>user\n45-22= Answer with just the number.<|im_end|>", "45 - 22 = 23") == 1.0
+    assert arithmetic_reward("<|im_start|>user\n45-22= Work it out column by column, units first.<|im_end|>", "45 - 22 = 23") == 1.0
     problems, prompt_of, check = heldout_task(6)
     held = set(task_pools()[1])
     assert all((p["a"], p["op"], p["b"]) in held for p in problems)
