@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from astrai.dataset.preprocess import PreprocessOptions, run_preprocess
+from astrai.dataset.preprocess import PreprocessOptions, prompts_truncated_warning, run_preprocess
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,6 +18,8 @@ def run(args: argparse.Namespace) -> int:
         skip_bad=args.skip_bad, show_progress=not args.quiet)
     summary = run_preprocess(opts)
     print(json.dumps(summary, indent=2, ensure_ascii=False))
+    if summary.get("prompts_truncated"):
+        print(prompts_truncated_warning(summary, opts), file=sys.stderr)
     print(f"wrote {args.output}: {summary['tokens']:,} tokens of {summary['written']:,} records in "
           f"{summary['shards']} shard(s) ({args.format}, {args.train_type}); train on it with "
           f"--data_root_path {args.output}")

@@ -222,7 +222,7 @@ class GRPORowLayout(Layout):
                              "use one kind per dataset (scored responses for offline, prompts alone for online)")
         if len(prompt_ids) > self.prompt_len:
             prompt_ids = prompt_ids[len(prompt_ids) - self.prompt_len:]  # keep the end, next to the answer
-            self.stats["truncated"] += 1
+            self.stats["prompts_truncated"] += 1
         pad = self.prompt_len - len(prompt_ids)
         prompt = np.concatenate([np.full(pad, self.opts.pad_id, dtype=np.int32), prompt_ids])
         prompt_mask = np.concatenate([np.zeros(pad, np.uint8), np.ones(len(prompt_ids), np.uint8)])

@@ -132,6 +132,14 @@ def encode_batch(batch: list[tuple[str, int, str]], encoder: RecordEncoder | Non
     return examples, bad, len(batch), sum(len(line.encode("utf-8")) for _, _, line in batch)
 
 
+def prompts_truncated_warning(summary: dict, opts: PreprocessOptions) -> str:
+    """What to tell the user when GRPO prompts lost their beginning: a chat template's system
+    prompt, or the question itself, which a reward reading the prompt then cannot find."""
+    width = opts.max_prompt_len or opts.seq_len // 2
+    return (f"warning: {summary['prompts_truncated']} of {summary['prompts']} GRPO prompts were longer than "
+            f"{width} tokens and lost their beginning; raise --max_prompt_len (default seq_len // 2) or --seq_len")
+
+
 def run_preprocess(opts: PreprocessOptions) -> dict:
     """Run the whole pipeline; returns the summary (also stored in meta.json)."""
     opts.validate()

@@ -42,6 +42,7 @@ from astrai.dataset import PreprocessOptions, run_preprocess
 from astrai.dataset.arithmetic import (HELDOUT_SIZE, grpo_record, training_problems, worked_conversation, worked_line,
                                       worked_preference_pair)
 from astrai.dataset.corpus import corpus_ready, default_corpus_dir
+from astrai.dataset.preprocess import prompts_truncated_warning
 from astrai.errors import ConfigError
 from astrai.eval.changes import headline, stage_changes
 from astrai.eval.recorded import save_eval_config
@@ -448,6 +449,8 @@ class Quickstart:
             opts = PreprocessOptions(inputs=[str(p) for p in job.pop("inputs")], output=str(target),
                                      tokenizer=str(self.tokenizer_dir), show_progress=self.s.progress, **job)
             summaries[kind] = run_preprocess(opts)
+            if summaries[kind].get("prompts_truncated"):
+                log(prompts_truncated_warning(summaries[kind], opts))
         write_json(marker, summaries)
 
     def data_jobs(self, task_files: dict[str, Path]) -> dict[str, dict]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers_dataset import preprocess, write_jsonl
 
+from astrai.cli import main
 from astrai.dataset import DatasetFactory, create_storage
 
 CONVERSATIONS = [
@@ -156,3 +157,28 @@ def test_grpo_prompt_only_data_for_online_rollouts(bundled_data, tokenizer_dir, 
     loader = torch.utils.data.DataLoader(dataset, batch_size=8)
     assert next(iter(loader))["prompts"].shape == (8, 16)
     assert np.all(dataset.storage.fetch(0, 16, ["prompt_mask"])["prompt_mask"].numpy()[-3:] == 1)
+
+
+def test_grpo_prompts_cut_from_the_left_are_counted_and_named(tokenizer, tokenizer_dir, tmp_path, capsys):
+    """A prompt longer than the row keeps its end (next to the answer), is counted, and the
+    command says how to make room: a reward that reads the question from the prompt would
+    otherwise fail, or a chat template's system prompt vanish, without a word."""
+    records = [{"prompt": [{"role": "system", "content": "You are a careful assistant who checks every sum."},
+                           {"role": "user", "content": "What is 23+45?"}]},
+               {"prompt": "2+2="}]
+    path = write_jsonl(tmp_path / "prompts.jsonl", records)
+    long_ids = tokenizer.encode(tokenizer.apply_chat_template(records[0]["prompt"], add_generation_prompt=True))
+    width = len(long_ids) - 5
+    out = tmp_path / "grpo"
+    assert main(["preprocess", str(path), "-o", str(out), "--tokenizer", str(tokenizer_dir), "--train_type", "grpo",
+                 "--seq_len", str(width + 8), "--max_prompt_len", str(width), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert f"1 of 2 GRPO prompts were longer than {width} tokens" in captured.err and "--max_prompt_len" in captured.err
+    first = DatasetFactory.load("grpo", out, width + 8)[0]
+    assert first["prompts"][first["prompt_mask"] == 1].tolist() == long_ids[-width:]
+    # room for the whole prompt: nothing cut, nothing said
+    assert main(["preprocess", str(path), "-o", str(tmp_path / "whole"), "--tokenizer", str(tokenizer_dir),
+                 "--train_type", "grpo", "--seq_len", str(len(long_ids) + 8), "--max_prompt_len", str(len(long_ids)),
+                 "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "prompts_truncated" not in captured.out and "warning" not in captured.err
