@@ -12,12 +12,12 @@ run's (astrai/quickstart/from_scratch.py).
 
 The task is taught as the default run teaches it: the column sum written out, units
 first ("7+5=12, 2+4+1=7, so 72"), each question followed by an instruction to work it
-out that way. A 135M model's mistakes are then slips in one column that its sampled
-answers sometimes avoid, and GRPO learns the same working across problems; asked for the
-bare number, its wrong answers had no right sample to learn from and GRPO moved the
-greedy accuracy a few points. An answer counts when the last integer it states is
-right (a base model writes sentences around it): the same prompt and the same checker
-for the base model and every stage, and the GRPO reward is that checker.
+out that way: each step is a one-digit fact, and a 135M model's mistakes become slips in
+one step, the same slips across problems. Measured on two cores, the run then ends 12-20
+points higher than when the bare number was taught and asked (docs/quickstart.md). An
+answer counts when the last integer it states is right (a base model writes sentences
+around it): the same prompt and the same checker for the base model and every stage, and
+the GRPO reward is that checker.
 """
 
 from __future__ import annotations
