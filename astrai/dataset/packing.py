@@ -197,7 +197,7 @@ class GRPORowLayout(Layout):
 
     def __init__(self, opts):
         super().__init__(opts)
-        self.prompt_len = opts.max_prompt_len or opts.seq_len // 2
+        self.prompt_len = opts.grpo_prompt_len
         self.response_len = opts.seq_len - self.prompt_len
         self.with_responses: bool | None = None
 

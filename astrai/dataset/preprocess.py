@@ -49,6 +49,11 @@ class PreprocessOptions:
     pad_id: int = field(default=0, repr=False)
 
     @property
+    def grpo_prompt_len(self) -> int:
+        """The width of a GRPO row's prompt: ``max_prompt_len``, else half of ``seq_len``."""
+        return self.max_prompt_len or self.seq_len // 2
+
+    @property
     def store_doc_ids(self) -> bool:
         return self.resolved_position_ids == "reset" or self.resolved_doc_mask
 
@@ -135,9 +140,8 @@ def encode_batch(batch: list[tuple[str, int, str]], encoder: RecordEncoder | Non
 def prompts_truncated_warning(summary: dict, opts: PreprocessOptions) -> str:
     """What to tell the user when GRPO prompts lost their beginning: a chat template's system
     prompt, or the question itself, which a reward reading the prompt then cannot find."""
-    width = opts.max_prompt_len or opts.seq_len // 2
     return (f"warning: {summary['prompts_truncated']} of {summary['prompts']} GRPO prompts were longer than "
-            f"{width} tokens and lost their beginning; raise --max_prompt_len (default seq_len // 2) or --seq_len")
+            f"{opts.grpo_prompt_len} tokens and lost their beginning; raise --max_prompt_len (default seq_len // 2) or --seq_len")
 
 
 def run_preprocess(opts: PreprocessOptions) -> dict:
