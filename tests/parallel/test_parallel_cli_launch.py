@@ -34,7 +34,10 @@ def train_args(corpus: Path, tokenizer_dir: Path, run_dir: Path) -> list[str]:
 
 
 def run_and_check(command: list[str], run_dir: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # torchrun writes its per-run directories (torchelastic_*) under TMPDIR: the test's own
+    scratch = run_dir.parent / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(scratch))
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
