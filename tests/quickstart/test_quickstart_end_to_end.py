@@ -51,6 +51,9 @@ def test_every_stage_trained_and_evaluated(run):
         assert (out / "stages" / name / "ckpt" / "metrics.jsonl").is_file()
         assert set(record["eval"]["perplexity"]) == {"en", "zh"}  # after every stage
     assert summary["measured_tokens_per_s"] > 0
+    # every GRPO prompt whole in its rows: rollouts see the question the evaluation asks
+    grpo_data = json.loads((out / "stages" / "data" / "done.json").read_text())["grpo"]
+    assert grpo_data["prompts"] > 0 and "prompts_truncated" not in grpo_data
 
 
 def test_pretraining_beats_the_unigram_baseline(run):
