@@ -13,7 +13,7 @@ run's (astrai/quickstart/from_scratch.py).
 The task is taught as the default run teaches it: the column sum written out, units
 first ("7+5=12, 2+4+1=7, so 72"), each question followed by an instruction to work it
 out that way: each step is a one-digit fact, and a 135M model's mistakes become slips in
-one step, the same slips across problems. Measured on two cores, the run then ends 12-20
+one step, the same slips across problems. Measured on two cores, the run then ends 12-22
 points higher than when the bare number was taught and asked (docs/quickstart.md). An
 answer counts when the last integer it states is right (a base model writes sentences
 around it): the same prompt and the same checker for the base model and every stage, and
