@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from astrai.inference import InferenceEngine, SamplingParams
@@ -106,14 +108,20 @@ def test_samples_of_one_prompt_compute_it_once(kind):
             handles = [engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY)) for _ in range(5)]
         got = [h.result(timeout=60).token_ids for h in handles]
         assert engine.get_stats()["prefix_hit_rate"] == pytest.approx(4 * 13 / (5 * 14))
-        # one that arrives while another decodes copies from the decoding task
-        donor = engine.submit(prompt, SamplingParams(max_tokens=200, **GREEDY))
-        events = iter(donor)
-        next(events)
-        with engine.scheduler._lock:  # the loop stands still: the donor still holds its pages
-            assert not donor.finished
-            late = engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY))
-        late = late.result(timeout=60).token_ids
-        list(events)
+        # one that arrives while another decodes copies from the decoding task: it is submitted
+        # from the donor's first event, on the loop's thread under its lock, so the donor still
+        # decodes and holds its pages however fast the machine runs its 200 tokens
+        late_handles, donor_done = [], threading.Event()
+
+        def on_donor_event(event):
+            if not late_handles:
+                assert not event.finished
+                late_handles.append(engine.submit(prompt, SamplingParams(max_tokens=6, **GREEDY)))
+            if event.finished:
+                donor_done.set()
+
+        engine.scheduler.submit_task(prompt, SamplingParams(max_tokens=200, **GREEDY), stream_callback=on_donor_event)
+        assert donor_done.wait(60)
+        late = late_handles[0].result(timeout=60).token_ids
         assert engine.get_stats()["prefix_hit_rate"] == pytest.approx((4 * 13 + 8 + 13) / (7 * 14))
     assert got == [expected] * 5 and late == expected
