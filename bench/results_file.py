@@ -26,16 +26,22 @@ ISA_LIMITS = ("ASTRAI_KERNEL_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", 
 
 
 def describe_machine() -> dict:
-    """The CPU model, logical cores, memory, the vector features found at run time, the
-    instruction-set level of the C kernels the process served with (None without them) and
-    PyTorch's, the ``ISA_LIMITS`` settings in force, and the GPU when one is visible."""
-    cpu, flags = platform.processor() or platform.machine(), set()
+    """The CPU model with its family and model numbers (a virtual machine's name is often just
+    "AMD EPYC"; the numbers tell Zen 3, 4 and 5 apart), logical cores, memory, the vector
+    features found at run time, the instruction-set level of the C kernels the process served
+    with (None without them) and PyTorch's, the ``ISA_LIMITS`` settings in force, and the GPU
+    when one is visible."""
+    cpu, flags, numbers = platform.processor() or platform.machine(), set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "model name" and cpu in ("", platform.machine(), platform.processor()):
+                cpu = value
+            elif key in ("cpu family", "model"):
+                numbers.setdefault(key, value)
+            elif key == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
     memory_gib = None
@@ -43,7 +49,8 @@ def describe_machine() -> dict:
         memory_gib = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
     import torch
 
-    return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib,
+    return {"cpu": cpu, "cpu_family": numbers.get("cpu family"), "cpu_model": numbers.get("model"),
+            "logical_cores": os.cpu_count(), "memory_gib": memory_gib,
             "features": [f for f in FEATURES if f in flags], "kernel_isa": kernel_isa(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),

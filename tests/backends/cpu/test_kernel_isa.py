@@ -7,6 +7,7 @@ vpdpbusd) give the avx2 level's outputs bit for bit."""
 from __future__ import annotations
 
 import importlib.util
+import platform
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,5 @@ def test_a_benchmarks_json_records_the_level_it_ran(monkeypatch):
     assert machine["kernel_isa"] == kernels.kernel_isa() is not None
     assert machine["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert machine["isa_limits"].get("ONEDNN_MAX_CPU_ISA") == "AVX2" and "ATEN_CPU_CAPABILITY" not in machine["isa_limits"]
+    if platform.machine() == "x86_64":  # the numbers that name the core (family 25: Zen 3/4, 26: Zen 5)
+        assert machine["cpu_family"].isdigit() and machine["cpu_model"].isdigit()
