@@ -7,6 +7,7 @@ table holds each cell's latest measurement and names the file it came from.
 Usage: .venv/bin/python bench/vs_llamacpp_table.py bench/results/vs_llamacpp-A.json [B.json ...]
        ... --grid ratio      (one row a measure, one column a precision; also astrai, llamacpp,
                               astrai_share and llamacpp_share: the fraction of the read bound)
+       ... --measure decode  (only the decode cells; or prefill)
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ def main() -> None:
     parser.add_argument("files", nargs="+", type=Path, help="vs_llamacpp JSON files, oldest first")
     parser.add_argument("--grid", choices=sorted(GRID_VALUES), default=None,
                         help="print one figure of every cell as a grid instead of the long table")
+    parser.add_argument("--measure", choices=("decode", "prefill"), default=None, help="only this measure's cells")
     args = parser.parse_args()
     cells, chats = collect(args.files)
+    cells = {key: cell for key, cell in cells.items() if args.measure in (None, key[2])}
     print(grid(cells, args.grid) if args.grid else one_stream_table(cells))
     if chats:
         print()

@@ -134,7 +134,7 @@ def _integer_outputs(on_level, name):
         weight = typed(torch.randn(n_out, 200), kind)[0]
         out += [kernels.dequant_matmul(torch.randn(rows, 200), weight, torch.randn(n_out)) for rows in range(1, 9)]
         if kind not in (Q8, Q8X8):  # int8 prompts take integer_matmul with VNNI only
-            out += [dense.integer_matmul(torch.randn(rows, 200), weight) for rows in (1, 5, 9, 30)]
+            out += [dense.integer_matmul(torch.randn(rows, 200), weight) for rows in (1, 5, 9, 30, 31, 40)]
     x = torch.randn(5, 200)
     x[1, 3] = float("nan")
     return out + [kernels.rounded_activations(x)]
