@@ -25,28 +25,26 @@ def _median(cell: dict | None) -> float | None:
 
 
 def collect(paths: list[Path]) -> tuple[dict, list[dict]]:
-    """The one-stream cells keyed (model, precision, measure) and the chat rows, latest first wins."""
+    """The one-stream cells keyed (model, precision, measure, tokens) and the chat rows, a
+    later file's cell replacing an earlier one's."""
     cells: dict[tuple, dict] = {}
     chats: dict[str, dict] = {}
+
+    def put(key: tuple, ours: dict | None, theirs: dict | None, bound: float | None, name: str) -> None:
+        if _median(ours) and _median(theirs):  # a side that failed or did not run leaves no cell
+            cells[key] = dict(astrai=_median(ours), llamacpp=_median(theirs), bound=bound, file=name)
+
     for path in paths:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        results, name = record["results"], path.name
-        bandwidth = results.get("read_bandwidth_gb_s") or [None]
+        results, name = json.loads(path.read_text(encoding="utf-8"))["results"], path.name
         for pair in results.get("pairs", []):
-            key = (pair["model"], pair["precision"])
-            if _median(pair.get("astrai_decode")) and _median(pair.get("llamacpp_decode_default")):
-                cells[key + ("decode", results["prompt_tokens"])] = dict(
-                    astrai=_median(pair["astrai_decode"]), llamacpp=_median(pair["llamacpp_decode_default"]),
-                    bound=pair.get("bound_tok_s"), bandwidth=bandwidth[0], file=name)
-            if _median(pair.get("astrai_prefill")) and _median(pair.get("llamacpp_prefill_default")):
-                cells[key + ("prefill", results["prefill_tokens"])] = dict(
-                    astrai=_median(pair["astrai_prefill"]), llamacpp=_median(pair["llamacpp_prefill_default"]),
-                    bound=None, bandwidth=bandwidth[0], file=name)
+            model, precision = pair["model"], pair["precision"]
+            put((model, precision, "decode", results["prompt_tokens"]), pair.get("astrai_decode"),
+                pair.get("llamacpp_decode_default"), pair.get("bound_tok_s"), name)
+            put((model, precision, "prefill", results["prefill_tokens"]), pair.get("astrai_prefill"),
+                pair.get("llamacpp_prefill_default"), None, name)
         for row in results.get("depths", []):
-            if _median(row.get("astrai_decode")) and _median(row.get("llamacpp_decode")):
-                cells[(row["model"], row["precision"], "decode", row["depth"])] = dict(
-                    astrai=_median(row["astrai_decode"]), llamacpp=_median(row["llamacpp_decode"]),
-                    bound=row.get("bound_tok_s"), bandwidth=bandwidth[0], file=name)
+            put((row["model"], row["precision"], "decode", row["depth"]), row.get("astrai_decode"),
+                row.get("llamacpp_decode"), row.get("bound_tok_s"), name)
         for row in results.get("chat", []):
             chats[row["precision"]] = dict(row, file=name)
     return cells, list(chats.values())
