@@ -68,23 +68,28 @@ STAGE_SHARES = {"pretrain": 0.62, "sft": 0.12, "dpo": 0.06, "grpo": 0.2}
 SFT_MAX_PASSES = 1.5
 # Share of SFT batches drawn from the pre-training text (replay, every token counted). On the
 # small bundled conversations SFT alone wears the plain-text skill away (held-out perplexity
-# five- to six-fold); half replayed keeps held-out bits per byte within 1.5% of pre-training's
-# (docs/benchmarks.md).
+# five- to six-fold). At least SFT_REPLAY of the batches replay text; where SFT's time buys more
+# than SFT_MAX_PASSES over the conversations, replayed text fills the rest, up to SFT_MAX_REPLAY.
+# From one Zen 5 pre-trained model (1.536 / 1.748 bits per byte en / zh), half replayed for 284
+# steps left +2.6% / +3.7%; 0.6 for 355 steps +1.9% / +1.7%; 0.8 for 710 steps -1.5% / -1.7%,
+# with the same task accuracy (docs/benchmarks.md).
 SFT_REPLAY = 0.5
+SFT_MAX_REPLAY = 0.8
 # Worked arithmetic conversations in SFT: enough to carry the task into the chat format, few
 # enough that SFT's 1.5 passes end soon and GRPO's reward, with the steps left, teaches the
 # rest. 4000 take SFT to 0.92-0.94 and leave GRPO 8-10 points; 2000 stop SFT at 0.81-0.93 and
 # GRPO adds 9-12; 1000 lose the phrasing pre-training taught (docs/benchmarks.md).
 SFT_ARITHMETIC = 2000
-# Share of pre-training windows that are worked problems ("23+45= 3+5=8, 2+4=6, so 68", one per
-# line). The 4M-parameter model needs tens of thousands of them before it adds held-out pairs: as a
-# few per cent of the text it never did (held-out accuracy 0.00-0.02 after every stage). The share
-# is at least ARITHMETIC_SHARE and, where the budget buys fewer tokens, as much as it takes for
-# pre-training to see ARITHMETIC_TOKENS of worked problems, up to ARITHMETIC_MAX_SHARE: on worked
-# problems alone the model answered 53% of the held-out pool after 1.2M tokens, and a run that
-# saw 0.6M (an AVX2 machine's 15 minutes in fp32 at a share of 0.4) answered 6%.
-ARITHMETIC_SHARE = 0.4
+# Worked problems ("23+45= 3+5=8, 2+4=6, so 68", one per line) in pre-training. The 4M-parameter
+# model needs about a million tokens of them before it adds held-out pairs: as a few per cent of
+# the text it never did (held-out accuracy 0.00-0.02 after every stage), and on worked problems
+# alone it answered 53% of the held-out pool after 1.2M tokens. Pre-training sees
+# ARITHMETIC_TOKENS of them whatever the machine's speed: their share of the windows is what buys
+# that many, within [ARITHMETIC_MIN_SHARE, ARITHMETIC_MAX_SHARE]. A fixed share would hand a fast
+# machine's pre-training the whole task (at 40% a Zen 5's 7M tokens answered 0.90 as plain text,
+# leaving GRPO eleven points) and a slow one's too little (0.6M on an AVX2 machine: 6%).
 ARITHMETIC_TOKENS = 1_500_000
+ARITHMETIC_MIN_SHARE = 0.1
 ARITHMETIC_MAX_SHARE = 0.8
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
@@ -151,7 +156,7 @@ class Settings:
     grpo_problems: int = 2000             # GRPO prompts, from the training pool
     pretrain_arithmetic: int = 100_000    # worked problems from the training pool, a dataset of their own for pre-training
     arithmetic_share: Optional[float] = None  # share of pre-training windows drawn from them; None: arithmetic_share_for
-    sft_replay: float = SFT_REPLAY        # share of SFT batches that are pre-training text
+    sft_replay: Optional[float] = None    # share of SFT batches that are pre-training text; None: sft_replay_for
     eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
     eval_max_new_tokens: int = 32         # the task's answers: the working, the number and the stop token
     steps: Optional[dict] = None          # the stage plan pinned (optimizer steps per stage) instead of sized by time
@@ -171,8 +176,14 @@ class Settings:
 # --- small helpers ----------------------------------------------------------------------
 def arithmetic_share_for(tokens: int) -> float:
     """Pre-training's share of worked problems for a stage of ``tokens``: enough for
-    ARITHMETIC_TOKENS of them, within [ARITHMETIC_SHARE, ARITHMETIC_MAX_SHARE]."""
-    return min(ARITHMETIC_MAX_SHARE, max(ARITHMETIC_SHARE, ARITHMETIC_TOKENS / max(tokens, 1)))
+    ARITHMETIC_TOKENS of them, within [ARITHMETIC_MIN_SHARE, ARITHMETIC_MAX_SHARE]."""
+    return min(ARITHMETIC_MAX_SHARE, max(ARITHMETIC_MIN_SHARE, ARITHMETIC_TOKENS / max(tokens, 1)))
+
+
+def sft_replay_for(conversation_tokens: int, tokens: int) -> float:
+    """SFT's share of replayed pre-training text for a stage of ``tokens``: what SFT_MAX_PASSES
+    over ``conversation_tokens`` leave, within [SFT_REPLAY, SFT_MAX_REPLAY]."""
+    return min(SFT_MAX_REPLAY, max(SFT_REPLAY, 1 - SFT_MAX_PASSES * conversation_tokens / max(tokens, 1)))
 
 
 def log(message: str) -> None:
@@ -591,13 +602,10 @@ class Quickstart:
                       precision=self.precision, **PRETRAIN_SCHEDULE)
         elif name == "sft":
             # at most SFT_MAX_PASSES over the conversations, the replayed text coming on top
-            sft_tokens = read_json(self.done_path("data"))["sft"]["tokens"] / (1 - s.sft_replay)
-            steps = min(seconds * tps, SFT_MAX_PASSES * sft_tokens) / (s.batch_size * s.window_size)
-            data = dict(data_root_path=str(self.data_dir("sft")))
-            if s.sft_replay > 0:
-                data = dict(datasets=[{"path": str(self.data_dir("sft")), "rate": 1 - s.sft_replay},
-                                      {"path": str(self.data_dir("pretrain")), "rate": s.sft_replay, "type": "seq"}])
-            kw = dict(train_type="sft", **data, param_path=str(self.model_dir("pretrain")), batch_per_device=s.batch_size,
+            most_replay = s.sft_replay if s.sft_replay is not None else SFT_MAX_REPLAY
+            conversations = SFT_MAX_PASSES * self.sft_tokens() / (1 - most_replay)
+            steps = min(seconds * tps, conversations) / (s.batch_size * s.window_size)
+            kw = dict(train_type="sft", param_path=str(self.model_dir("pretrain")), batch_per_device=s.batch_size,
                       window_size=s.window_size, max_lr=s.lr["sft"], warmup_ratio=0.05, precision=self.precision)
         elif name == "dpo":
             steps, kw = self.dpo_plan(seconds)
@@ -614,6 +622,8 @@ class Quickstart:
         steps = max(2, int(steps))
         if name == "pretrain":  # the mixture follows the steps planned (or pinned)
             kw.update(self.pretrain_data(steps * s.batch_size * s.window_size))
+        elif name == "sft":
+            kw.update(self.sft_data(steps * s.batch_size * s.window_size))
         return TrainConfig(max_steps=steps, ckpt_interval=max(1, steps // 8), **common, **kw)
 
     def pretrain_data(self, tokens: int) -> dict:
@@ -624,6 +634,20 @@ class Quickstart:
         share = self.s.arithmetic_share if self.s.arithmetic_share is not None else arithmetic_share_for(tokens)
         return dict(datasets=[{"path": str(self.data_dir("pretrain")), "rate": 1 - share, "type": "seq"},
                               {"path": str(self.data_dir("arithmetic")), "rate": share, "type": "seq"}])
+
+    def sft_tokens(self) -> int:
+        """Tokens in SFT's conversations (the bundled ones and the task's)."""
+        return read_json(self.done_path("data"))["sft"]["tokens"]
+
+    def sft_data(self, tokens: int) -> dict:
+        """SFT's data fields for a stage of ``tokens``: the conversations, with pre-training
+        text replayed by share."""
+        s = self.s
+        replay = s.sft_replay if s.sft_replay is not None else sft_replay_for(self.sft_tokens(), tokens)
+        if replay == 0:
+            return dict(data_root_path=str(self.data_dir("sft")))
+        return dict(datasets=[{"path": str(self.data_dir("sft")), "rate": 1 - replay},
+                              {"path": str(self.data_dir("pretrain")), "rate": replay, "type": "seq"}])
 
     def grpo_step_seconds(self) -> float:
         """One GRPO step's estimated time: an update (policy, behaviour and reference passes) over
@@ -650,6 +674,18 @@ class Quickstart:
                            window_size=s.dpo_seq_len, max_lr=s.lr["dpo"], warmup_ratio=0.1,
                            strategy_kwargs={"beta": 0.1, "rpo_alpha": s.dpo_rpo_alpha})
 
+    def resumed_config(self, index: int, name: str) -> tuple[TrainConfig, float]:
+        """An interrupted stage's config and time budget. The step budget (and with it the
+        schedule) and the data mixture are the ones the stage started with, whatever the pace
+        reads now; paths are rebuilt so a run directory that was moved resumes into itself."""
+        started = TrainConfig.load(self.stage_dir(name) / "train_config.json")
+        seconds = read_json(self.stage_dir(name) / "budget.json")["seconds"]
+        config = self.train_config(index, name, seconds)
+        config.max_steps, config.ckpt_interval = started.max_steps, started.ckpt_interval
+        for dataset, begun in zip(config.datasets or [], started.datasets or []):
+            dataset["rate"] = begun["rate"]
+        return config, seconds
+
     def train_stage(self, index: int, name: str, check_pace: bool = True) -> dict:
         marker = self.done_path(name)
         if marker.is_file():
@@ -662,12 +698,7 @@ class Quickstart:
         budget_path = self.stage_dir(name) / "budget.json"
         checkpoint = latest_checkpoint(self.stage_dir(name) / "ckpt") if config_path.is_file() else None
         if checkpoint is not None:
-            # The step budget (and with it the schedule) is the one the stage started with; paths
-            # are rebuilt here so a run directory that was moved still resumes into itself.
-            started = TrainConfig.load(config_path)
-            seconds = read_json(budget_path)["seconds"]
-            config = self.train_config(index, name, seconds)
-            config.max_steps, config.ckpt_interval = started.max_steps, started.ckpt_interval
+            config, seconds = self.resumed_config(index, name)
             log(f"[{index + self.first_stage_number}/7] {name}: resuming from {checkpoint}")
         else:
             seconds = self.stage_seconds(name)
@@ -907,7 +938,7 @@ def _headline(ev: dict) -> str:
 def run_quickstart(**settings: Any) -> dict:
     """Python entry point: ``run_quickstart(out="runs/qs", minutes=15)``; returns the summary."""
     s = Settings(**settings)
-    if not 0 <= s.sft_replay < 1:
+    if s.sft_replay is not None and not 0 <= s.sft_replay < 1:
         raise ConfigError(f"sft_replay must be in [0, 1), got {s.sft_replay}")
     if s.arithmetic_share is not None and not 0 <= s.arithmetic_share < 1:
         raise ConfigError(f"arithmetic_share must be in [0, 1), got {s.arithmetic_share}")

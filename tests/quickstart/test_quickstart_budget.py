@@ -10,10 +10,10 @@ import pytest
 import astrai.quickstart.from_scratch as quickstart
 from astrai.cli import main
 from astrai.errors import ConfigError
-from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_SHARE, ARITHMETIC_TOKENS, GRPO_WARMUP,
+from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_MIN_SHARE, ARITHMETIC_TOKENS, GRPO_WARMUP,
                                             PACE_CHECK_STEPS, PACE_STEP_SHARE, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE,
                                             load_plan, plan_of, run_quickstart,
-                                            PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_REPLAY, STAGE_SHARES, Deadline,
+                                            PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_MAX_REPLAY, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
                                             arithmetic_share_for, make_stage_deadline_callback, write_json)
 
@@ -66,10 +66,22 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
         stage = qs.train_config(index, name, seconds=60.0)
         assert stage.train_type == name and stage.max_steps >= 2
     assert qs.train_config(2, "dpo", seconds=1e6).max_steps == 2800 // (2 * qs.s.batch_size)  # half a pass at most
-    # 1.5 passes over the conversations, which make up 1 - SFT_REPLAY of the batches
+    # time for more: 1.5 passes over the conversations, which make up 1 - SFT_MAX_REPLAY of the batches
     sft = qs.train_config(1, "sft", seconds=1e6)
-    assert sft.max_steps == int(SFT_MAX_PASSES * 50 * 7000 / (1 - SFT_REPLAY) / tokens_per_step)
-    assert [d.get("type") for d in sft.datasets] == [None, "seq"] and sft.datasets[1]["rate"] == SFT_REPLAY
+    assert sft.max_steps == int(SFT_MAX_PASSES * 50 * 7000 / (1 - SFT_MAX_REPLAY) / tokens_per_step)
+    assert [d.get("type") for d in sft.datasets] == [None, "seq"]
+    assert sft.datasets[1]["rate"] == pytest.approx(SFT_MAX_REPLAY, abs=1e-3)
+    # time for less: at least SFT_REPLAY replayed, the conversations seen less than 1.5 times
+    short = qs.train_config(1, "sft", seconds=10.0)
+    assert short.max_steps == int(10.0 * 4000.0 / tokens_per_step) and short.datasets[1]["rate"] == SFT_REPLAY
+    # between: the replayed text fills what the time buys past 1.5 passes
+    between = qs.train_config(1, "sft", seconds=SFT_MAX_PASSES * 50 * 7000 / (1 - 0.65) / 4000.0)
+    assert between.datasets[1]["rate"] == pytest.approx(0.65, abs=1e-3)
+    fixed = planner(tmp_path / "fixed", tokens_per_s=4000.0)
+    fixed.s.sft_replay = 0.3
+    config = fixed.train_config(1, "sft", seconds=1e6)
+    assert config.datasets[1]["rate"] == 0.3
+    assert config.max_steps == int(SFT_MAX_PASSES * 50 * 7000 / 0.7 / tokens_per_step)
     plain = planner(tmp_path / "plain", tokens_per_s=4000.0)
     plain.s.sft_replay = 0.0
     assert plain.train_config(1, "sft", seconds=1e6).data_root_path.endswith("sft")
@@ -78,6 +90,25 @@ def test_step_counts_follow_the_measured_throughput(tmp_path):
     # GRPO plans the steps its estimate fits in its share, not more: it runs at a constant rate,
     # and a plan the guard cuts short reads as an unfinished stage
     assert grpo.max_steps == int(60.0 / qs.grpo_step_seconds())
+
+
+def test_a_resumed_stage_keeps_the_steps_and_mixture_it_started_with(tmp_path):
+    """SFT's replay share follows the time its pace buys; a stage resumed where the pace reads
+    otherwise must not change its mixture (or its schedule) halfway."""
+    qs = planner(tmp_path, tokens_per_s=4000.0)
+    seconds = 300.0  # at this pace each stage's mixture is between its floor and its cap
+    for index, name in ((0, "pretrain"), (1, "sft")):
+        started = qs.train_config(index, name, seconds)
+        qs.stage_dir(name).mkdir(parents=True)
+        started.save(qs.stage_dir(name) / "train_config.json")
+        write_json(qs.stage_dir(name) / "budget.json", {"seconds": seconds})
+    qs.tps = 16000.0  # the same stages planned now would be four times longer, their mixtures other
+    for index, name in ((0, "pretrain"), (1, "sft")):
+        started = json.loads((qs.stage_dir(name) / "train_config.json").read_text())
+        assert qs.train_config(index, name, seconds).datasets[1]["rate"] != started["datasets"][1]["rate"]
+        config, budget = qs.resumed_config(index, name)
+        assert budget == seconds and config.max_steps == started["max_steps"]
+        assert [d["rate"] for d in config.datasets] == [d["rate"] for d in started["datasets"]]
 
 
 def test_pretraining_warms_up_then_decays_linearly_to_zero(tmp_path):
@@ -331,24 +362,25 @@ def test_grpo_plans_back_the_steps_that_slow_early_steps_cut():
             assert context.step == first_plan  # time to spare: the first plan stands
 
 
-def test_the_worked_problems_share_buys_enough_of_them_on_a_slow_machine():
-    assert 0 < ARITHMETIC_SHARE < ARITHMETIC_MAX_SHARE < 1
-    assert arithmetic_share_for(10 * ARITHMETIC_TOKENS) == ARITHMETIC_SHARE  # a fast machine: the floor
+def test_pretraining_sees_the_same_worked_problems_on_a_slow_and_a_fast_machine():
+    assert 0 < ARITHMETIC_MIN_SHARE < ARITHMETIC_MAX_SHARE < 1
+    for tokens in (2_000_000, 4_000_000, 7_000_000, 14_000_000):  # an AVX2 machine's 15 minutes to a Zen 5's
+        assert arithmetic_share_for(tokens) * tokens == pytest.approx(ARITHMETIC_TOKENS, rel=1e-6)
+    assert arithmetic_share_for(100 * ARITHMETIC_TOKENS) == ARITHMETIC_MIN_SHARE  # a long run: the floor
     assert arithmetic_share_for(ARITHMETIC_TOKENS // 10) == ARITHMETIC_MAX_SHARE  # a very slow one: the cap
-    middle = int(ARITHMETIC_TOKENS / 0.6)
-    assert arithmetic_share_for(middle) == pytest.approx(0.6, rel=1e-6)  # exactly ARITHMETIC_TOKENS of them
 
 
 def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_keep_their_guards(tmp_path):
     qs = planner(tmp_path)
-    for seconds in (100.0, 700.0, 2000.0):  # the share follows the stage's planned tokens
+    for seconds in (100.0, 700.0, 2000.0, 5000.0):  # the share follows the stage's planned tokens
         config = qs.train_config(0, "pretrain", seconds=seconds)
         share = arithmetic_share_for(config.max_steps * config.batch_per_device * config.window_size)
         assert [(Path(d["path"]).name, d["rate"], d["type"]) for d in config.datasets] == \
             [("pretrain", 1 - share, "seq"), ("arithmetic", share, "seq")]
         assert config.data_root_path is None
     assert qs.train_config(0, "pretrain", seconds=100.0).datasets[1]["rate"] == ARITHMETIC_MAX_SHARE
-    assert qs.train_config(0, "pretrain", seconds=2000.0).datasets[1]["rate"] == ARITHMETIC_SHARE
+    assert qs.train_config(0, "pretrain", seconds=2000.0).datasets[1]["rate"] < 0.25  # 7M tokens: 1.5M of them
+    assert qs.train_config(0, "pretrain", seconds=5000.0).datasets[1]["rate"] == ARITHMETIC_MIN_SHARE
     pinned = planner(tmp_path / "pinned")
     pinned.s.steps = {"pretrain": 1000}  # a pinned plan's steps decide the share, not the clock
     assert pinned.train_config(0, "pretrain", seconds=1.0).datasets[1]["rate"] == \
