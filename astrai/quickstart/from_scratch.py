@@ -76,8 +76,9 @@ SFT_MAX_PASSES = 1.5
 SFT_REPLAY = 0.5
 SFT_MAX_REPLAY = 0.8
 # Worked arithmetic conversations in SFT: enough to carry the task into the chat format, few
-# enough that SFT does not teach the whole task and GRPO's reward teaches the rest. 4000 take SFT to 0.92-0.94 and leave GRPO 8-10 points; 2000 stop SFT at 0.81-0.93 and
-# GRPO adds 9-12; 1000 lose the phrasing pre-training taught (docs/benchmarks.md).
+# enough that SFT does not teach the whole task and GRPO's reward teaches the rest. 4000 take
+# SFT to 0.92-0.94 and leave GRPO 8-10 points; 2000 stop SFT at 0.81-0.93 and GRPO adds 9-12;
+# 1000 lose the phrasing pre-training taught (docs/benchmarks.md).
 SFT_ARITHMETIC = 2000
 # Worked problems ("23+45= 3+5=8, 2+4=6, so 68", one per line) in pre-training. The 4M-parameter
 # model needs about a million tokens of them before it adds held-out pairs: as a few per cent of
