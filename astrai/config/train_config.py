@@ -52,6 +52,7 @@ class TrainConfig(JsonConfig):
     max_lr: float = 3e-4
     muon_lr: float = 0.02
     embedding_lr_scale: float = 1.0            # token embedding (and a head tied to it) at max_lr × this
+    embedding_weight_decay: float = 0.0        # decoupled weight decay of that table (none by default)
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.95
     adamw_eps: float = 1e-8
@@ -118,6 +119,7 @@ class TrainConfig(JsonConfig):
         for name in ("max_lr", "muon_lr", "adamw_eps", "embedding_lr_scale"):
             need(isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0, name, "must be > 0")
         need(self.adamw_weight_decay >= 0, "adamw_weight_decay", "must be >= 0")
+        need(self.embedding_weight_decay >= 0, "embedding_weight_decay", "must be >= 0")
         need(isinstance(self.master_port, int) and 0 <= self.master_port <= 65535, "master_port",
              "must be a port number 0-65535 (0: any free one)")
         need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")

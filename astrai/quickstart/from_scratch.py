@@ -100,6 +100,12 @@ PRETRAIN_SCHEDULE = dict(schedule="wsd", warmup_ratio=0.05, decay_ratio=0.95, mi
 # token occurs, and at the shared rate the table trails the dense weights. With the dense rate
 # lowered to 7e-4, equal steps end 10% lower in held-out bits per byte (docs/benchmarks.md).
 PRETRAIN_EMBEDDING_LR_SCALE = 12.0
+# Weight decay on the hidden matrices and on that table. A row stepped at 12× memorises the few
+# contexts its rare token appears in: on the bundled sample read eight times (8 minutes a side
+# in bench/quickstart_baseline.py, Zen 5) held-out bits per byte rose from 1.58 at 4 minutes to
+# 1.71-1.74 undecayed, and ended at 1.60 with both decays at 0.1; at 4 minutes 1.566 against
+# 1.577 (docs/benchmarks.md).
+PRETRAIN_WEIGHT_DECAY = 0.1
 # Pre-training times its own steps PACE_CHECK_STEPS[0]..[1]; when that rate is off the probe's
 # by more than PACE_TOLERANCE, the stage starts over, planned with the rate it measured: a probe
 # taken while another program holds a core can read half the real rate and halve pre-training.
@@ -599,6 +605,7 @@ class Quickstart:
             kw = dict(train_type="seq", model_preset=s.preset,
                       model_overrides=self.model_overrides(), batch_per_device=s.batch_size,
                       window_size=s.window_size, max_lr=s.lr["pretrain"], embedding_lr_scale=PRETRAIN_EMBEDDING_LR_SCALE,
+                      adamw_weight_decay=PRETRAIN_WEIGHT_DECAY, embedding_weight_decay=PRETRAIN_WEIGHT_DECAY,
                       precision=self.precision, **PRETRAIN_SCHEDULE)
         elif name == "sft":
             # at most SFT_MAX_PASSES over the conversations, the replayed text coming on top

@@ -89,13 +89,18 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
 
 
 def _undecayed_groups(model: nn.Module, params: list[nn.Parameter], config) -> list[dict[str, Any]]:
-    """The AdamW groups without weight decay: one, or two when the embedding's lr is scaled."""
-    if config.embedding_lr_scale == 1.0:
+    """The AdamW groups outside the hidden matrices: norms, biases and the token embedding,
+    undecayed in one group; or two, when the embedding has a rate or a decay of its own.
+
+    Decaying the table suits long runs over repeated text: a row stepped at a large rate
+    memorises the few contexts its rare token appears in."""
+    if config.embedding_lr_scale == 1.0 and config.embedding_weight_decay == 0.0:
         return [{"params": params, "weight_decay": 0.0}]
     embeddings = _embedding_params(model)
     table = [p for p in params if id(p) in embeddings]
     other = [p for p in params if id(p) not in embeddings]
     groups = [{"params": other, "weight_decay": 0.0}]
     if table:
-        groups.append({"params": table, "weight_decay": 0.0, "lr": config.max_lr * config.embedding_lr_scale})
+        groups.append({"params": table, "weight_decay": config.embedding_weight_decay,
+                       "lr": config.max_lr * config.embedding_lr_scale})
     return groups

@@ -9,9 +9,11 @@ import pytest
 
 import astrai.quickstart.from_scratch as quickstart
 from astrai.cli import main
+from astrai.config import TrainConfig
 from astrai.errors import ConfigError
 from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_MIN_SHARE, ARITHMETIC_TOKENS, GRPO_WARMUP,
                                             PACE_CHECK_STEPS, PACE_STEP_SHARE, PACE_TOLERANCE, PRETRAIN_EMBEDDING_LR_SCALE,
+                                            PRETRAIN_WEIGHT_DECAY,
                                             load_plan, plan_of, run_quickstart,
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_MAX_REPLAY, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
@@ -131,7 +133,11 @@ def test_pretraining_warms_up_then_decays_linearly_to_zero(tmp_path):
     assert factors[steps] == pytest.approx(0.0)  # to zero, not to a share of the peak
     # the embedding steps faster than the rest; fine-tuning keeps one rate
     assert config.embedding_lr_scale == PRETRAIN_EMBEDDING_LR_SCALE > 1
-    assert planner(tmp_path).train_config(1, "sft", seconds=100.0).embedding_lr_scale == 1.0
+    sft = planner(tmp_path).train_config(1, "sft", seconds=100.0)
+    assert sft.embedding_lr_scale == 1.0
+    # pre-training decays the matrices and the table alike; fine-tuning keeps the defaults
+    assert config.adamw_weight_decay == config.embedding_weight_decay == PRETRAIN_WEIGHT_DECAY > 0
+    assert sft.embedding_weight_decay == 0.0 and sft.adamw_weight_decay == TrainConfig().adamw_weight_decay
 
 
 def test_deadline_guard_ends_the_stage_like_a_reached_budget():

@@ -55,6 +55,25 @@ def test_embedding_lr_scale_gives_the_embedding_its_own_rate_through_the_schedul
         TrainConfig(embedding_lr_scale=0.0).validate()
 
 
+def test_embedding_weight_decay_shrinks_the_table_and_only_the_table():
+    torch.manual_seed(0)
+    model = tiny_model()
+    opt = build_optimizer(model, TrainConfig(max_lr=1e-2, embedding_weight_decay=0.5))
+    table = [g for g in opt.param_groups if g["params"] == [model.embed_tokens.weight]]
+    assert len(table) == 1 and table[0]["weight_decay"] == 0.5 and table[0]["lr"] == pytest.approx(1e-2)
+    norms = [p for g in opt.param_groups if g is not table[0] and g["weight_decay"] == 0.0 for p in g["params"]]
+    assert norms and all(p is not model.embed_tokens.weight for p in norms)
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    for p in model.parameters():  # no gradient: AdamW's step is then the decay alone
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    table_weight = model.embed_tokens.weight
+    assert torch.allclose(table_weight, before[id(table_weight)] * (1 - 1e-2 * 0.5))
+    assert all(torch.equal(p, before[id(p)]) for p in norms)
+    with pytest.raises(Exception, match="embedding_weight_decay"):
+        TrainConfig(embedding_weight_decay=-0.1).validate()
+
+
 def test_muon_option_trains_and_resumes(tmp_path):
     cfg = config(tmp_path, optimizer="muon", max_steps=4, ckpt_interval=2, save_final_model=False)
     context = Trainer(cfg, model=tiny_model(), train_dataset=TokenWindows()).train()
