@@ -79,7 +79,7 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
     groups = split_parameters(model)
     betas = (config.adamw_beta1, config.adamw_beta2)
     adamw_kwargs = dict(lr=config.max_lr, betas=betas, eps=config.adamw_eps, fused=_fused_supported(model))
-    rest = _undecayed_groups(model, groups["no_decay"], config)
+    rest = _groups_beside_matrices(model, groups["no_decay"], config)
     if config.optimizer == "muon":
         muon = torch.optim.Muon(groups["decay"], lr=config.muon_lr, weight_decay=config.adamw_weight_decay)
         adamw = torch.optim.AdamW(rest, **adamw_kwargs)
@@ -88,7 +88,7 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
                              **adamw_kwargs)
 
 
-def _undecayed_groups(model: nn.Module, params: list[nn.Parameter], config) -> list[dict[str, Any]]:
+def _groups_beside_matrices(model: nn.Module, params: list[nn.Parameter], config) -> list[dict[str, Any]]:
     """The AdamW groups outside the hidden matrices: norms, biases and the token embedding,
     undecayed in one group; or two, when the embedding has a rate or a decay of its own.
 
