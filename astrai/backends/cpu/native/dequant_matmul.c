@@ -352,6 +352,17 @@ static IN_SOURCE_ORDER float row_bf16(const uint16_t *w, const float *x, int64_t
 
 #endif
 
+/* dot_q4's three accumulators' lanes summed, in a function of its own (see IN_SOURCE_ORDER):
+ * inlined under -fassociative-math, (a + b) + c may be regrouped for some row counts (eight
+ * rows of x under a Zen 1's tuning), moving that row's sum by an ulp. */
+#if DEQUANT_AVX2
+static IN_SOURCE_ORDER float sum_of_three(__m256 a, __m256 b, __m256 c)
+{
+    SOURCE_ORDER_PRAGMA
+    return horizontal_sum(_mm256_add_ps(_mm256_add_ps(a, b), c));
+}
+#endif
+
 /* out[s * rows + r] = int8 weight row s (`gap` rows after the first, for s < streams) against
  * the quantized rows of x (values, scales) for r < rows: per block an integer sum of products,
  * times d_w d_x, as dot_q4 (below) does for int4. Every block is whole (the weight's padding
@@ -625,7 +636,7 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *first_ro
         }
     for (int s = 0; s < streams; ++s)
         for (int r = 0; r < rows; ++r)
-            out[s * rows + r] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0[s][r], acc1[s][r]), low[s][r]));
+            out[s * rows + r] = sum_of_three(acc0[s][r], acc1[s][r], low[s][r]);
 #else
     (void)xo, (void)end;
     for (int s = 0; s < streams; ++s)
