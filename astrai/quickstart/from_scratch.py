@@ -223,15 +223,27 @@ class Deadline:
         return max(0.0, self.total - self.elapsed)
 
 
-def make_stage_deadline_callback(seconds: float):
-    """A TrainCallback ending the stage as if its step budget were reached once
-    ``seconds`` have passed (a guard for when the throughput estimate was too kind)."""
+def make_stage_deadline_callback(seconds: float, clock=time.perf_counter):
+    """A TrainCallback ending the stage as if its step budget were reached when the next step
+    would end past ``seconds`` (a guard for when the throughput estimate was too kind). The
+    next step is taken to last as long as the mean of those since the first (which also
+    loads, compiles or starts an engine): with steps of seconds, as a 100M-parameter model
+    takes, stopping only once the budget had passed would overrun it by up to a step."""
     class StageDeadline(TrainCallback):
         def on_train_begin(self, context) -> None:
-            self.until = time.perf_counter() + seconds
+            self.until = clock() + seconds
+            self.first_end: Optional[float] = None
 
         def on_step_end(self, context) -> None:
-            if time.perf_counter() > self.until and not context.done:
+            if context.done:
+                return
+            now = clock()
+            if self.first_end is None:
+                self.first_end, self.first_step = now, context.step
+                next_step = 0.0
+            else:
+                next_step = (now - self.first_end) / max(1, context.step - self.first_step)
+            if now + next_step > self.until:
                 log(f"stage time budget ({seconds:.0f}s) used up at step {context.step}/{context.total_steps}")
                 context.total_steps = context.step
 

@@ -147,8 +147,25 @@ def test_deadline_guard_ends_the_stage_like_a_reached_budget():
     guard.on_step_end(context)
     assert context.total_steps == 100
     time.sleep(0.06)
+    context.step = 4
     guard.on_step_end(context)
-    assert context.total_steps == 3
+    assert context.total_steps == 4
+
+
+def test_deadline_guard_stops_before_a_step_that_would_end_past_the_budget():
+    clock = FakeClock()
+    guard = make_stage_deadline_callback(100.0, clock=clock)
+    context = SimpleNamespace(step=0, total_steps=50, done=False)
+    guard.on_train_begin(context)
+    clock.now, context.step = 30.0, 1  # the first step also loads and warms up: not a pace
+    guard.on_step_end(context)
+    for step, now in ((2, 40.0), (3, 50.0), (4, 60.0), (5, 70.0), (6, 80.0)):
+        clock.now, context.step = now, step
+        guard.on_step_end(context)
+        assert context.total_steps == 50  # steps of 10 s still end inside the 100 s
+    clock.now, context.step = 91.0, 7  # one more 10-second step would end at 101 s
+    guard.on_step_end(context)
+    assert context.total_steps == 7
 
 
 def test_cli_refuses_a_non_positive_budget(capsys):
