@@ -128,4 +128,11 @@ def headline(summary: dict) -> str:
     task = first["eval"].get("task")
     if task:
         sentence += f"; held-out task accuracy {task['accuracy']:.3f}"
-    return " ".join([sentence + ".", *(_describe(c) for c in summary.get("changes") or stage_changes(stages))])
+    return " ".join([sentence + ".", *(_describe(c) for c in summary.get("changes") or stage_changes(stages)),
+                     *([_too_short(summary["task_shortfall"])] if summary.get("task_shortfall") else [])])
+
+
+def _too_short(shortfall: dict) -> str:
+    return (f"Pre-training read {shortfall['task_tokens'] / 1e6:.2f}M tokens of worked problems, short of the "
+            f"{shortfall['needed_tokens'] / 1e6:.1f}M the task needs: at this machine's "
+            f"{shortfall['tokens_per_s']:,.0f} training tokens/s, `--minutes {shortfall['minutes']}` gives them.")

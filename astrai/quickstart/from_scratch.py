@@ -22,6 +22,7 @@ the settings it started with.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shlex
@@ -91,6 +92,10 @@ SFT_ARITHMETIC = 2000
 ARITHMETIC_TOKENS = 1_500_000
 ARITHMETIC_MIN_SHARE = 0.1
 ARITHMETIC_MAX_SHARE = 0.8
+# Fewer worked-problem tokens than this and the run says the budget is too short for the task:
+# on an AVX2 Zen 3, 1.2-1.4M of them answered 0.55-0.77 as plain text and GRPO ended at
+# 0.86-0.94; on a Zen 1 (1,732 tokens/s), 0.63M answered 0.20 and no later stage got above 0.01.
+TASK_TOKENS_ENOUGH = 1_200_000
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
 # Pre-training's schedule: 5% linear warm-up, then a linear decay to zero over the rest (WSD whose
@@ -184,6 +189,15 @@ def arithmetic_share_for(tokens: int) -> float:
     """Pre-training's share of worked problems for a stage of ``tokens``: enough for
     ARITHMETIC_TOKENS of them, within [ARITHMETIC_MIN_SHARE, ARITHMETIC_MAX_SHARE]."""
     return min(ARITHMETIC_MAX_SHARE, max(ARITHMETIC_MIN_SHARE, ARITHMETIC_TOKENS / max(tokens, 1)))
+
+
+def minutes_for_the_task(minutes: float, task_tokens: float) -> Optional[int]:
+    """The budget, in whole five minutes, at which pre-training would read ARITHMETIC_TOKENS of
+    worked problems, where this run's ``task_tokens`` of them fall short of TASK_TOKENS_ENOUGH;
+    else None. Pre-training takes a fixed share of the budget, so its tokens grow with it."""
+    if task_tokens >= TASK_TOKENS_ENOUGH:
+        return None
+    return 5 * math.ceil(minutes * ARITHMETIC_TOKENS / max(task_tokens, 1.0) / 5)
 
 
 def sft_replay_for(conversation_tokens: int, tokens: int) -> float:
@@ -654,6 +668,28 @@ class Quickstart:
         return dict(datasets=[{"path": str(self.data_dir("pretrain")), "rate": 1 - share, "type": "seq"},
                               {"path": str(self.data_dir("arithmetic")), "rate": share, "type": "seq"}])
 
+    def task_share(self, config: TrainConfig) -> float:
+        """The share of ``config``'s windows that are worked problems (0 without them)."""
+        arithmetic = str(self.data_dir("arithmetic"))
+        return sum(d["rate"] for d in config.datasets or [] if d["path"] == arithmetic)
+
+    def warn_if_too_short(self, task_tokens: float) -> None:
+        """Say before pre-training when its worked problems are too few for the task to be learnt."""
+        minutes = minutes_for_the_task(self.s.minutes, task_tokens) if task_tokens else None
+        if minutes is not None:
+            log(f"pretrain: at {self.tps:.0f} training tokens/s this budget buys {task_tokens / 1e6:.2f}M tokens of "
+                f"worked problems, short of the {ARITHMETIC_TOKENS / 1e6:.1f}M the task needs: expect low task accuracy; "
+                f"--minutes {minutes} gives them")
+
+    def task_shortfall(self, pretrain: dict) -> Optional[dict]:
+        """What the report says when pre-training read too few worked problems for the task."""
+        task_tokens = pretrain.get("task_tokens")
+        minutes = minutes_for_the_task(self.s.minutes, task_tokens) if task_tokens else None
+        if minutes is None:
+            return None
+        return {"task_tokens": task_tokens, "needed_tokens": ARITHMETIC_TOKENS, "minutes": minutes,
+                "tokens_per_s": pretrain.get("tokens_per_s") or self.tps}
+
     def sft_tokens(self) -> int:
         """Tokens in SFT's conversations (the bundled ones and the task's)."""
         return read_json(self.done_path("data"))["sft"]["tokens"]
@@ -727,6 +763,8 @@ class Quickstart:
             write_json(budget_path, {"seconds": seconds})
             log(f"[{index + self.first_stage_number}/7] {name}: {config.max_steps} steps in about {seconds:.0f}s "
                 f"({self.deadline.left / 60:.1f} min left in the run)")
+            if name == "pretrain":
+                self.warn_if_too_short(config.max_steps * config.batch_per_device * config.window_size * self.task_share(config))
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
 
@@ -780,6 +818,7 @@ class Quickstart:
             "planned_steps": replan.planned if replan is not None and replan.planned else config.max_steps,
             "cpu_matmuls": context.backend_state, "precision": config.precision,
             **({"replanned": {"at_step": replanned["at_step"], "first_steps": replanned["first_steps"]}} if replanned else {}),
+            **({"task_tokens": int(context.tokens_seen * self.task_share(config))} if name == "pretrain" else {}),
             "seconds": train_seconds, "tokens_per_s": _median([m.get("tokens_per_s") for m in metrics[1:]]),
             "final_loss": metrics[-1]["loss"] if metrics else None, "model_dir": str(self.model_dir(name)),
         }
@@ -873,6 +912,9 @@ class Quickstart:
         if accuracy_plot is not None:
             plots.insert(0, accuracy_plot)
         summary["changes"] = stage_changes(summary["stages"])
+        shortfall = self.task_shortfall(records[0])
+        if shortfall is not None:
+            summary["task_shortfall"] = shortfall
         summary["headline"] = headline(summary)
         write_json(self.out / PLAN_FILE, summary["plan"])
         write_json(self.summary_path, summary)

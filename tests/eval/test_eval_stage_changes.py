@@ -49,3 +49,14 @@ def test_preference_accuracy_changes_like_task_accuracy_and_dpo_reports_it():
     story = headline(summary)
     assert "held-out preference accuracy 0.444 → 0.667 (+22.2 points" in story
     assert "mean preference margin 2.50 → 3.50 nats (+1.00, 95% interval [+0.90, +1.10])" in story
+
+
+def test_the_headline_says_when_pre_training_read_too_few_worked_problems():
+    from astrai.eval.changes import headline
+
+    stages = [{"name": "pretrain", "eval": {"task": task(20, 100)}}, {"name": "sft", "eval": {"task": task(1, 100)}}]
+    summary = {"stages": stages, "model": {"preset": "tiny", "parameters": 10}, "total_seconds": 900}
+    assert "worked problems" not in headline(summary)
+    summary["task_shortfall"] = {"task_tokens": 629_145, "needed_tokens": 1_500_000, "minutes": 40, "tokens_per_s": 1741.0}
+    assert headline(summary).endswith("Pre-training read 0.63M tokens of worked problems, short of the 1.5M the task "
+                                      "needs: at this machine's 1,741 training tokens/s, `--minutes 40` gives them.")

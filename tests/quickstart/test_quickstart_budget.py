@@ -17,7 +17,8 @@ from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_MIN
                                             load_plan, plan_of, run_quickstart,
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_MAX_REPLAY, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
-                                            arithmetic_share_for, make_stage_deadline_callback, write_json)
+                                            TASK_TOKENS_ENOUGH, arithmetic_share_for, make_stage_deadline_callback,
+                                            minutes_for_the_task, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -391,6 +392,31 @@ def test_pretraining_sees_the_same_worked_problems_on_a_slow_and_a_fast_machine(
         assert arithmetic_share_for(tokens) * tokens == pytest.approx(ARITHMETIC_TOKENS, rel=1e-6)
     assert arithmetic_share_for(100 * ARITHMETIC_TOKENS) == ARITHMETIC_MIN_SHARE  # a long run: the floor
     assert arithmetic_share_for(ARITHMETIC_TOKENS // 10) == ARITHMETIC_MAX_SHARE  # a very slow one: the cap
+
+
+def test_a_budget_too_short_for_the_task_says_so_and_names_the_minutes_that_are_not(tmp_path, capsys):
+    """On a Zen 1 (1,732 training tokens/s) 15 minutes bought 0.63M tokens of worked problems and
+    the task was not learnt: the run says so before pre-training and in the report, with the
+    budget that would buy ARITHMETIC_TOKENS of them."""
+    assert minutes_for_the_task(15, TASK_TOKENS_ENOUGH) is None
+    assert minutes_for_the_task(15, 629_145) == 40  # 15 x 1.5M / 0.63M = 35.8, in whole five minutes
+    assert minutes_for_the_task(30, 1_100_000) == 45
+    slow, fast = planner(tmp_path / "slow", tokens_per_s=1732.0), planner(tmp_path / "fast", tokens_per_s=16000.0)
+    for qs in (slow, fast):
+        config = qs.train_config(0, "pretrain", seconds=qs.stage_seconds("pretrain"))
+        tokens = config.max_steps * config.batch_per_device * config.window_size
+        assert qs.task_share(config) == config.datasets[1]["rate"] > 0
+        qs.warn_if_too_short(tokens * qs.task_share(config))
+        said = capsys.readouterr().err
+        if qs is slow:
+            minutes = minutes_for_the_task(15, tokens * qs.task_share(config))
+            assert minutes >= 30 and f"--minutes {minutes} gives them" in said and "expect low task accuracy" in said
+        else:
+            assert said == ""
+    shortfall = slow.task_shortfall({"task_tokens": 629_145, "tokens_per_s": 1741.0})
+    assert shortfall == {"task_tokens": 629_145, "needed_tokens": ARITHMETIC_TOKENS, "minutes": 40, "tokens_per_s": 1741.0}
+    assert slow.task_shortfall({"task_tokens": 1_300_000}) is None
+    assert slow.task_shortfall({}) is None  # pre-training without worked problems
 
 
 def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_keep_their_guards(tmp_path):

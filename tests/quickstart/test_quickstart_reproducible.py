@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from astrai.cli import main
 from astrai.errors import ConfigError
-from astrai.quickstart.from_scratch import (PLAN_FILE, Settings, load_plan, plan_of, resumed_settings,
+from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, PLAN_FILE, Settings, load_plan, plan_of, resumed_settings,
                                           run_quickstart)
 
 SMALL = dict(
@@ -58,7 +58,12 @@ def test_same_seed_and_plan_give_identical_numbers(tmp_path, monkeypatch):
     assert task["n"] == SMALL["eval_problems"] and len(task["interval"]) == 2
     weights = [load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("a", "b")]
     assert all(weights[0][name].equal(weights[1][name]) for name in weights[0])
-    assert "bits/byte en" in (tmp_path / "a" / "report.md").read_text(encoding="utf-8")
+    report = (tmp_path / "a" / "report.md").read_text(encoding="utf-8")
+    assert "bits/byte en" in report
+    # a few hundred tokens of worked problems, at the share's cap: the report says the budget was too short
+    shortfall, pretrain = first["task_shortfall"], first["stages"][0]
+    assert shortfall["task_tokens"] == pretrain["task_tokens"] == int(pretrain["tokens"] * ARITHMETIC_MAX_SHARE) > 0
+    assert f"`--minutes {shortfall['minutes']}` gives them" in report
 
 
 def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):

@@ -142,15 +142,16 @@ def test_asymmetric_int4_keeps_its_layout():
     assert not any(type(m) is InterleavedQuantizedLinear and m.bits == 4 for m in served.modules())
 
 
-@pytest.mark.skipif(not integer_int8_available(), reason="int8 is interleaved only where the kernels have VNNI")
 def test_an_interleaved_int8_weight_without_the_integer_matmul_takes_the_other_paths(monkeypatch):
     """A library without VNNI loaded after preparation (a test forcing a level): many rows of an
     interleaved int8 weight go through the dequantizing matmul's passes or torch, not an
-    integer matmul that cannot read them."""
+    integer matmul that cannot read them. Preparation is told VNNI is there, so that the
+    weight is interleaved on any CPU."""
     from astrai.backends.cpu import dense_matmul, serving
 
     model = quantize_model(make_model("tiny", seed=4), "int8")
     served = deepcopy(model)
+    monkeypatch.setattr(serving, "integer_int8_available", lambda: True)
     prepare_for_serving(served)
     module, original = served.layers[0].mlp.down, model.layers[0].mlp.down
     assert type(module) is InterleavedQuantizedLinear
