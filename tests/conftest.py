@@ -71,6 +71,12 @@ def killed_save():
     return kill
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run first: one of them takes minutes on a slow CPU, and under
+    pytest-xdist a long test handed out last keeps the run going after the other workers are done."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu",
                      help="device for the tests under tests/device (cpu, cuda, cuda:1, ...): the paths a GPU takes")
