@@ -595,9 +595,11 @@ class Quickstart:
     def training_seconds_left(self, name: str) -> float:
         """Time left for this and the later training stages, after reserving their evaluations."""
         remaining = self.stages[self.stages.index(name):]
-        per_eval = self.eval_seconds if self.eval_seconds is not None else self.estimate_eval_seconds()
-        eval_reserve = min(len(remaining) * per_eval, 0.3 * self.deadline.left) + 5.0
-        return self.deadline.left - eval_reserve
+        if self.eval_seconds is not None:  # timed: every evaluation left is reserved, so the run ends on time
+            eval_reserve = len(remaining) * self.eval_seconds
+        else:  # estimated: at most 30% of the time left, so a bad estimate cannot starve the training
+            eval_reserve = min(len(remaining) * self.estimate_eval_seconds(), 0.3 * self.deadline.left)
+        return self.deadline.left - eval_reserve - 5.0
 
     def stage_seconds(self, name: str) -> float:
         """This stage's share of the time left, after reserving the remaining evaluations."""
