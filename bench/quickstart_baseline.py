@@ -6,7 +6,8 @@ vocabulary): the same tokenizer and text (with the worked problems at the same s
 ``--arithmetic-share``, 0.4 by default; the quick start's own rule buys 1.5M tokens of them,
 which would make a short run mostly worked problems),
 windows of the same length, AdamW (betas 0.9/0.95, weight decay 0.1), linear warm-up then cosine decay sized from a timed
-probe, gradient clipping at 1.0, and bf16 autocast when a probe shows it is faster than
+probe and fitted again to the time left from its own steps 5-25 (a probe of a few steps reads
+the loop's pace 15-20% off either way), gradient clipping at 1.0, and bf16 autocast when a probe shows it is faster than
 fp32. astrai's side is the quick start's own pre-training stage (``Quickstart.train_config``:
 its preset, learning rate, schedule, window and batch), sized from its throughput probe
 and planned again from its own steps 5-25 as in a real run: started over when they run more
@@ -36,6 +37,7 @@ from results_file import write_result  # bench/ is on sys.path when a script run
 
 TARGET_RATIO = 0.85
 ARITHMETIC_SHARE = 0.4  # of the windows, on both sides, unless --arithmetic-share says otherwise
+PACE_STEPS = (5, 25)  # the baseline times these of its steps and fits its schedule to the time left
 
 
 # --- the data, as a user would prepare it ------------------------------------------------
@@ -124,10 +126,10 @@ class Baseline:
     def train(self, seconds: float) -> dict:
         timings = self.probe()
         step_seconds = min(timings.values())
-        total = max(10, int(0.97 * seconds / step_seconds))
+        first_plan = total = max(10, int(0.97 * seconds / step_seconds))
         warmup = max(1, total // 20)
 
-        def factor(step: int) -> float:  # linear warm-up, cosine down to a tenth
+        def factor(step: int) -> float:  # linear warm-up, cosine down to a tenth (of the current plan)
             if step < warmup:
                 return (step + 1) / warmup
             progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -135,14 +137,19 @@ class Baseline:
 
         schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         start = time.perf_counter()
-        steps, loss = 0, float("nan")
+        steps, loss, paced_from = 0, float("nan"), start
         while steps < total and time.perf_counter() - start < seconds:
+            if steps == PACE_STEPS[0]:
+                paced_from = time.perf_counter()
             loss = self.step()
-            schedule.step()
             steps += 1
+            if steps == PACE_STEPS[1]:  # the steps that fit in the time left at the loop's own pace
+                per_step = (time.perf_counter() - paced_from) / (PACE_STEPS[1] - PACE_STEPS[0])
+                total = steps + max(1, int(0.97 * (seconds - (time.perf_counter() - start)) / per_step))
+            schedule.step()
         elapsed = time.perf_counter() - start
         tokens = steps * self.batch * (self.sources[0].shape[1] - 1)
-        return {"steps": steps, "planned_steps": total, "tokens": tokens, "seconds": elapsed,
+        return {"steps": steps, "planned_steps": total, "first_plan_steps": first_plan, "tokens": tokens, "seconds": elapsed,
                 "tokens_per_s": tokens / elapsed, "final_loss": loss, "precision": "bf16" if self.bf16 else "fp32",
                 "probe_seconds_per_step": timings, "lr": self.lr}
 
