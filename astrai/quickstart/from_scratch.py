@@ -677,11 +677,11 @@ class Quickstart:
 
     def warn_if_too_short(self, task_tokens: float) -> None:
         """Say before pre-training when its worked problems are too few for the task to be learnt."""
-        minutes = minutes_for_the_task(self.s.minutes, task_tokens) if task_tokens else None
-        if minutes is not None:
+        shortfall = self.task_shortfall({"task_tokens": task_tokens, "tokens_per_s": self.tps})
+        if shortfall is not None:
             log(f"pretrain: at {self.tps:.0f} training tokens/s this budget buys {task_tokens / 1e6:.2f}M tokens of "
                 f"worked problems, short of the {ARITHMETIC_TOKENS / 1e6:.1f}M the task needs: expect low task accuracy; "
-                f"--minutes {minutes} gives them")
+                f"--minutes {shortfall['minutes']} gives them")
 
     def task_shortfall(self, pretrain: dict) -> Optional[dict]:
         """What the report says when pre-training read too few worked problems for the task."""

@@ -406,7 +406,7 @@ def test_pretraining_sees_the_same_worked_problems_on_a_slow_and_a_fast_machine(
     assert arithmetic_share_for(ARITHMETIC_TOKENS // 10) == ARITHMETIC_MAX_SHARE  # a very slow one: the cap
 
 
-def test_a_budget_too_short_for_the_task_says_so_and_names_the_minutes_that_are_not(tmp_path, capsys):
+def test_a_budget_too_short_for_the_task_says_so_and_names_the_minutes_that_would_do(tmp_path, capsys):
     """On a Zen 1 (1,732 training tokens/s) 15 minutes bought 0.63M tokens of worked problems and
     the task was not learnt: the run says so before pre-training and in the report, with the
     budget that would buy ARITHMETIC_TOKENS of them."""
