@@ -133,6 +133,13 @@ def headline(summary: dict) -> str:
 
 
 def _too_short(shortfall: dict) -> str:
+    if "needed_steps" in shortfall:  # a run from a pretrained model: SFT's and GRPO's steps
+        names = list(shortfall["steps"])
+        ran = " and ".join(f"{STAGE_TITLES.get(n, n)} ran {shortfall['steps'][n]} steps" for n in names)
+        needed = " and ".join(str(shortfall["needed_steps"][n]) for n in names)
+        pace = " and ".join(f"{shortfall['step_seconds'][n]:.1f} s per {STAGE_TITLES.get(n, n)} step" for n in names)
+        return (f"{ran}, short of the {needed} after which GRPO added 10 points: at this machine's {pace}, "
+                f"`--minutes {shortfall['minutes']}` gives them.")
     return (f"Pre-training read {shortfall['task_tokens'] / 1e6:.2f}M tokens of worked problems, short of the "
             f"{shortfall['needed_tokens'] / 1e6:.1f}M the task needs: at this machine's "
             f"{shortfall['tokens_per_s']:,.0f} training tokens/s, `--minutes {shortfall['minutes']}` gives them.")

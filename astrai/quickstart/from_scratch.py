@@ -683,6 +683,11 @@ class Quickstart:
                 f"worked problems, short of the {ARITHMETIC_TOKENS / 1e6:.1f}M the task needs: expect low task accuracy; "
                 f"--minutes {shortfall['minutes']} gives them")
 
+    def report_shortfall(self, records: list[dict]) -> Optional[dict]:
+        """What the report says when the budget was too short for the recipe to work: here,
+        pre-training's worked problems (a run from a pretrained model counts its steps)."""
+        return self.task_shortfall(records[0])
+
     def task_shortfall(self, pretrain: dict) -> Optional[dict]:
         """What the report says when pre-training read too few worked problems for the task."""
         task_tokens = pretrain.get("task_tokens")
@@ -914,7 +919,7 @@ class Quickstart:
         if accuracy_plot is not None:
             plots.insert(0, accuracy_plot)
         summary["changes"] = stage_changes(summary["stages"])
-        shortfall = self.task_shortfall(records[0])
+        shortfall = self.report_shortfall(records)
         if shortfall is not None:
             summary["task_shortfall"] = shortfall
         summary["headline"] = headline(summary)

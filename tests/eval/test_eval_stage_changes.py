@@ -60,3 +60,15 @@ def test_the_headline_says_when_pre_training_read_too_few_worked_problems():
     summary["task_shortfall"] = {"task_tokens": 629_145, "needed_tokens": 1_500_000, "minutes": 40, "tokens_per_s": 1741.0}
     assert headline(summary).endswith("Pre-training read 0.63M tokens of worked problems, short of the 1.5M the task "
                                       "needs: at this machine's 1,741 training tokens/s, `--minutes 40` gives them.")
+
+
+def test_the_headline_says_when_a_run_from_a_pretrained_model_ran_too_few_steps():
+    from astrai.eval.changes import headline
+
+    stages = [{"name": "base", "eval": {"task": task(1, 100)}}, {"name": "sft", "eval": {"task": task(7, 100)}}]
+    summary = {"stages": stages, "model": {"base": "smollm2", "parameters": 10, "finetune": "full"}, "total_seconds": 900,
+               "task_shortfall": {"steps": {"sft": 17, "grpo": 15}, "needed_steps": {"sft": 140, "grpo": 50},
+                                  "step_seconds": {"sft": 8.6, "grpo": 20.0}, "minutes": 50}}
+    assert headline(summary).endswith("SFT ran 17 steps and GRPO ran 15 steps, short of the 140 and 50 after which "
+                                      "GRPO added 10 points: at this machine's 8.6 s per SFT step and 20.0 s per "
+                                      "GRPO step, `--minutes 50` gives them.")

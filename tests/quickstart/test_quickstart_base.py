@@ -250,3 +250,30 @@ def test_grpo_takes_most_of_the_time_after_sft(hf_dir, tmp_path):
     dpo = qs.stage_seconds("dpo")
     assert dpo == pytest.approx(qs.training_seconds_left("dpo") * 0.05 / 0.45, rel=1e-3)
     assert qs.stage_seconds("grpo") >= 7.5 * dpo
+
+
+def test_a_budget_too_short_for_sft_and_grpo_says_so_and_names_the_minutes(hf_dir, tmp_path, monkeypatch, capsys):
+    """Zen 1 figures: SFT 17 steps of 8.6 s, GRPO 15 of 20 s in 15 minutes. SFT needs
+    (140 - 17) x 8.6 s more, at 55% of each added minute: 32 minutes more, so 50 in all."""
+    qs = from_pretrained.BaseQuickstart(from_pretrained.BaseSettings(base=str(hf_dir), out=str(tmp_path), minutes=15.0))
+    sft = {"name": "sft", "steps": 17, "planned_steps": 218, "seconds": 17 * 8.6}
+    records = [sft, {"name": "dpo", "steps": 2, "seconds": 9.0}, {"name": "grpo", "steps": 15, "planned_steps": 15,
+                                                                 "seconds": 300.0}]
+    shortfall = qs.report_shortfall(records)
+    assert shortfall["steps"] == {"sft": 17, "grpo": 15} and shortfall["needed_steps"] == {"sft": 140, "grpo": 50}
+    assert shortfall["step_seconds"] == pytest.approx({"sft": 8.6, "grpo": 20.0}) and shortfall["minutes"] == 50
+    # GRPO alone short: (50 - 30) x 20 s at 40% of each added minute is 1,000 s more, so 35 in all
+    enough_sft = {"name": "sft", "steps": 150, "planned_steps": 300, "seconds": 600.0}
+    assert qs.report_shortfall([enough_sft, {"name": "grpo", "steps": 30, "seconds": 600.0}])["minutes"] == 35
+    assert qs.report_shortfall([enough_sft, {"name": "grpo", "steps": 60, "seconds": 600.0}]) is None
+    # an SFT that ran all its steps (its data, not the time, ended it) is not short
+    assert qs.report_shortfall([{"name": "sft", "steps": 100, "planned_steps": 100, "seconds": 800.0}]) is None
+    # a pinned plan set the steps, not the budget
+    pinned = from_pretrained.BaseQuickstart(from_pretrained.BaseSettings(base=str(hf_dir), out=str(tmp_path / "p"),
+                                                                         minutes=15.0, steps=STEPS))
+    assert pinned.report_shortfall(records) is None
+    # said as SFT ends, before DPO and GRPO spend the rest
+    monkeypatch.setattr(from_pretrained.Quickstart, "train_stage", lambda self, index, name, check_pace=True: sft)
+    assert qs.train_stage(0, "sft") is sft
+    said = capsys.readouterr().err
+    assert "sft: 17 steps in its time (8.6 s each), short of the 140" in said and "--minutes 50 gives them" in said
