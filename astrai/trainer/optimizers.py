@@ -16,7 +16,9 @@ def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """'decay' (2-D hidden weights), 'no_decay' (norms, biases, embeddings and the tied/untied head).
 
     Norm gains and biases are 1-D; pulling them toward 0 only fights the model.
-    Embedding rows are looked up sparsely, so uniform decay would shrink rare tokens.
+    Embedding rows are looked up sparsely, so uniform decay would shrink rare tokens; a run
+    may still decay the table on purpose (``embedding_weight_decay``, which gives it a group
+    of its own beside the matrices).
     """
     embeddings = _embedding_params(model)
     head = getattr(getattr(model, "lm_head", None), "weight", None)
