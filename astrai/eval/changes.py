@@ -83,7 +83,9 @@ def _what_was_trained(summary: dict) -> str:
     model = summary["model"]
     minutes = summary["total_seconds"] / 60
     if "preset" in model:
-        return f"A `{model['preset']}` model ({model['parameters']:,} parameters) trained from scratch in {minutes:.1f} min"
+        depth = f" with {model['n_layers']} layers" if model.get("n_layers") else ""
+        return (f"A `{model['preset']}` model{depth} ({model['parameters']:,} parameters) trained from scratch "
+                f"in {minutes:.1f} min")
     return f"{model['base']} ({model['parameters']:,} parameters, {model['finetune']} fine-tuning) trained for {minutes:.1f} min"
 
 

@@ -96,6 +96,15 @@ ARITHMETIC_MAX_SHARE = 0.8
 # on an AVX2 Zen 3, 1.2-1.4M of them answered 0.55-0.77 as plain text and GRPO ended at
 # 0.86-0.94; on a Zen 1 (1,732 tokens/s), 0.63M answered 0.20 and no later stage got above 0.01.
 TASK_TOKENS_ENOUGH = 1_200_000
+# Where `tiny` would read fewer than that, pre-training trains it with SHALLOW_LAYERS layers
+# instead of 4: 1.6-2.1 times the tokens/s. At the steps a Zen 1's 15 minutes give each stage
+# (replayed in fp32 on a Zen 5 with the plan pinned), 4 layers read 0.63M worked-problem tokens,
+# answered 0.036 as plain text and 0.007 after GRPO; 2 layers read 1.07M, answered 0.498 and
+# 0.767 after GRPO, with lower held-out bits per byte too (en 2.34 against 2.47). With 0.75M
+# (a slower CPU's) 2 layers answered 0.249 and 0.038: below SHALLOW_TASK_TOKENS_ENOUGH the run
+# says its budget is too short.
+SHALLOW_LAYERS = 2
+SHALLOW_TASK_TOKENS_ENOUGH = 1_000_000
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
 PRETRAIN_STEP_SHARE = 0.90  # of the steps the probed throughput would fit: checkpoints and validation take the rest
 # Pre-training's schedule: 5% linear warm-up, then a linear decay to zero over the rest (WSD whose
@@ -152,6 +161,7 @@ class Settings:
     seed: int = 0
     preset: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
+    n_layers: Optional[int] = None        # the run's own choice of depth (SHALLOW_LAYERS on a slow CPU); None: the preset's
     vocab_size: int = 4096
     corpus: str = "auto"                  # "auto" (the cached large corpus when built, else bundled), "bundled", or a corpus dir
     window_size: int = 256
@@ -191,11 +201,11 @@ def arithmetic_share_for(tokens: int) -> float:
     return min(ARITHMETIC_MAX_SHARE, max(ARITHMETIC_MIN_SHARE, ARITHMETIC_TOKENS / max(tokens, 1)))
 
 
-def minutes_for_the_task(minutes: float, task_tokens: float) -> Optional[int]:
+def minutes_for_the_task(minutes: float, task_tokens: float, enough: float = TASK_TOKENS_ENOUGH) -> Optional[int]:
     """The budget, in whole five minutes, at which pre-training would read ARITHMETIC_TOKENS of
-    worked problems, where this run's ``task_tokens`` of them fall short of TASK_TOKENS_ENOUGH;
-    else None. Pre-training takes a fixed share of the budget, so its tokens grow with it."""
-    if task_tokens >= TASK_TOKENS_ENOUGH:
+    worked problems, where this run's ``task_tokens`` of them fall short of ``enough``; else
+    None. Pre-training takes a fixed share of the budget, so its tokens grow with it."""
+    if task_tokens >= enough:
         return None
     return 5 * math.ceil(minutes * ARITHMETIC_TOKENS / max(task_tokens, 1.0) / 5)
 
@@ -539,7 +549,8 @@ class Quickstart:
 
     # --- throughput ---------------------------------------------------------------------
     def model_overrides(self) -> dict:
-        return {**self.s.model_overrides, "vocab_size": self.tokenizer.vocab_size}
+        depth = {"n_layers": self.s.n_layers} if self.s.n_layers else {}
+        return {**self.s.model_overrides, **depth, "vocab_size": self.tokenizer.vocab_size}
 
     def measure_throughput(self) -> float:
         """Training tokens/s of the pre-training set-up, from a few real Trainer steps at each
@@ -675,6 +686,25 @@ class Quickstart:
         arithmetic = str(self.data_dir("arithmetic"))
         return sum(d["rate"] for d in config.datasets or [] if d["path"] == arithmetic)
 
+    def goes_shallow(self, config: TrainConfig) -> bool:
+        """On a CPU too slow for `tiny` to read TASK_TOKENS_ENOUGH worked-problem tokens in
+        pre-training's ``config``, train it with SHALLOW_LAYERS layers, the throughput measured
+        again (``settings.json`` keeps the choice for a resumed run, ``plan.json`` for a rerun).
+        Not where the depth was given: a preset other than `tiny`, an override, a pinned plan."""
+        s = self.s
+        if s.preset != "tiny" or s.steps or s.n_layers or "n_layers" in s.model_overrides:
+            return False
+        tokens = config.max_steps * config.batch_per_device * config.window_size * self.task_share(config)
+        if not tokens or tokens >= TASK_TOKENS_ENOUGH:
+            return False
+        log(f"pretrain: at {self.tps:.0f} training tokens/s the 4-layer model would read {tokens / 1e6:.2f}M tokens "
+            f"of worked problems, too few for the task; training it with {SHALLOW_LAYERS} layers, which read more")
+        s.n_layers = SHALLOW_LAYERS
+        write_json(self.out / "settings.json", s.__dict__)
+        (self.out / "throughput.json").unlink(missing_ok=True)
+        self.tps = self.measure_throughput()
+        return True
+
     def warn_if_too_short(self, task_tokens: float) -> None:
         """Say before pre-training when its worked problems are too few for the task to be learnt."""
         shortfall = self.task_shortfall({"task_tokens": task_tokens, "tokens_per_s": self.tps})
@@ -691,7 +721,8 @@ class Quickstart:
     def task_shortfall(self, pretrain: dict) -> Optional[dict]:
         """What the report says when pre-training read too few worked problems for the task."""
         task_tokens = pretrain.get("task_tokens")
-        minutes = minutes_for_the_task(self.s.minutes, task_tokens) if task_tokens else None
+        enough = SHALLOW_TASK_TOKENS_ENOUGH if self.s.n_layers == SHALLOW_LAYERS else TASK_TOKENS_ENOUGH
+        minutes = minutes_for_the_task(self.s.minutes, task_tokens, enough) if task_tokens else None
         if minutes is None:
             return None
         return {"task_tokens": task_tokens, "needed_tokens": ARITHMETIC_TOKENS, "minutes": minutes,
@@ -765,6 +796,9 @@ class Quickstart:
         else:
             seconds = self.stage_seconds(name)
             config = self.train_config(index, name, seconds)
+            if name == "pretrain" and self.goes_shallow(config):  # sized again at the shallow model's pace
+                seconds = self.stage_seconds(name)
+                config = self.train_config(index, name, seconds)
             config_path.parent.mkdir(parents=True, exist_ok=True)
             config.save(config_path)
             write_json(budget_path, {"seconds": seconds})
@@ -936,10 +970,11 @@ class Quickstart:
         astrai = _astrai_command()
         return {
             "model": {"preset": self.s.preset, "vocab_size": self.tokenizer.vocab_size,
-                      "parameters": _parameters(final_dir), "overrides": self.s.model_overrides},
+                      "parameters": _parameters(final_dir), "overrides": self.s.model_overrides,
+                      **({"n_layers": self.s.n_layers} if self.s.n_layers else {})},
             "budget_minutes": self.s.minutes, "total_seconds": self.deadline.elapsed, "device": _device_name(),
             "seed": self.s.seed,
-            "plan": plan_of(records, pinned=bool(self.s.steps)),
+            "plan": plan_of(records, pinned=bool(self.s.steps), n_layers=self.s.n_layers),
             "measured_tokens_per_s": read_json(self.out / "throughput.json")["tokens_per_s"], "stages": records,
             "unigram_perplexity": {k: v["unigram_perplexity"] for k, v in pretrain_ppl.items()},
             "model_dir": str(final_dir), "corpus": self.corpus,
@@ -1033,13 +1068,13 @@ def resumed_settings(s: Settings) -> Settings:
     return s
 
 
-def plan_of(records: list[dict], pinned: bool) -> dict:
+def plan_of(records: list[dict], pinned: bool, n_layers: Optional[int] = None) -> dict:
     """The stage plan a run followed, as ``plan.json`` keeps it: each stage's planned steps
     (the length of its learning-rate schedule), for stages the deadline guard ended early
     the step where they stopped, for stages re-planned in place the step and the length they
     started with (which sized pre-training's mixture), the fp32 CPU matmuls the run measured to be faster
-    (oneDNN's or the BLAS's, which round differently) and the precision pre-training took, so
-    that ``--plan`` repeats the run exactly."""
+    (oneDNN's or the BLAS's, which round differently), the precision pre-training took and the
+    depth the run chose on a slow CPU, so that ``--plan`` repeats the run exactly."""
     plan = {"steps": {r["name"]: r["planned_steps"] for r in records}}
     stopped = {r["name"]: r["steps"] for r in records if r["steps"] < r["planned_steps"]}
     if stopped:
@@ -1053,6 +1088,8 @@ def plan_of(records: list[dict], pinned: bool) -> dict:
     precision = next((r["precision"] for r in records if r.get("precision")), None)
     if precision:
         plan["precision"] = precision
+    if n_layers:
+        plan["n_layers"] = n_layers
     plan["source"] = "pinned (--plan)" if pinned else "measured from throughput"
     return plan
 
@@ -1062,13 +1099,15 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
     100, "dpo": 10, "grpo": 20}}``) as Settings fields: ``steps`` (optimizer steps per stage),
     ``stop_at`` (where stages ended early, optional), ``replanned`` (stages re-planned in
     place: ``{"at_step": 25, "first_steps": 300}``, optional), ``cpu_matmuls`` (the fp32 matmuls
-    decision, optional; read under its older name ``cpu_products`` too) and ``precision``
-    (pre-training's and SFT's, optional); ``stages`` are the run's training stages."""
+    decision, optional; read under its older name ``cpu_products`` too), ``precision``
+    (pre-training's and SFT's, optional) and ``n_layers`` (the depth a run chose on a slow CPU,
+    optional); ``stages`` are the run's training stages."""
     try:
         plan = read_json(Path(path))
         steps, stop_at, replanned = plan["steps"], plan.get("stop_at", {}), plan.get("replanned", {})
         matmuls = plan.get("cpu_matmuls", plan.get(OLD_MATMULS_KEY))
         precision = plan.get("precision", "auto")
+        n_layers = plan.get("n_layers")
     except FileNotFoundError:
         raise ConfigError(f"--plan {path}: file not found") from None
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
@@ -1095,8 +1134,10 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
                           f"true|false}}, got {matmuls!r}")
     if precision not in PRECISIONS:
         raise ConfigError(f"--plan {path}: 'precision' must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if n_layers is not None and not (isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers > 0):
+        raise ConfigError(f"--plan {path}: 'n_layers' must be a positive integer, got {n_layers!r}")
     return {"steps": dict(steps), "stop_at": dict(stop_at), "replanned": dict(replanned), "cpu_matmuls": matmuls,
-            "precision": precision}
+            "precision": precision, **({"n_layers": n_layers} if n_layers else {})}
 
 
 def print_outcome(summary: dict, out: str) -> None:

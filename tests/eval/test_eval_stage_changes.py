@@ -72,3 +72,13 @@ def test_the_headline_says_when_a_run_from_a_pretrained_model_ran_too_few_steps(
     assert headline(summary).endswith("SFT ran 17 steps and GRPO ran 15 steps, short of the 140 and 50 after which "
                                       "GRPO added 10 points: at this machine's 8.6 s per SFT step and 20.0 s per "
                                       "GRPO step, `--minutes 50` gives them.")
+
+
+def test_the_headline_names_the_depth_a_slow_cpu_chose():
+    from astrai.eval.changes import headline
+
+    stages = [{"name": "pretrain", "eval": {"task": task(20, 100)}}]
+    summary = {"stages": stages, "model": {"preset": "tiny", "parameters": 2_622_720}, "total_seconds": 900}
+    assert headline(summary).startswith("A `tiny` model (2,622,720 parameters) trained from scratch in 15.0 min")
+    summary["model"]["n_layers"] = 2
+    assert headline(summary).startswith("A `tiny` model with 2 layers (2,622,720 parameters) trained from scratch")

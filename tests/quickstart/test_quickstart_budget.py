@@ -18,7 +18,7 @@ from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_MIN
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_MAX_REPLAY, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
                                             TASK_TOKENS_ENOUGH, arithmetic_share_for, make_stage_deadline_callback,
-                                            minutes_for_the_task, write_json)
+                                            SHALLOW_LAYERS, TRAIN_STAGES, minutes_for_the_task, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -317,6 +317,9 @@ def test_pretraining_within_its_pace_tolerance_is_planned_again_in_place_and_the
 def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, monkeypatch, real_rate):
     qs = planner(tmp_path, tokens_per_s=4000.0)
     qs.s.steps = None
+    # the depth given, so the pace alone decides (at 3,000 tokens/s the 4-layer model would read
+    # too few worked problems and the run would go shallow: tested on its own below)
+    qs.s.model_overrides = {"n_layers": 4}
     record, runs = pace_driven(qs, monkeypatch, real_rate)
     assert len(runs) == 2
     assert runs[0]["ran"] == PACE_CHECK_STEPS[1] and "PaceCheck" in runs[0]["callbacks"]
@@ -459,3 +462,40 @@ def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_
     assert config.datasets is None and Path(config.data_root_path).name == "pretrain"
     with pytest.raises(ConfigError, match="arithmetic_share must be in"):
         run_quickstart(out=str(tmp_path / "run"), arithmetic_share=1.0)
+
+
+def test_a_cpu_too_slow_for_the_four_layer_model_trains_it_with_two(tmp_path, capsys):
+    """On a Zen 1 the 4-layer `tiny` read 0.63M worked-problem tokens in 15 minutes and learnt
+    nothing; with SHALLOW_LAYERS layers it reads more in the same minutes. The choice is measured
+    again (the throughput) and kept in settings.json and plan.json; a fast CPU, another preset,
+    a depth given by the user or a pinned plan keep theirs."""
+    slow = planner(tmp_path / "slow", tokens_per_s=1732.0)
+    probes = []
+    slow.measure_throughput = lambda: probes.append(slow.model_overrides()) or 2944.0
+    config = slow.train_config(0, "pretrain", seconds=slow.stage_seconds("pretrain"))
+    assert slow.goes_shallow(config)
+    assert slow.s.n_layers == SHALLOW_LAYERS and slow.tps == 2944.0 and probes[0]["n_layers"] == SHALLOW_LAYERS
+    assert "training it with 2 layers" in capsys.readouterr().err
+    assert json.loads((tmp_path / "slow" / "settings.json").read_text())["n_layers"] == SHALLOW_LAYERS
+    shallow = slow.train_config(0, "pretrain", seconds=slow.stage_seconds("pretrain"))
+    assert shallow.model_overrides["n_layers"] == SHALLOW_LAYERS and shallow.max_steps > config.max_steps
+    assert not slow.goes_shallow(shallow)  # chosen once
+    # the shallow model's own threshold: 1.07M worked-problem tokens taught it the task
+    assert slow.task_shortfall({"task_tokens": 1_070_000}) is None
+    assert slow.task_shortfall({"task_tokens": 900_000})["minutes"] == 25
+    assert planner(tmp_path / "deep", tokens_per_s=1732.0).task_shortfall({"task_tokens": 1_070_000}) is not None
+    # the plan keeps the depth and a rerun from it takes it
+    plan = tmp_path / "plan.json"
+    write_json(plan, plan_of([{"name": n, "steps": 3, "planned_steps": 3} for n in TRAIN_STAGES], pinned=False,
+                             n_layers=slow.s.n_layers))
+    assert load_plan(plan)["n_layers"] == SHALLOW_LAYERS
+    write_json(plan, {**json.loads(plan.read_text()), "n_layers": 0})
+    with pytest.raises(ConfigError, match="'n_layers' must be a positive integer"):
+        load_plan(plan)
+    fast = planner(tmp_path / "fast", tokens_per_s=16000.0)
+    assert not fast.goes_shallow(fast.train_config(0, "pretrain", seconds=fast.stage_seconds("pretrain")))
+    for name, change in (("small", dict(preset="small")), ("given", dict(model_overrides={"n_layers": 4})),
+                         ("pinned", dict(steps={n: 3 for n in TRAIN_STAGES}))):
+        kept = planner(tmp_path / name, tokens_per_s=1732.0)
+        kept.s.__dict__.update(change)
+        assert not kept.goes_shallow(config) and kept.s.n_layers is None
