@@ -681,6 +681,10 @@ class Quickstart:
         return dict(datasets=[{"path": str(self.data_dir("pretrain")), "rate": 1 - share, "type": "seq"},
                               {"path": str(self.data_dir("arithmetic")), "rate": share, "type": "seq"}])
 
+    def planned_task_tokens(self, config: TrainConfig) -> float:
+        """Tokens of worked problems pre-training's ``config`` plans to read."""
+        return config.max_steps * config.batch_per_device * config.window_size * self.task_share(config)
+
     def task_share(self, config: TrainConfig) -> float:
         """The share of ``config``'s windows that are worked problems (0 without them)."""
         arithmetic = str(self.data_dir("arithmetic"))
@@ -694,7 +698,7 @@ class Quickstart:
         s = self.s
         if s.preset != "tiny" or s.steps or s.n_layers or "n_layers" in s.model_overrides:
             return False
-        tokens = config.max_steps * config.batch_per_device * config.window_size * self.task_share(config)
+        tokens = self.planned_task_tokens(config)
         if not tokens or tokens >= TASK_TOKENS_ENOUGH:
             return False
         log(f"pretrain: at {self.tps:.0f} training tokens/s the 4-layer model would read {tokens / 1e6:.2f}M tokens "
@@ -805,7 +809,7 @@ class Quickstart:
             log(f"[{index + self.first_stage_number}/7] {name}: {config.max_steps} steps in about {seconds:.0f}s "
                 f"({self.deadline.left / 60:.1f} min left in the run)")
             if name == "pretrain":
-                self.warn_if_too_short(config.max_steps * config.batch_per_device * config.window_size * self.task_share(config))
+                self.warn_if_too_short(self.planned_task_tokens(config))
         start = time.perf_counter()
         extra = {"tokenizer": self.tokenizer} if name == "grpo" else None
 
