@@ -96,13 +96,17 @@ ARITHMETIC_MAX_SHARE = 0.8
 # on an AVX2 Zen 3, 1.2-1.4M of them answered 0.55-0.77 as plain text and GRPO ended at
 # 0.86-0.94; on a Zen 1 (1,732 tokens/s), 0.63M answered 0.20 and no later stage got above 0.01.
 TASK_TOKENS_ENOUGH = 1_200_000
-# Where `tiny` would read fewer than that, pre-training trains it with SHALLOW_LAYERS layers
-# instead of 4: 1.6-2.1 times the tokens/s. At the steps a Zen 1's 15 minutes give each stage
-# (replayed in fp32 on a Zen 5 with the plan pinned), 4 layers read 0.63M worked-problem tokens,
-# answered 0.036 as plain text and 0.007 after GRPO; 2 layers read 1.07M, answered 0.498 and
-# 0.767 after GRPO, with lower held-out bits per byte too (en 2.34 against 2.47). With 0.75M
-# (a slower CPU's) 2 layers answered 0.249 and 0.038: below SHALLOW_TASK_TOKENS_ENOUGH the run
-# says its budget is too short.
+# Where `tiny` would read fewer pre-training tokens than SHALLOW_BELOW_TOKENS, it trains with
+# SHALLOW_LAYERS layers instead of 4, which run 1.6-2.1 times the tokens/s. Measured on two cores:
+# at 3.46M tokens (a Zen 5's `--minutes 8`) 2 layers read 6.2M and matched 4 layers after GRPO
+# (0.940 against 0.936) with held-out bits per byte 10% lower (en 1.53 against 1.70); at machine
+# D's 15-minute plan (1.7M tokens, replayed in fp32) 2 layers ended at 0.980 against 0.927; at a
+# Zen 1's (0.8M tokens) at 0.767 against 0.007. At a slower Zen 5's 15 minutes (4.7M tokens) 4
+# layers answered 0.967 against 0.896, the text alike: the threshold lies between the two budgets.
+# The shallow model learns the task from fewer worked problems: with 0.75M of them (a CPU a third
+# slower than a Zen 1) it answered 0.038, and below SHALLOW_TASK_TOKENS_ENOUGH the run says its
+# budget is too short.
+SHALLOW_BELOW_TOKENS = 4_000_000
 SHALLOW_LAYERS = 2
 SHALLOW_TASK_TOKENS_ENOUGH = 1_000_000
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
@@ -691,18 +695,20 @@ class Quickstart:
         return sum(d["rate"] for d in config.datasets or [] if d["path"] == arithmetic)
 
     def goes_shallow(self, config: TrainConfig) -> bool:
-        """On a CPU too slow for `tiny` to read TASK_TOKENS_ENOUGH worked-problem tokens in
-        pre-training's ``config``, train it with SHALLOW_LAYERS layers, the throughput measured
-        again (``settings.json`` keeps the choice for a resumed run, ``plan.json`` for a rerun).
-        Not where the depth was given: a preset other than `tiny`, an override, a pinned plan."""
+        """Where `tiny` would read fewer than SHALLOW_BELOW_TOKENS tokens in pre-training's
+        ``config`` (a slow CPU or a short budget), train it with SHALLOW_LAYERS layers, the
+        throughput measured again (``settings.json`` keeps the choice for a resumed run,
+        ``plan.json`` for a rerun). Not where the depth was given: a preset other than `tiny`, an
+        override, a pinned plan."""
         s = self.s
         if s.preset != "tiny" or s.steps or s.n_layers or "n_layers" in s.model_overrides:
             return False
-        tokens = self.planned_task_tokens(config)
-        if not tokens or tokens >= TASK_TOKENS_ENOUGH:
+        tokens = config.max_steps * config.batch_per_device * config.window_size
+        if tokens >= SHALLOW_BELOW_TOKENS:
             return False
-        log(f"pretrain: at {self.tps:.0f} training tokens/s the 4-layer model would read {tokens / 1e6:.2f}M tokens "
-            f"of worked problems, too few for the task; training it with {SHALLOW_LAYERS} layers, which read more")
+        log(f"pretrain: at {self.tps:.0f} training tokens/s the 4-layer model would read {tokens / 1e6:.2f}M tokens, "
+            f"fewer than the {SHALLOW_BELOW_TOKENS / 1e6:.1f}M where its depth pays; training it with "
+            f"{SHALLOW_LAYERS} layers, which read more in the same minutes")
         s.n_layers = SHALLOW_LAYERS
         write_json(self.out / "settings.json", s.__dict__)
         (self.out / "throughput.json").unlink(missing_ok=True)

@@ -18,7 +18,8 @@ from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_MIN
                                             PRETRAIN_STEP_SHARE, SFT_MAX_PASSES, SFT_MAX_REPLAY, SFT_REPLAY, STAGE_SHARES, Deadline,
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
                                             TASK_TOKENS_ENOUGH, arithmetic_share_for, make_stage_deadline_callback,
-                                            SHALLOW_LAYERS, TRAIN_STAGES, minutes_for_the_task, write_json)
+                                            SHALLOW_BELOW_TOKENS, SHALLOW_LAYERS, TRAIN_STAGES, minutes_for_the_task,
+                                            write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -283,6 +284,7 @@ def pace_driven(qs, monkeypatch, real_rate):
 def test_pretraining_within_its_pace_tolerance_is_planned_again_in_place_and_the_plan_repeats_it(tmp_path, monkeypatch):
     qs = planner(tmp_path / "a", tokens_per_s=4000.0)
     qs.s.steps = None
+    qs.s.model_overrides = {"n_layers": 4}  # the depth given, so the pace alone decides
     first_config = qs.train_config(0, "pretrain", qs.stage_seconds("pretrain"))
     record, runs = pace_driven(qs, monkeypatch, 4400.0)
     tokens_per_step = qs.s.batch_size * qs.s.window_size
@@ -317,8 +319,8 @@ def test_pretraining_within_its_pace_tolerance_is_planned_again_in_place_and_the
 def test_pretraining_starts_over_when_its_pace_differs_from_the_probe(tmp_path, monkeypatch, real_rate):
     qs = planner(tmp_path, tokens_per_s=4000.0)
     qs.s.steps = None
-    # the depth given, so the pace alone decides (at 3,000 tokens/s the 4-layer model would read
-    # too few worked problems and the run would go shallow: tested on its own below)
+    # the depth given, so the pace alone decides (at these rates the 4-layer model would read too
+    # few tokens for its depth to pay and the run would go shallow: tested on its own below)
     qs.s.model_overrides = {"n_layers": 4}
     record, runs = pace_driven(qs, monkeypatch, real_rate)
     assert len(runs) == 2
@@ -466,9 +468,11 @@ def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_
 
 def test_a_cpu_too_slow_for_the_four_layer_model_trains_it_with_two(tmp_path, capsys):
     """On a Zen 1 the 4-layer `tiny` read 0.63M worked-problem tokens in 15 minutes and learnt
-    nothing; with SHALLOW_LAYERS layers it reads more in the same minutes. The choice is measured
-    again (the throughput) and kept in settings.json and plan.json; a fast CPU, another preset,
-    a depth given by the user or a pinned plan keep theirs."""
+    nothing; with SHALLOW_LAYERS layers it reads more in the same minutes. Where 4 layers would
+    read fewer than SHALLOW_BELOW_TOKENS (a short budget on a fast CPU too, though its worked
+    problems would be enough), 2 layers did as well or better. The choice is measured again (the
+    throughput) and kept in settings.json and plan.json; a fast CPU, another preset, a depth
+    given by the user or a pinned plan keep theirs."""
     slow = planner(tmp_path / "slow", tokens_per_s=1732.0)
     probes = []
     slow.measure_throughput = lambda: probes.append(slow.model_overrides()) or 2944.0
@@ -492,8 +496,17 @@ def test_a_cpu_too_slow_for_the_four_layer_model_trains_it_with_two(tmp_path, ca
     write_json(plan, {**json.loads(plan.read_text()), "n_layers": 0})
     with pytest.raises(ConfigError, match="'n_layers' must be a positive integer"):
         load_plan(plan)
+    # enough worked problems for 4 layers, too few tokens for their depth to pay
+    middle = planner(tmp_path / "middle", tokens_per_s=6000.0)
+    middle.measure_throughput = lambda: 11000.0
+    config = middle.train_config(0, "pretrain", seconds=middle.stage_seconds("pretrain"))
+    tokens = config.max_steps * config.batch_per_device * config.window_size
+    assert middle.planned_task_tokens(config) >= TASK_TOKENS_ENOUGH and tokens < SHALLOW_BELOW_TOKENS
+    assert middle.goes_shallow(config) and middle.s.n_layers == SHALLOW_LAYERS
     fast = planner(tmp_path / "fast", tokens_per_s=16000.0)
-    assert not fast.goes_shallow(fast.train_config(0, "pretrain", seconds=fast.stage_seconds("pretrain")))
+    config = fast.train_config(0, "pretrain", seconds=fast.stage_seconds("pretrain"))
+    assert config.max_steps * config.batch_per_device * config.window_size >= SHALLOW_BELOW_TOKENS
+    assert not fast.goes_shallow(config) and fast.s.n_layers is None
     for name, change in (("small", dict(preset="small")), ("given", dict(model_overrides={"n_layers": 4})),
                          ("pinned", dict(steps={n: 3 for n in TRAIN_STAGES}))):
         kept = planner(tmp_path / name, tokens_per_s=1732.0)
