@@ -9,8 +9,8 @@ windows of the same length, AdamW (betas 0.9/0.95, weight decay 0.1), linear war
 probe and fitted again to the time left from its own steps 5-25 (a probe of a few steps reads
 the loop's pace 15-20% off either way), gradient clipping at 1.0, and bf16 autocast when a probe shows it is faster than
 fp32. astrai's side is the quick start's own pre-training stage (``Quickstart.train_config``:
-its preset, learning rate, schedule, window and batch; the 4-layer `tiny` even where a slow
-CPU would make the quick start train 2 layers, so both sides keep one shape), sized from its throughput probe
+its preset, learning rate, schedule, window and batch; the 4-layer `tiny` even where the quick
+start would train 2 layers at this length, so both sides keep one shape), sized from its throughput probe
 and planned again from its own steps 5-25 as in a real run: started over when they run more
 than 20% off the probe's pace, else fitted in place to the time left. Each side gets ``--minutes`` of training wall-clock; then both are scored on the
 same held-out documents in bits per byte (the same likelihood code for

@@ -165,7 +165,7 @@ class Settings:
     seed: int = 0
     preset: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
-    n_layers: Optional[int] = None        # the run's own choice of depth (SHALLOW_LAYERS on a slow CPU); None: the preset's
+    n_layers: Optional[int] = None        # the run's own choice of depth (SHALLOW_LAYERS where 4 would read too few tokens); None: the preset's
     vocab_size: int = 4096
     corpus: str = "auto"                  # "auto" (the cached large corpus when built, else bundled), "bundled", or a corpus dir
     window_size: int = 256
@@ -1084,7 +1084,7 @@ def plan_of(records: list[dict], pinned: bool, n_layers: Optional[int] = None) -
     the step where they stopped, for stages re-planned in place the step and the length they
     started with (which sized pre-training's mixture), the fp32 CPU matmuls the run measured to be faster
     (oneDNN's or the BLAS's, which round differently), the precision pre-training took and the
-    depth the run chose on a slow CPU, so that ``--plan`` repeats the run exactly."""
+    depth the run chose (2 layers in a short budget), so that ``--plan`` repeats the run exactly."""
     plan = {"steps": {r["name"]: r["planned_steps"] for r in records}}
     stopped = {r["name"]: r["steps"] for r in records if r["steps"] < r["planned_steps"]}
     if stopped:
@@ -1110,7 +1110,7 @@ def load_plan(path: str | Path, stages: tuple[str, ...] = TRAIN_STAGES) -> dict:
     ``stop_at`` (where stages ended early, optional), ``replanned`` (stages re-planned in
     place: ``{"at_step": 25, "first_steps": 300}``, optional), ``cpu_matmuls`` (the fp32 matmuls
     decision, optional; read under its older name ``cpu_products`` too), ``precision``
-    (pre-training's and SFT's, optional) and ``n_layers`` (the depth a run chose on a slow CPU,
+    (pre-training's and SFT's, optional) and ``n_layers`` (the depth a run chose,
     optional); ``stages`` are the run's training stages."""
     try:
         plan = read_json(Path(path))
