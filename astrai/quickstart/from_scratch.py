@@ -567,7 +567,8 @@ class Quickstart:
             saved = read_json(path)
             self.precision, self.speedup = saved.get("precision", "auto"), saved.get("speedup", 1.0)
             return saved["tokens_per_s"]
-        log("[3/7] measuring training throughput to size the stages")
+        log(f"pretrain: measuring the {self.s.n_layers}-layer model's training throughput" if self.s.n_layers
+            else "[3/7] measuring training throughput to size the stages")
         asked = self.s.precision
         base = "fp32" if asked == "fp32" else "auto"
         tried = [base]

@@ -475,11 +475,12 @@ def test_a_cpu_too_slow_for_the_four_layer_model_trains_it_with_two(tmp_path, ca
     given by the user or a pinned plan keep theirs."""
     slow = planner(tmp_path / "slow", tokens_per_s=1732.0)
     probes = []
-    slow.measure_throughput = lambda: probes.append(slow.model_overrides()) or 2944.0
+    slow.probe_throughput = lambda precision: probes.append(slow.model_overrides()) or 2944.0
     config = slow.train_config(0, "pretrain", seconds=slow.stage_seconds("pretrain"))
     assert slow.goes_shallow(config)
     assert slow.s.n_layers == SHALLOW_LAYERS and slow.tps == 2944.0 and probes[0]["n_layers"] == SHALLOW_LAYERS
-    assert "training it with 2 layers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "training it with 2 layers" in err and "measuring the 2-layer model's training throughput" in err
     assert json.loads((tmp_path / "slow" / "settings.json").read_text())["n_layers"] == SHALLOW_LAYERS
     shallow = slow.train_config(0, "pretrain", seconds=slow.stage_seconds("pretrain"))
     assert shallow.model_overrides["n_layers"] == SHALLOW_LAYERS and shallow.max_steps > config.max_steps
