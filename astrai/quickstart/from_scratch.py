@@ -97,12 +97,13 @@ ARITHMETIC_MAX_SHARE = 0.8
 # 0.86-0.94; on a Zen 1 (1,732 tokens/s), 0.63M answered 0.20 and no later stage got above 0.01.
 TASK_TOKENS_ENOUGH = 1_200_000
 # Where `tiny` would read fewer pre-training tokens than SHALLOW_BELOW_TOKENS, it trains with
-# SHALLOW_LAYERS layers instead of 4, which run 1.6-2.1 times the tokens/s. Measured on two cores:
-# at 3.46M tokens (a Zen 5's `--minutes 8`) 2 layers read 6.2M and matched 4 layers after GRPO
-# (0.940 against 0.936) with held-out bits per byte 10% lower (en 1.53 against 1.70); at machine
-# D's 15-minute plan (1.7M tokens, replayed in fp32) 2 layers ended at 0.980 against 0.927; at a
-# Zen 1's (0.8M tokens) at 0.767 against 0.007. At a slower Zen 5's 15 minutes (4.7M tokens) 4
-# layers answered 0.967 against 0.896, the text alike: the threshold lies between the two budgets.
+# SHALLOW_LAYERS layers instead of 4, which run 1.6-2.1 times the tokens/s. Measured on two cores,
+# 4 against 2 layers: at 3.46M tokens (a Zen 5's `--minutes 8`) 0.936 against 0.940 after GRPO;
+# at 2.2M (15 minutes on one thread, fp32) 0.944 against 0.891; at machine D's 15-minute plan
+# (1.7M, replayed in fp32) 0.927 against 0.980; at a Zen 1's (0.8M) 0.007 against 0.767. Above
+# a Zen 1's budget the task goes either way within a run's noise, while 2 layers read the text
+# 10-19% better in bits per byte in each. At a slower Zen 5's 15 minutes (4.7M tokens) 4 layers
+# answered 0.967 against 0.896 and the text came out level: the threshold lies below that.
 # The shallow model learns the task from fewer worked problems: with 0.75M of them (a CPU a third
 # slower than a Zen 1) it answered 0.038, and below SHALLOW_TASK_TOKENS_ENOUGH the run says its
 # budget is too short.
