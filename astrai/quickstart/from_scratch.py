@@ -206,6 +206,11 @@ def arithmetic_share_for(tokens: int) -> float:
     return min(ARITHMETIC_MAX_SHARE, max(ARITHMETIC_MIN_SHARE, ARITHMETIC_TOKENS / max(tokens, 1)))
 
 
+def planned_tokens(config: TrainConfig) -> int:
+    """Training tokens a stage's ``config`` plans to read (one device's batch)."""
+    return config.max_steps * config.batch_per_device * config.window_size
+
+
 def minutes_for_the_task(minutes: float, task_tokens: float, enough: float = TASK_TOKENS_ENOUGH) -> Optional[int]:
     """The budget, in whole five minutes, at which pre-training would read ARITHMETIC_TOKENS of
     worked problems, where this run's ``task_tokens`` of them fall short of ``enough``; else
@@ -689,7 +694,7 @@ class Quickstart:
 
     def planned_task_tokens(self, config: TrainConfig) -> float:
         """Tokens of worked problems pre-training's ``config`` plans to read."""
-        return config.max_steps * config.batch_per_device * config.window_size * self.task_share(config)
+        return planned_tokens(config) * self.task_share(config)
 
     def task_share(self, config: TrainConfig) -> float:
         """The share of ``config``'s windows that are worked problems (0 without them)."""
@@ -705,7 +710,7 @@ class Quickstart:
         s = self.s
         if s.preset != "tiny" or s.steps or s.n_layers or "n_layers" in s.model_overrides:
             return False
-        tokens = config.max_steps * config.batch_per_device * config.window_size
+        tokens = planned_tokens(config)
         if tokens >= SHALLOW_BELOW_TOKENS:
             return False
         log(f"pretrain: at {self.tps:.0f} training tokens/s the 4-layer model would read {tokens / 1e6:.2f}M tokens, "

@@ -19,7 +19,7 @@ from astrai.quickstart.from_scratch import (ARITHMETIC_MAX_SHARE, ARITHMETIC_MIN
                                             Quickstart, Settings, make_pace_check_callback, make_replan_callback,
                                             TASK_TOKENS_ENOUGH, arithmetic_share_for, make_stage_deadline_callback,
                                             SHALLOW_BELOW_TOKENS, SHALLOW_LAYERS, TRAIN_STAGES, minutes_for_the_task,
-                                            write_json)
+                                            planned_tokens, write_json)
 
 
 def planner(tmp_path, minutes=15.0, spent=0.0, tokens_per_s=4000.0):
@@ -421,7 +421,7 @@ def test_a_budget_too_short_for_the_task_says_so_and_names_the_minutes_that_woul
     slow, fast = planner(tmp_path / "slow", tokens_per_s=1732.0), planner(tmp_path / "fast", tokens_per_s=16000.0)
     for qs in (slow, fast):
         config = qs.train_config(0, "pretrain", seconds=qs.stage_seconds("pretrain"))
-        tokens = config.max_steps * config.batch_per_device * config.window_size
+        tokens = planned_tokens(config)
         assert qs.task_share(config) == config.datasets[1]["rate"] > 0
         qs.warn_if_too_short(tokens * qs.task_share(config))
         said = capsys.readouterr().err
@@ -440,7 +440,7 @@ def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_
     qs = planner(tmp_path)
     for seconds in (100.0, 700.0, 2000.0, 5000.0):  # the share follows the stage's planned tokens
         config = qs.train_config(0, "pretrain", seconds=seconds)
-        share = arithmetic_share_for(config.max_steps * config.batch_per_device * config.window_size)
+        share = arithmetic_share_for(planned_tokens(config))
         assert [(Path(d["path"]).name, d["rate"], d["type"]) for d in config.datasets] == \
             [("pretrain", 1 - share, "seq"), ("arithmetic", share, "seq")]
         assert config.data_root_path is None
@@ -501,12 +501,11 @@ def test_a_cpu_too_slow_for_the_four_layer_model_trains_it_with_two(tmp_path, ca
     middle = planner(tmp_path / "middle", tokens_per_s=6000.0)
     middle.measure_throughput = lambda: 11000.0
     config = middle.train_config(0, "pretrain", seconds=middle.stage_seconds("pretrain"))
-    tokens = config.max_steps * config.batch_per_device * config.window_size
-    assert middle.planned_task_tokens(config) >= TASK_TOKENS_ENOUGH and tokens < SHALLOW_BELOW_TOKENS
+    assert middle.planned_task_tokens(config) >= TASK_TOKENS_ENOUGH and planned_tokens(config) < SHALLOW_BELOW_TOKENS
     assert middle.goes_shallow(config) and middle.s.n_layers == SHALLOW_LAYERS
     fast = planner(tmp_path / "fast", tokens_per_s=16000.0)
     config = fast.train_config(0, "pretrain", seconds=fast.stage_seconds("pretrain"))
-    assert config.max_steps * config.batch_per_device * config.window_size >= SHALLOW_BELOW_TOKENS
+    assert planned_tokens(config) >= SHALLOW_BELOW_TOKENS
     assert not fast.goes_shallow(config) and fast.s.n_layers is None
     for name, change in (("small", dict(preset="small")), ("given", dict(model_overrides={"n_layers": 4})),
                          ("pinned", dict(steps={n: 3 for n in TRAIN_STAGES}))):
