@@ -97,17 +97,17 @@ ARITHMETIC_MAX_SHARE = 0.8
 # 0.86-0.94; on a Zen 1 (1,732 tokens/s), 0.63M answered 0.20 and no later stage got above 0.01.
 TASK_TOKENS_ENOUGH = 1_200_000
 # Where `tiny` would read fewer pre-training tokens than SHALLOW_BELOW_TOKENS, it trains with
-# SHALLOW_LAYERS layers instead of 4, which run 1.6-2.1 times the tokens/s. Measured on two cores,
-# 4 against 2 layers: at 3.46M tokens (a Zen 5's `--minutes 8`) 0.936 against 0.940 after GRPO;
-# at 2.2M (15 minutes on one thread, fp32) 0.944 against 0.891; at machine D's 15-minute plan
-# (1.7M, replayed in fp32) 0.927 against 0.980; at a Zen 1's (0.8M) 0.007 against 0.767. Above
-# a Zen 1's budget the task goes either way within a run's noise, while 2 layers read the text
-# 10-19% better in bits per byte in each. At a slower Zen 5's 15 minutes (4.7M tokens) 4 layers
-# answered 0.967 against 0.896 and the text came out level: the threshold lies below that.
+# SHALLOW_LAYERS layers instead of 4, which run 1.6-2.1 times the tokens/s. At a Zen 1's 15
+# minutes (0.8M tokens with 4 layers; replayed in fp32 on a Zen 5 with the plan pinned) 4 layers
+# answered 0.007 after GRPO and 2 layers 0.767. Above that 2 layers read the text 10-21% better
+# in bits per byte in every pair measured (up to 3.46M tokens), but the task is riskier: at a
+# Zen 3's pace (15 minutes on one thread, fp32, 1.8-2.2M tokens with 4 layers) 4 layers ended
+# at 0.944 and 0.947 (seeds 0, 1), 2 layers at 0.891 and 0.402, where SFT took the second from
+# 0.911 as plain text to 0.129 in the chat format. The threshold keeps such CPUs at 4 layers.
 # The shallow model learns the task from fewer worked problems: with 0.75M of them (a CPU a third
 # slower than a Zen 1) it answered 0.038, and below SHALLOW_TASK_TOKENS_ENOUGH the run says its
 # budget is too short.
-SHALLOW_BELOW_TOKENS = 4_000_000
+SHALLOW_BELOW_TOKENS = 1_500_000
 SHALLOW_LAYERS = 2
 SHALLOW_TASK_TOKENS_ENOUGH = 1_000_000
 STAGE_OVERRUN = 1.15  # a stage may run this much past its plan when a later stage can absorb it
