@@ -499,14 +499,15 @@ def test_a_cpu_too_slow_for_the_four_layer_model_trains_it_with_two(tmp_path, ca
     # just under the threshold goes shallow; a Zen 3's pace (1.9M tokens with 4 layers) does not
     under = planner(tmp_path / "under", tokens_per_s=3000.0)
     under.measure_throughput = lambda: 5000.0
-    config = under.train_config(0, "pretrain", seconds=under.stage_seconds("pretrain"))
-    assert 1_000_000 < planned_tokens(config) < SHALLOW_BELOW_TOKENS
-    assert under.goes_shallow(config) and under.s.n_layers == SHALLOW_LAYERS
+    under_config = under.train_config(0, "pretrain", seconds=under.stage_seconds("pretrain"))
+    assert 1_000_000 < planned_tokens(under_config) < SHALLOW_BELOW_TOKENS
+    assert under.goes_shallow(under_config) and under.s.n_layers == SHALLOW_LAYERS
     for rate in (4000.0, 16000.0):
         fast = planner(tmp_path / f"fast{rate:.0f}", tokens_per_s=rate)
-        config = fast.train_config(0, "pretrain", seconds=fast.stage_seconds("pretrain"))
-        assert planned_tokens(config) >= SHALLOW_BELOW_TOKENS
-        assert not fast.goes_shallow(config) and fast.s.n_layers is None
+        fast_config = fast.train_config(0, "pretrain", seconds=fast.stage_seconds("pretrain"))
+        assert planned_tokens(fast_config) >= SHALLOW_BELOW_TOKENS
+        assert not fast.goes_shallow(fast_config) and fast.s.n_layers is None
+    # the slow CPU's 4-layer plan again: each of these keeps its depth all the same
     for name, change in (("small", dict(preset="small")), ("given", dict(model_overrides={"n_layers": 4})),
                          ("pinned", dict(steps={n: 3 for n in TRAIN_STAGES}))):
         kept = planner(tmp_path / name, tokens_per_s=1732.0)
