@@ -18,15 +18,28 @@ from astrai.eval.changes import STAGE_TITLES, headline, stage_changes
 
 SAMPLES_NOTE = ("Greedy answers to fixed prompts: after pre-training the prompt is continued as plain text "
                 "(the model has not seen the chat template yet); after SFT, DPO and GRPO it goes through the template.")
-EVAL_NOTE = ("Perplexity is per token of this run's tokenizer; bits per byte is the same likelihood per UTF-8 byte "
-             "of the held-out documents, comparable across tokenizers. The task accuracy is on the arithmetic task's "
-             "held-out pool (two-digit addition and subtraction asked as `23+45=`, in English and in Chinese; no "
-             "stage trains on these problems), greedy answers, with its 95% Wilson interval. An answer counts when the last "
-             "integer it states is right, so the column working before it (`3+5=8, 2+4=6, so 68`) is allowed; after "
-             "pre-training the problem is continued as plain text and the answer is the rest of its line. The "
-             "preference accuracy is the share of held-out pairs (the right working against a near miss's) whose "
-             "right answer the model finds likelier, with its 95% Wilson interval; the margin is how much likelier, "
-             "in nats of log-likelihood, averaged over the pairs.")
+# Where pre-training's text held worked problems in the chat template, every stage is asked through it.
+CHAT_SAMPLES_NOTE = ("Greedy answers to fixed prompts through the chat template after every stage (pre-training's "
+                     "text held worked problems as chat conversations).")
+_PLAIN_PRETRAIN = ("after pre-training the problem is continued as plain text and the answer is the rest of its line")
+_CHAT_PRETRAIN = ("every stage, pre-training too (its text held worked problems as chat conversations), is asked "
+                  "through the chat template")
+
+
+def eval_note_for(chat_pretrain: bool = False) -> str:
+    """The report's note on what the evaluation measures and how the pre-trained model is asked."""
+    return ("Perplexity is per token of this run's tokenizer; bits per byte is the same likelihood per UTF-8 byte "
+            "of the held-out documents, comparable across tokenizers. The task accuracy is on the arithmetic task's "
+            "held-out pool (two-digit addition and subtraction asked as `23+45=`, in English and in Chinese; no "
+            "stage trains on these problems), greedy answers, with its 95% Wilson interval. An answer counts when the last "
+            "integer it states is right, so the column working before it (`3+5=8, 2+4=6, so 68`) is allowed; "
+            f"{_CHAT_PRETRAIN if chat_pretrain else _PLAIN_PRETRAIN}. The "
+            "preference accuracy is the share of held-out pairs (the right working against a near miss's) whose "
+            "right answer the model finds likelier, with its 95% Wilson interval; the margin is how much likelier, "
+            "in nats of log-likelihood, averaged over the pairs.")
+
+
+EVAL_NOTE = eval_note_for()
 # The commands the report ends with: use the model, score it again, train for longer.
 NEXT_COMMANDS = ("serve", "chat", "eval", "longer")
 CHANGES_NOTE = ("Each stage against the stage before it, not against the first: bits per byte as a relative change "
@@ -244,7 +257,10 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
              f"(measured training throughput before sizing the stages: "
              f"{summary['measured_tokens_per_s']:.0f} tokens/s). Seed {summary['seed']}; stage plan "
              f"{summary['plan']['source']}. Pre-training text: {_corpus_words(summary.get('corpus'))}.")
-    eval_note, samples_note = summary.get("eval_note", EVAL_NOTE), summary.get("samples_note", SAMPLES_NOTE)
+    first = summary["stages"][0] if summary.get("stages") else {}
+    chat_pretrain = first.get("name") == "pretrain" and bool(first.get("eval", {}).get("samples_chat"))
+    eval_note = summary.get("eval_note", EVAL_NOTE if not chat_pretrain else eval_note_for(True))
+    samples_note = summary.get("samples_note", CHAT_SAMPLES_NOTE if chat_pretrain else SAMPLES_NOTE)
     rerun = (f"The stage plan is in `plan.json`; the same seed and plan give the same numbers: "
              f"`{commands['rerun']}`")
 

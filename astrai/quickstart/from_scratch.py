@@ -182,6 +182,7 @@ class Settings:
     grpo_problems: int = 2000             # GRPO prompts, from the training pool
     pretrain_arithmetic: int = 100_000    # worked problems from the training pool, a dataset of their own for pre-training
     arithmetic_share: Optional[float] = None  # share of pre-training windows drawn from them; None: arithmetic_share_for
+    arithmetic_chat_share: float = 0.0    # of those, the share written as chat conversations (docs/quickstart.md)
     sft_replay: Optional[float] = None    # share of SFT batches that are pre-training text; None: sft_replay_for
     eval_problems: Optional[int] = None   # first N of the task's held-out pool; None = all of it
     eval_max_new_tokens: int = 32         # the task's answers: the working, the number and the stop token
@@ -464,16 +465,24 @@ class Quickstart:
         write_json(marker, record)
         self.corpus = record
 
-    def arithmetic_text(self) -> Path:
-        """Worked problems from the task's training pool as plain documents (``worked_line``: the
-        question and its column working, one per line, fifty to a document), pre-training's
+    def arithmetic_text(self, chat: bool = False) -> Path:
+        """Worked problems from the task's training pool as documents of fifty, pre-training's
         second dataset: the sums are learnt where the model sees the most tokens, and SFT has
-        the chat format left to teach."""
-        lines = [worked_line(p) for p in training_problems(self.s.pretrain_arithmetic, seed=5000 + self.s.seed)]
-        path = self.out / "data" / "arithmetic_pretrain.jsonl"
+        the chat format left to teach. Plain lines (``worked_line``: the question and its column
+        working), or with ``chat`` conversations in the chat template, token for token what SFT
+        trains on and the evaluation asks (a dataset of its own draw, mixed in by
+        ``arithmetic_chat_share``)."""
+        if chat:
+            problems = training_problems(self.s.pretrain_arithmetic, seed=6000 + self.s.seed)
+            texts = [self.tokenizer.apply_chat_template(worked_conversation(p)["messages"]) for p in problems]
+            separator = ""
+        else:
+            texts = [worked_line(p) for p in training_problems(self.s.pretrain_arithmetic, seed=5000 + self.s.seed)]
+            separator = "\n"
+        path = self.out / "data" / ("arithmetic_chat_pretrain.jsonl" if chat else "arithmetic_pretrain.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps({"text": "\n".join(lines[i:i + 50])}, ensure_ascii=False) + "\n"
-                                for i in range(0, len(lines), 50)), encoding="utf-8")
+        path.write_text("".join(json.dumps({"text": separator.join(texts[i:i + 50])}, ensure_ascii=False) + "\n"
+                                for i in range(0, len(texts), 50)), encoding="utf-8")
         return path
 
     def heldout(self) -> dict:
@@ -521,6 +530,8 @@ class Quickstart:
         jobs = {"pretrain": dict(inputs=self.corpus["train"], train_type="seq")}
         if self.s.pretrain_arithmetic and self.s.arithmetic_share != 0:
             jobs["arithmetic"] = dict(inputs=[self.arithmetic_text()], train_type="seq")
+            if self.reads_chat_problems:
+                jobs["arithmetic_chat"] = dict(inputs=[self.arithmetic_text(chat=True)], train_type="seq")
         return {
             **jobs,
             "sft": dict(inputs=[DATA_DIR / "sft" / "train.jsonl", task_files["sft"]], train_type="sft"),
@@ -689,8 +700,17 @@ class Quickstart:
         if not (self.s.pretrain_arithmetic and self.s.arithmetic_share != 0):
             return dict(data_root_path=str(self.data_dir("pretrain")))
         share = self.s.arithmetic_share if self.s.arithmetic_share is not None else arithmetic_share_for(tokens)
-        return dict(datasets=[{"path": str(self.data_dir("pretrain")), "rate": 1 - share, "type": "seq"},
-                              {"path": str(self.data_dir("arithmetic")), "rate": share, "type": "seq"}])
+        chat = self.s.arithmetic_chat_share
+        datasets = [{"path": str(self.data_dir("pretrain")), "rate": 1 - share, "type": "seq"},
+                    {"path": str(self.data_dir("arithmetic")), "rate": share * (1 - chat), "type": "seq"}]
+        if chat:
+            datasets.append({"path": str(self.data_dir("arithmetic_chat")), "rate": share * chat, "type": "seq"})
+        return dict(datasets=datasets)
+
+    @property
+    def reads_chat_problems(self) -> bool:
+        """Whether pre-training reads worked problems as chat conversations."""
+        return bool(self.s.pretrain_arithmetic and self.s.arithmetic_share != 0 and self.s.arithmetic_chat_share)
 
     def planned_task_tokens(self, config: TrainConfig) -> float:
         """Tokens of worked problems pre-training's ``config`` plans to read."""
@@ -698,8 +718,8 @@ class Quickstart:
 
     def task_share(self, config: TrainConfig) -> float:
         """The share of ``config``'s windows that are worked problems (0 without them)."""
-        arithmetic = str(self.data_dir("arithmetic"))
-        return sum(d["rate"] for d in config.datasets or [] if d["path"] == arithmetic)
+        arithmetic = {str(self.data_dir("arithmetic")), str(self.data_dir("arithmetic_chat"))}
+        return sum(d["rate"] for d in config.datasets or [] if d["path"] in arithmetic)
 
     def goes_shallow(self, config: TrainConfig) -> bool:
         """Where `tiny` would read fewer than SHALLOW_BELOW_TOKENS tokens in pre-training's
@@ -921,7 +941,7 @@ class Quickstart:
         settings = self.eval_settings()
         save_eval_config(self.model_dir(name), settings)
         model = AutoModel.from_pretrained(self.model_dir(name)).eval()
-        chat = name != "pretrain"
+        chat = name != "pretrain" or self.reads_chat_problems
         problems, prompt_of, check = arithmetic_task(settings["task_problems"], plain_text=not chat)
         results = evaluate(model, self.tokenizer, heldout=self.heldout(), ppl_window=settings["ppl_window"],
                            ppl_max_tokens=settings["ppl_max_tokens"])
@@ -1062,6 +1082,8 @@ def run_quickstart(**settings: Any) -> dict:
         raise ConfigError(f"sft_replay must be in [0, 1), got {s.sft_replay}")
     if s.arithmetic_share is not None and not 0 <= s.arithmetic_share < 1:
         raise ConfigError(f"arithmetic_share must be in [0, 1), got {s.arithmetic_share}")
+    if not 0 <= s.arithmetic_chat_share <= 1:
+        raise ConfigError(f"arithmetic_chat_share must be in [0, 1], got {s.arithmetic_chat_share}")
     return Quickstart(resumed_settings(s)).run()
 
 

@@ -454,6 +454,11 @@ def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_
     fixed = planner(tmp_path / "fixed")
     fixed.s.arithmetic_share = 0.25  # a share set by hand is taken as it is
     assert fixed.train_config(0, "pretrain", seconds=100.0).datasets[1]["rate"] == 0.25
+    fixed.s.arithmetic_chat_share = 0.4  # of them, this share in the chat template, a dataset beside the lines
+    config = fixed.train_config(0, "pretrain", seconds=100.0)
+    assert [(Path(d["path"]).name, d["rate"]) for d in config.datasets] == \
+        [("pretrain", 0.75), ("arithmetic", pytest.approx(0.15)), ("arithmetic_chat", pytest.approx(0.1))]
+    assert fixed.task_share(config) == pytest.approx(0.25)
     assert qs.train_config(2, "dpo", seconds=100.0).strategy_kwargs["rpo_alpha"] == qs.s.dpo_rpo_alpha > 0
     grpo = qs.train_config(3, "grpo", seconds=100.0)
     assert grpo.warmup_ratio == GRPO_WARMUP > 0 and grpo.strategy_kwargs["max_new_tokens"] >= 24
@@ -464,6 +469,8 @@ def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_
     assert config.datasets is None and Path(config.data_root_path).name == "pretrain"
     with pytest.raises(ConfigError, match="arithmetic_share must be in"):
         run_quickstart(out=str(tmp_path / "run"), arithmetic_share=1.0)
+    with pytest.raises(ConfigError, match=r"arithmetic_chat_share must be in \[0, 1\], got 1.5"):
+        run_quickstart(out=str(tmp_path / "run"), arithmetic_chat_share=1.5)
 
 
 def test_a_cpu_too_slow_for_the_four_layer_model_trains_it_with_two(tmp_path, capsys):

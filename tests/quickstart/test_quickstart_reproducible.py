@@ -87,6 +87,49 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
     assert int(answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
 
 
+def test_worked_problems_in_the_chat_template_reach_pretraining_as_sft_and_the_evaluation_tokenise_them(tmp_path):
+    """The shallow model's chat-format worked problems: each document, encoded as pre-training
+    encodes text, is its fifty conversations token for token as the chat template gives them
+    (the evaluation's prompt and SFT's conversation), drawn from the training pool."""
+    from astrai.dataset.arithmetic import heldout_problems, problem_key, training_problems, worked_conversation
+    from astrai.dataset.records import RecordEncoder
+    from astrai.quickstart.from_scratch import Quickstart
+
+    qs = Quickstart(Settings(out=str(tmp_path), **{**SMALL, "pretrain_arithmetic": 120}))
+    qs.stage_corpus()
+    qs.stage_tokenizer()
+    path = qs.arithmetic_text(chat=True)
+    assert path != qs.arithmetic_text()  # a dataset beside the plain lines
+    documents = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert len(documents) == 3  # 50 + 50 + 20
+    problems = training_problems(120, seed=6000 + qs.s.seed)
+    assert not {problem_key(p) for p in problems} & {problem_key(p) for p in heldout_problems()}
+    encoder = RecordEncoder(qs.tokenizer, "seq")
+    for number, document in enumerate(documents):
+        pieces, build = encoder.prepare(document)
+        tokens = build(encoder.encode_pieces(pieces)).tolist()
+        conversations = [qs.tokenizer.apply_chat_template(worked_conversation(p)["messages"], tokenize=True)
+                         for p in problems[50 * number:50 * number + 50]]
+        assert tokens == [t for ids in conversations for t in ids] + [qs.tokenizer.eos_id]
+
+
+def test_a_pretraining_text_with_chat_conversations_has_its_model_asked_through_the_template(tmp_path):
+    """With worked problems in the chat template in pre-training (the shallow model's mixture),
+    the pre-trained model is asked the task as the later stages are, and the report says so; a
+    run without them continues the problem as plain text."""
+    chat = run_quickstart(out=str(tmp_path / "chat"), seed=0, steps=PLAN, arithmetic_chat_share=0.5, **SMALL)
+    plain = run_quickstart(out=str(tmp_path / "plain"), seed=0, steps=PLAN, arithmetic_chat_share=0.0, **SMALL)
+    config = json.loads((tmp_path / "chat" / "stages" / "pretrain" / "train_config.json").read_text())
+    rates = {Path(d["path"]).name: d["rate"] for d in config["datasets"]}
+    assert rates["arithmetic"] > 0 and rates["arithmetic_chat"] == pytest.approx(rates["arithmetic"])
+    assert [s["eval"]["samples_chat"] for s in chat["stages"]] == [True] * 4
+    assert [s["eval"]["samples_chat"] for s in plain["stages"]] == [False, True, True, True]
+    chat_report = (tmp_path / "chat" / "report.md").read_text(encoding="utf-8")
+    plain_report = (tmp_path / "plain" / "report.md").read_text(encoding="utf-8")
+    assert "pre-training too (its text held worked problems as chat conversations)" in chat_report
+    assert "continued as plain text" not in chat_report and "continued as plain text" in plain_report
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "file not found"),
     ("not json", "expected JSON with a 'steps' object"),
