@@ -701,11 +701,9 @@ class Quickstart:
             return dict(data_root_path=str(self.data_dir("pretrain")))
         share = self.s.arithmetic_share if self.s.arithmetic_share is not None else arithmetic_share_for(tokens)
         chat = self.s.arithmetic_chat_share
-        datasets = [{"path": str(self.data_dir("pretrain")), "rate": 1 - share, "type": "seq"},
-                    {"path": str(self.data_dir("arithmetic")), "rate": share * (1 - chat), "type": "seq"}]
-        if chat:
-            datasets.append({"path": str(self.data_dir("arithmetic_chat")), "rate": share * chat, "type": "seq"})
-        return dict(datasets=datasets)
+        rates = {"pretrain": 1 - share, "arithmetic": share * (1 - chat), "arithmetic_chat": share * chat}
+        return dict(datasets=[{"path": str(self.data_dir(kind)), "rate": rate, "type": "seq"}
+                              for kind, rate in rates.items() if rate > 0])
 
     @property
     def reads_chat_problems(self) -> bool:

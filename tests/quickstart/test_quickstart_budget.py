@@ -459,6 +459,9 @@ def test_pretraining_mixes_the_worked_problems_in_by_share_and_the_later_stages_
     assert [(Path(d["path"]).name, d["rate"]) for d in config.datasets] == \
         [("pretrain", 0.75), ("arithmetic", pytest.approx(0.15)), ("arithmetic_chat", pytest.approx(0.1))]
     assert fixed.task_share(config) == pytest.approx(0.25)
+    fixed.s.arithmetic_chat_share = 1.0  # all of them
+    assert [Path(d["path"]).name for d in fixed.train_config(0, "pretrain", seconds=100.0).datasets] == \
+        ["pretrain", "arithmetic_chat"]
     assert qs.train_config(2, "dpo", seconds=100.0).strategy_kwargs["rpo_alpha"] == qs.s.dpo_rpo_alpha > 0
     grpo = qs.train_config(3, "grpo", seconds=100.0)
     assert grpo.warmup_ratio == GRPO_WARMUP > 0 and grpo.strategy_kwargs["max_new_tokens"] >= 24
