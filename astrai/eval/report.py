@@ -259,7 +259,7 @@ def write_report(out_dir: str | Path, summary: dict, plots: list[Path]) -> tuple
              f"{summary['plan']['source']}. Pre-training text: {_corpus_words(summary.get('corpus'))}.")
     first = summary["stages"][0] if summary.get("stages") else {}
     chat_pretrain = first.get("name") == "pretrain" and bool(first.get("eval", {}).get("samples_chat"))
-    eval_note = summary.get("eval_note", EVAL_NOTE if not chat_pretrain else eval_note_for(True))
+    eval_note = summary.get("eval_note", eval_note_for(chat_pretrain))
     samples_note = summary.get("samples_note", CHAT_SAMPLES_NOTE if chat_pretrain else SAMPLES_NOTE)
     rerun = (f"The stage plan is in `plan.json`; the same seed and plan give the same numbers: "
              f"`{commands['rerun']}`")
