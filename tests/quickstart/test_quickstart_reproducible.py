@@ -88,9 +88,10 @@ def test_task_data_of_a_run_asks_no_held_out_problem(tmp_path):
 
 
 def test_worked_problems_in_the_chat_template_reach_pretraining_as_sft_and_the_evaluation_tokenise_them(tmp_path):
-    """The shallow model's chat-format worked problems: each document, encoded as pre-training
-    encodes text, is its fifty conversations token for token as the chat template gives them
-    (the evaluation's prompt and SFT's conversation), drawn from the training pool."""
+    """Pre-training's worked problems in the chat template (``arithmetic_chat_share``): each
+    document, encoded as pre-training encodes text, is its fifty conversations token for token
+    as the chat template gives them (the evaluation's prompt and SFT's conversation), drawn from
+    the training pool."""
     from astrai.dataset.arithmetic import heldout_problems, problem_key, training_problems, worked_conversation
     from astrai.dataset.records import RecordEncoder
     from astrai.quickstart.from_scratch import Quickstart
@@ -114,8 +115,7 @@ def test_worked_problems_in_the_chat_template_reach_pretraining_as_sft_and_the_e
 
 
 def test_a_pretraining_text_with_chat_conversations_has_its_model_asked_through_the_template(tmp_path):
-    """With worked problems in the chat template in pre-training (the shallow model's mixture),
-    the pre-trained model is asked the task as the later stages are, and the report says so; a
+    """With worked problems in the chat template in pre-training, the pre-trained model is asked the task as the later stages are, and the report says so; a
     run without them continues the problem as plain text."""
     chat = run_quickstart(out=str(tmp_path / "chat"), seed=0, steps=PLAN, arithmetic_chat_share=0.5, **SMALL)
     plain = run_quickstart(out=str(tmp_path / "plain"), seed=0, steps=PLAN, arithmetic_chat_share=0.0, **SMALL)
