@@ -115,8 +115,9 @@ def test_worked_problems_in_the_chat_template_reach_pretraining_as_sft_and_the_e
 
 
 def test_a_pretraining_text_with_chat_conversations_has_its_model_asked_through_the_template(tmp_path):
-    """With worked problems in the chat template in pre-training, the pre-trained model is asked the task as the later stages are, and the report says so; a
-    run without them continues the problem as plain text."""
+    """With worked problems in the chat template in pre-training, the pre-trained model is asked
+    the task as the later stages are, and the report says so; a run without them continues the
+    problem as plain text."""
     chat = run_quickstart(out=str(tmp_path / "chat"), seed=0, steps=PLAN, arithmetic_chat_share=0.5, **SMALL)
     plain = run_quickstart(out=str(tmp_path / "plain"), seed=0, steps=PLAN, arithmetic_chat_share=0.0, **SMALL)
     config = json.loads((tmp_path / "chat" / "stages" / "pretrain" / "train_config.json").read_text())
